@@ -1,1 +1,247 @@
-def main() -> None: ...
+"""The `sandhold` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+from sandhold.client import Client, CommandResult, connect
+from sandhold.domain.errors import InfraError, Rejected
+
+# How `exec` exits when the command did not simply exit: shell conventions where
+# one exists (124 timeout(1), 127 not found, 130 interrupted, 137 killed).
+EXIT_CODES = {
+    "timed_out": 124,
+    "launch_failed": 127,
+    "interrupted": 130,
+    "resource_exhausted": 137,
+    "not_launched": 125,
+    "infrastructure_lost": 125,
+    "unknown": 125,
+}
+EXIT_REJECTED = 2
+EXIT_UNREACHABLE = 3
+
+
+def _runtime(data_dir: Path) -> dict[str, str]:
+    try:
+        return json.loads((data_dir / "runtime.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _server(args: argparse.Namespace) -> tuple[str, str]:
+    runtime = _runtime(Path(args.data_dir))
+    url = args.nats or os.environ.get("SANDHOLD_NATS_URL") or runtime.get("nats_url")
+    if not url:
+        raise SystemExit(
+            "sandhold: no server found: run `sandhold up`, or pass --nats URL "
+            "(or set SANDHOLD_NATS_URL)"
+        )
+    prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or runtime.get("prefix") or "sh"
+    return url, prefix
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
+
+
+def _print_sandbox(view, as_json: bool) -> None:
+    if as_json:
+        _print_json(view)
+    else:
+        print(f"{view.id}  {view.phase}  host={view.host or '-'}  generation={view.generation}")
+
+
+async def _with_client(args: argparse.Namespace, action: Callable[[Client], Awaitable[int]]) -> int:
+    url, prefix = _server(args)
+    try:
+        client = await asyncio.wait_for(connect(url, prefix=prefix), 10)
+    except (OSError, TimeoutError) as err:
+        print(f"sandhold: cannot reach NATS at {url}: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        return await action(client)
+    except Rejected as err:
+        print(f"sandhold: {err.code}: {err.message}", file=sys.stderr)
+        return EXIT_REJECTED
+    except InfraError as err:
+        print(f"sandhold: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    finally:
+        await client.close()
+
+
+# --- sandbox -----------------------------------------------------------------
+
+
+async def _sandbox(args: argparse.Namespace, client: Client) -> int:
+    match args.action:
+        case "create":
+            memory = args.memory_mb * 1024 * 1024 if args.memory_mb else None
+            view = await client.create_sandbox(memory_limit_bytes=memory, key=args.key)
+            if args.wait:
+                view = await client.wait_for_phase(view.id, {"running", "failed"}, timeout=60)
+            _print_sandbox(view, args.json)
+        case "ls":
+            views = await client.list_sandboxes(include_deleted=args.all)
+            if args.json:
+                _print_json(views)
+            else:
+                for view in views:
+                    _print_sandbox(view, False)
+        case "show":
+            _print_sandbox(await client.show_sandbox(args.id), args.json)
+        case "start":
+            _print_sandbox(await client.start_sandbox(args.id, key=args.key), args.json)
+        case "stop":
+            view = await client.stop_sandbox(args.id, key=args.key)
+            if args.wait:
+                view = await client.wait_for_phase(args.id, {"stopped", "failed"}, timeout=120)
+            _print_sandbox(view, args.json)
+        case "rm":
+            view = await client.delete_sandbox(args.id, key=args.key)
+            if args.wait:
+                view = await client.wait_for_phase(args.id, {"deleted"}, timeout=120)
+            _print_sandbox(view, args.json)
+    return 0
+
+
+# --- exec --------------------------------------------------------------------
+
+
+async def _exec(args: argparse.Namespace, client: Client) -> int:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        print("sandhold: exec needs a command after --", file=sys.stderr)
+        return EXIT_REJECTED
+    env = dict(pair.split("=", 1) for pair in args.env)
+
+    def stream(name: str, data: bytes) -> None:
+        out = sys.stdout if name == "stdout" else sys.stderr
+        out.buffer.write(data)
+        out.flush()
+
+    result = await client.exec(
+        args.id, argv, key=args.key, cwd=args.cwd, env=env, timeout_s=args.timeout,
+        on_output=None if args.json else stream,
+    )
+    return _report_exec(result, args.json)
+
+
+def _report_exec(result: CommandResult, as_json: bool) -> int:
+    command = result.command
+    if as_json:
+        record = msgspec.to_builtins(command)
+        record["output"] = (result.stdout + result.stderr).decode(errors="replace")
+        record["stdout"] = result.stdout.decode(errors="replace")
+        record["stderr"] = result.stderr.decode(errors="replace")
+        _print_json(record)
+    if command.state == "exited":
+        return command.exit_code if command.exit_code is not None else 0
+    if not as_json:
+        print(f"sandhold: command {command.id} ended {command.state}"
+              + (f": {command.reason}" if command.reason else ""), file=sys.stderr)
+    return EXIT_CODES.get(command.state, 125)
+
+
+async def _command(args: argparse.Namespace, client: Client) -> int:
+    match args.action:
+        case "show":
+            _print_json(await client.show_command(args.sandbox, args.command))
+        case "output":
+            output = await client.read_output(args.sandbox, args.command)
+            sys.stdout.buffer.write(output.get("stdout", b""))
+            sys.stderr.buffer.write(output.get("stderr", b""))
+        case "cancel":
+            _print_json(await client.cancel_command(args.sandbox, args.command, key=args.key))
+    return 0
+
+
+# --- parser ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandhold", description=__doc__)
+    p.add_argument("--nats", help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)")
+    p.add_argument("--prefix", help="subject/stream prefix (default sh)")
+    p.add_argument("--data-dir", default=os.environ.get("SANDHOLD_DATA_DIR", ".sandhold"))
+    sub = p.add_subparsers(dest="group", required=True)
+
+    up = sub.add_parser("up", help="run NATS and every service here (the embedded default)")
+    up.add_argument("--hosts", type=int, default=1, help="how many local host-agents")
+
+    run = sub.add_parser("run", help="run one service alone against --nats URL")
+    run.add_argument("service", choices=["scheduler", "host-agent"])
+    run.add_argument("service_args", nargs=argparse.REMAINDER)
+
+    sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
+    actions = sandbox.add_subparsers(dest="action", required=True)
+    for name in ("create", "ls", "show", "start", "stop", "rm"):
+        a = actions.add_parser(name)
+        a.add_argument("--json", action="store_true")
+        if name in ("show", "start", "stop", "rm"):
+            a.add_argument("id")
+        if name in ("create", "start", "stop", "rm"):
+            a.add_argument("--key", help="idempotency key (default: a new one)")
+        if name in ("create", "stop", "rm"):
+            a.add_argument("--wait", action="store_true", help="wait for the phase to settle")
+    actions.choices["create"].add_argument("--memory-mb", type=int, help="memory limit")
+    actions.choices["ls"].add_argument("--all", action="store_true", help="include deleted")
+
+    ex = sub.add_parser("exec", help="run a command in a sandbox and wait for its end state")
+    ex.add_argument("id")
+    ex.add_argument("--key", help="idempotency key (default: a new one)")
+    ex.add_argument("--timeout", type=float, help="seconds before TERM, grace, KILL")
+    ex.add_argument("--cwd")
+    ex.add_argument("--env", action="append", default=[], metavar="K=V")
+    ex.add_argument("--json", action="store_true", help="print the command record as JSON")
+    ex.add_argument("argv", nargs=argparse.REMAINDER)
+
+    command = sub.add_parser("command", help="show, read the output of, or cancel a command")
+    cactions = command.add_subparsers(dest="action", required=True)
+    for name in ("show", "output", "cancel"):
+        a = cactions.add_parser(name)
+        a.add_argument("sandbox")
+        a.add_argument("command")
+        if name == "cancel":
+            a.add_argument("--key")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.group == "up":
+        from sandhold.cli.up import up
+
+        prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or "sh"
+        raise SystemExit(up(Path(args.data_dir), prefix, args.hosts))
+    if args.group == "run":
+        _run_service(args)
+        return
+    handlers = {"sandbox": _sandbox, "exec": _exec, "command": _command}
+    handler = handlers[args.group]
+    import uvloop
+
+    code = uvloop.run(_with_client(args, lambda client: handler(args, client)))
+    raise SystemExit(code)
+
+
+def _run_service(args: argparse.Namespace) -> None:
+    service_args = list(args.service_args)
+    if "--nats" not in service_args:
+        url, prefix = _server(args)
+        service_args += ["--nats", url]
+        if "--prefix" not in service_args:
+            service_args += ["--prefix", prefix]
+    if args.service == "scheduler":
+        from sandhold.scheduler.__main__ import main as service_main
+    else:
+        from sandhold.hostagent.__main__ import main as service_main
+    service_main(service_args)

@@ -1,0 +1,102 @@
+"""The one way to append: expected last subject sequence + `Nats-Msg-Id`.
+
+The expected-sequence check is the single-writer fence: an event decided on
+stale state is refused by JetStream itself (err_code 10071). The message id
+makes a retried append safe when its ack was lost: an R3 stream answers with
+the original ack (`duplicate=True`); an R1 stream runs the sequence check
+first and answers 10071, so there we look whether the subject's last message
+is our own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import Header
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from sandhold.bus.codec import TYPE_HEADER, encode_envelope
+from sandhold.domain.envelope import Envelope
+from sandhold.domain.errors import InfraError
+
+WRONG_LAST_SEQUENCE = 10071
+
+
+class WrongSequence(InfraError):
+    """Someone else appended first: re-read, decide again."""
+
+    def __init__(self, subject: str, expected: int) -> None:
+        super().__init__(f"{subject}: last sequence is not {expected}", retryable=True)
+        self.subject = subject
+        self.expected = expected
+
+
+async def append(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    envelopes: Sequence[Envelope],
+    expected_seq: int,
+    *,
+    attempts: int = 3,
+) -> list[int]:
+    """Append `envelopes` in order after `expected_seq`; returns their sequences.
+
+    Raises `WrongSequence` when the subject moved on, `InfraError` when the
+    server does not answer after `attempts` tries.
+    """
+    sequences: list[int] = []
+    seq = expected_seq
+    for envelope in envelopes:
+        seq = await _append_one(js, stream, subject, envelope, seq, attempts)
+        sequences.append(seq)
+    return sequences
+
+
+async def _append_one(
+    js: JetStreamContext, stream: str, subject: str, envelope: Envelope, expected: int,
+    attempts: int,
+) -> int:
+    payload = encode_envelope(envelope)
+    last_error: Exception | None = None
+    for _ in range(attempts):
+        headers = {
+            Header.MSG_ID: envelope.id,
+            Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
+            TYPE_HEADER: envelope.type,
+        }
+        try:
+            ack = await js.publish(subject, payload, stream=stream, headers=headers)
+            return ack.seq
+        except APIError as err:
+            if err.err_code != WRONG_LAST_SEQUENCE:
+                raise InfraError(f"append to {subject} refused: {err}", retryable=False) from err
+            own = await own_last_message(js, stream, subject, envelope.id)
+            if own is not None:
+                return own
+            raise WrongSequence(subject, expected) from err
+        except (NatsTimeoutError, NoStreamResponseError) as err:
+            last_error = err  # the ack may be lost: the retry below is recognised by its id
+    raise InfraError(f"append to {subject}: no answer ({last_error!r})", retryable=True)
+
+
+async def own_last_message(
+    js: JetStreamContext, stream: str, subject: str, msg_id: str
+) -> int | None:
+    """The sequence of the subject's last message if it carries `msg_id`."""
+    try:
+        last = await js.get_last_msg(stream, subject, direct=True)
+    except NotFoundError:
+        return None
+    headers = last.headers or {}
+    return last.seq if headers.get(Header.MSG_ID) == msg_id else None
+
+
+async def last_sequence(js: JetStreamContext, stream: str, subject: str) -> int:
+    """The subject's last sequence, 0 when it has no message yet."""
+    try:
+        last = await js.get_last_msg(stream, subject, direct=True)
+    except NotFoundError:
+        return 0
+    return last.seq or 0

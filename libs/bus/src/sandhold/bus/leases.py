@@ -1,0 +1,81 @@
+"""Host leases in a KV bucket: a host-agent renews its key, others watch it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from sandhold.bus.names import Names
+
+
+class Lease(msgspec.Struct, frozen=True, kw_only=True):
+    host: str
+    epoch: int
+    renewed_at: float  # the host's wall clock, for people reading the bucket
+
+
+_decode = msgspec.json.Decoder(Lease).decode
+_encode = msgspec.json.Encoder().encode
+
+
+async def lease_bucket(js: JetStreamContext, names: Names) -> KeyValue:
+    return await js.key_value(names.lease_bucket)
+
+
+async def renew(kv: KeyValue, lease: Lease) -> None:
+    await kv.put(lease.host, _encode(lease))
+
+
+class LeaseWatcher:
+    """Follows every lease and says which hosts renewed within `ttl` seconds."""
+
+    def __init__(self, kv: KeyValue, *, ttl: float) -> None:
+        self._kv = kv
+        self._ttl = ttl
+        self._seen: dict[str, tuple[float, Lease]] = {}  # host -> (monotonic time, lease)
+        self._task: asyncio.Task[None] | None = None
+        self._on_renewal: list[Callable[[str, bool], None]] = []
+
+    def on_renewal(self, callback: Callable[[str, bool], None]) -> None:
+        """`callback(host, was_live)` on every renewal seen."""
+        self._on_renewal.append(callback)
+
+    async def start(self) -> None:
+        watcher = await self._kv.watchall()
+        self._task = asyncio.create_task(self._follow(watcher))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
+        async for entry in watcher:
+            if entry is None or entry.value is None or entry.operation is not None:
+                continue
+            try:
+                lease = _decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            age = 0.0
+            if entry.created is not None:
+                created = entry.created if entry.created.tzinfo else entry.created.replace(tzinfo=UTC)
+                age = max(0.0, (datetime.now(UTC) - created).total_seconds())
+            was_live = self.is_live(lease.host)
+            self._seen[lease.host] = (time.monotonic() - age, lease)
+            for callback in self._on_renewal:
+                callback(lease.host, was_live)
+
+    def is_live(self, host: str) -> bool:
+        seen = self._seen.get(host)
+        return seen is not None and time.monotonic() - seen[0] < self._ttl
+
+    def live_hosts(self) -> list[str]:
+        return [h for h in self._seen if self.is_live(h)]

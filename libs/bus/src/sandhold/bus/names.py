@@ -1,0 +1,68 @@
+"""Stream, subject and bucket names, all derived from one prefix.
+
+The default prefix `sh` gives `sh.ev.sandbox.<id>`; tests use a unique prefix
+each, so many tests share one server without seeing each other.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+class Names(msgspec.Struct, frozen=True):
+    prefix: str = "sh"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX.match(self.prefix):
+            raise ValueError(
+                f"prefix {self.prefix!r} must be 1-32 of a-z 0-9 _ - and start with a letter"
+            )
+
+    @property
+    def _stream_prefix(self) -> str:
+        return self.prefix.upper().replace("-", "_")
+
+    @property
+    def events_stream(self) -> str:
+        return f"{self._stream_prefix}_EVENTS"
+
+    @property
+    def output_stream(self) -> str:
+        return f"{self._stream_prefix}_OUTPUT"
+
+    @property
+    def requests_stream(self) -> str:
+        return f"{self._stream_prefix}_REQUESTS"
+
+    @property
+    def hostwork_stream(self) -> str:
+        return f"{self._stream_prefix}_HOSTWORK"
+
+    @property
+    def lease_bucket(self) -> str:
+        return f"{self._stream_prefix}_leases"
+
+    def events(self, kind: str, aggregate_id: str = "*") -> str:
+        return f"{self.prefix}.ev.{kind}.{aggregate_id}"
+
+    def request(self, tag: str) -> str:
+        return f"{self.prefix}.req.{tag}"
+
+    @property
+    def all_requests(self) -> str:
+        return f"{self.prefix}.req.>"
+
+    def work(self, host: str) -> str:
+        return f"{self.prefix}.work.{host}"
+
+    def output(self, sandbox_id: str, command_id: str) -> str:
+        return f"{self.prefix}.out.{sandbox_id}.{command_id}"
+
+    @property
+    def ready(self) -> str:
+        """Core subject on which services announce that they are serving."""
+        return f"{self.prefix}.svc.ready"

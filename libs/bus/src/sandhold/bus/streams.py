@@ -1,0 +1,77 @@
+"""Creating the streams and buckets, idempotently, at start-up."""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError
+from sandhold.bus.names import Names
+
+_STREAM_EXISTS_DIFFERENT = 10058
+
+
+def stream_configs(names: Names, *, replicas: int = 1, output_max_age_s: float = 7 * 86400,
+                   output_max_bytes: int = -1, duplicate_window_s: float = 120.0) -> list[StreamConfig]:
+    p = names.prefix
+    return [
+        # The audit trail: kept forever, one subject per aggregate.
+        StreamConfig(
+            name=names.events_stream,
+            subjects=[f"{p}.ev.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=duplicate_window_s,
+            allow_direct=True,
+        ),
+        StreamConfig(
+            name=names.output_stream,
+            subjects=[f"{p}.out.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_age=output_max_age_s,
+            max_bytes=output_max_bytes,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=duplicate_window_s,
+            allow_direct=True,
+        ),
+        # Accepted while the scheduler is down; gone once handled.
+        StreamConfig(
+            name=names.requests_stream,
+            subjects=[f"{p}.req.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=duplicate_window_s,
+        ),
+        StreamConfig(
+            name=names.hostwork_stream,
+            subjects=[f"{p}.work.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=duplicate_window_s,
+        ),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, names: Names, *, replicas: int = 1) -> None:
+    """Create every stream and bucket; update one whose settings changed."""
+    for config in stream_configs(names, replicas=replicas):
+        try:
+            await js.add_stream(config)
+        except BadRequestError as err:
+            if err.err_code != _STREAM_EXISTS_DIFFERENT:
+                raise
+            await js.update_stream(config)
+    await js.create_key_value(
+        KeyValueConfig(bucket=names.lease_bucket, history=1, replicas=replicas,
+                       storage=StorageType.FILE)
+    )

@@ -1,0 +1,295 @@
+"""The typed client: requests with idempotency keys, state read by folding the log."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import Header
+from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.names import Names
+from sandhold.bus.read import read_subject, read_subjects
+from sandhold.bus.service import connect as bus_connect
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain import sandbox as sb
+from sandhold.domain.commands import END_STATES as _END_STATES
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.fold import fold
+from sandhold.domain.views import CommandView, Reply, SandboxView, command_view, sandbox_view
+
+_reply_decoder = msgspec.json.Decoder(Reply)
+
+OutputCallback = Callable[[str, bytes], None]
+
+
+class CommandResult(msgspec.Struct, kw_only=True):
+    """A command's record with the output that was kept."""
+
+    command: CommandView
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+
+class Client:
+    def __init__(self, nc: NATS, names: Names, *, tenant: str = "default",
+                 request_timeout: float = 30.0) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.names = names
+        self.tenant = tenant
+        self.request_timeout = request_timeout
+
+    async def close(self) -> None:
+        await self.nc.drain()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- requests ---------------------------------------------------------------
+
+    async def send(self, request: rq.AnyRequest) -> Reply:
+        """Publish a request to the REQUESTS stream and wait for the scheduler's reply.
+
+        The request is acknowledged by JetStream before we wait, so it survives a
+        scheduler that is down; the reply comes when the scheduler has decided.
+        Raises `Rejected` with the scheduler's code when it refuses.
+        """
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            payload = rq.encode_request(request)
+            # One id per call: a publish retried inside this call is dropped as a
+            # duplicate by the stream, while a later call with the same key reaches
+            # the scheduler and gets the original result back (decision 001).
+            msg_id = f"{request.tenant}:{request.key}:{rq.request_digest(request)}:{inbox[-22:]}"
+            await self.js.publish(
+                self.names.request(rq.request_tag(request)),
+                payload,
+                stream=self.names.requests_stream,
+                headers={Header.MSG_ID: msg_id, REPLY_HEADER: inbox},
+            )
+            try:
+                msg = await sub.next_msg(timeout=self.request_timeout)
+            except TimeoutError as err:
+                raise InfraError(
+                    f"no answer from the scheduler in {self.request_timeout}s; the request is "
+                    "queued and will be handled when a scheduler runs", retryable=True
+                ) from err
+        finally:
+            await sub.unsubscribe()
+        reply = _reply_decoder.decode(msg.data)
+        if not reply.ok:
+            assert reply.error is not None
+            raise Rejected(reply.error.code, reply.error.message)
+        return reply
+
+    def _key(self, key: str | None) -> str:
+        return key or uuid.uuid4().hex
+
+    async def create_sandbox(self, *, memory_limit_bytes: int | None = None,
+                             key: str | None = None) -> SandboxView:
+        reply = await self.send(rq.CreateSandbox(
+            key=self._key(key), tenant=self.tenant, memory_limit_bytes=memory_limit_bytes))
+        assert reply.sandbox is not None
+        return reply.sandbox
+
+    async def start_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
+        reply = await self.send(rq.StartSandbox(key=self._key(key), tenant=self.tenant,
+                                                sandbox_id=sandbox_id))
+        assert reply.sandbox is not None
+        return reply.sandbox
+
+    async def stop_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
+        reply = await self.send(rq.StopSandbox(key=self._key(key), tenant=self.tenant,
+                                               sandbox_id=sandbox_id))
+        assert reply.sandbox is not None
+        return reply.sandbox
+
+    async def delete_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
+        reply = await self.send(rq.DeleteSandbox(key=self._key(key), tenant=self.tenant,
+                                                 sandbox_id=sandbox_id))
+        assert reply.sandbox is not None
+        return reply.sandbox
+
+    async def cancel_command(self, sandbox_id: str, command_id: str, *,
+                             key: str | None = None) -> CommandView:
+        reply = await self.send(rq.CancelCommand(key=self._key(key), tenant=self.tenant,
+                                                 sandbox_id=sandbox_id, command_id=command_id))
+        assert reply.command is not None
+        return reply.command
+
+    # --- reading state (the same fold the services use) -------------------------
+
+    async def sandbox_state(self, sandbox_id: str) -> sb.Sandbox | None:
+        records = await read_subject(self.js, self.names.events_stream,
+                                     self.names.events("sandbox", sandbox_id))
+        state = fold(sb.evolve, (r.envelope for r in records), None)
+        return state if state is not None and state.tenant == self.tenant else None
+
+    async def show_sandbox(self, sandbox_id: str) -> SandboxView:
+        state = await self.sandbox_state(sandbox_id)
+        if state is None:
+            raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+        return sandbox_view(state)
+
+    async def list_sandboxes(self, *, include_deleted: bool = False) -> list[SandboxView]:
+        states: dict[str, sb.Sandbox | None] = {}
+        for record in await read_subjects(self.js, self.names.events_stream,
+                                          self.names.events("sandbox", "*")):
+            aggregate = record.envelope.aggregate_id
+            states[aggregate] = sb.evolve(states.get(aggregate), record.envelope)
+        return [
+            sandbox_view(s) for s in states.values()
+            if s is not None and s.tenant == self.tenant
+            and (include_deleted or s.phase != "deleted")
+        ]
+
+    async def show_command(self, sandbox_id: str, command_id: str) -> CommandView:
+        state = await self.sandbox_state(sandbox_id)
+        if state is None or command_id not in state.commands:
+            raise Rejected("command_not_found", f"no command {command_id} in {sandbox_id}")
+        return command_view(sandbox_id, state.commands[command_id])
+
+    async def read_output(self, sandbox_id: str, command_id: str) -> dict[str, bytes]:
+        """The command's kept output, per stream, from the OUTPUT stream."""
+        out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        subject = self.names.output(sandbox_id, command_id) + ".*"
+        for msg in await read_subjects(self.js, self.names.output_stream, subject, raw=True):
+            stream = msg.headers[STREAM_HEADER]
+            offset = int(msg.headers[OFFSET_HEADER])
+            buf = out.setdefault(stream, bytearray())
+            if offset == len(buf):
+                buf += msg.data
+            elif offset < len(buf) < offset + len(msg.data):
+                buf += msg.data[len(buf) - offset:]
+        return {k: bytes(v) for k, v in out.items()}
+
+    # --- exec -----------------------------------------------------------------
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        key: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        kill_grace_s: float = 5.0,
+        on_output: OutputCallback | None = None,
+        wait_timeout: float | None = None,
+    ) -> CommandResult:
+        """Run a command and wait for its end state, streaming output to `on_output`.
+
+        Output is printed in order per stream; output that arrived before we
+        listened (a retried key) or that live delivery dropped is read back
+        from the OUTPUT stream, so every kept byte is delivered exactly once.
+        """
+        key = self._key(key)
+        command_id = rq.command_id_for(sandbox_id, key)
+        ended: asyncio.Future[tuple[float, ev.CommandEnded]] = (
+            asyncio.get_running_loop().create_future())
+        printer = _OutputPrinter(on_output)
+
+        async def on_event(msg: Msg) -> None:
+            envelope = decode_envelope(msg.data)
+            event = envelope.event
+            if isinstance(event, ev.CommandEnded) and event.command_id == command_id:
+                if not ended.done():
+                    ended.set_result((envelope.time, event))
+
+        async def on_chunk(msg: Msg) -> None:
+            printer.live(msg.headers[STREAM_HEADER], int(msg.headers[OFFSET_HEADER]), msg.data)
+
+        subs = [
+            await self.nc.subscribe(self.names.events("sandbox", sandbox_id), cb=on_event),
+            await self.nc.subscribe(self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk),
+        ]
+        try:
+            reply = await self.send(rq.RunCommand(
+                key=key, tenant=self.tenant, sandbox_id=sandbox_id, argv=argv, cwd=cwd,
+                env=env or {}, timeout_s=timeout_s, kill_grace_s=kill_grace_s))
+            assert reply.command is not None
+            record = reply.command
+            if record.state not in _END_STATES:
+                at, end = await asyncio.wait_for(ended, wait_timeout)
+                record = msgspec.structs.replace(
+                    record, state=end.state, exit_code=end.exit_code, reason=end.reason,
+                    output_kept=end.output_kept, output_complete=end.output_complete,
+                    ended_at=at, host=end.host or record.host)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+        kept = await self._complete_output(sandbox_id, command_id, record, printer)
+        return CommandResult(command=record, stdout=kept.get("stdout", b""),
+                             stderr=kept.get("stderr", b""))
+
+    async def _complete_output(self, sandbox_id: str, command_id: str, record: CommandView,
+                               printer: _OutputPrinter) -> dict[str, bytes]:
+        if all(printer.received(s) >= n for s, n in record.output_kept.items()):
+            return printer.collected()
+        stored = await self.read_output(sandbox_id, command_id)
+        for stream, data in stored.items():
+            printer.live(stream, 0, data)
+        return printer.collected()
+
+    async def wait_for_phase(self, sandbox_id: str, phases: set[str], *,
+                             timeout: float = 30.0) -> SandboxView:
+        """Poll the folded state until the sandbox reaches one of `phases`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            view = await self.show_sandbox(sandbox_id)
+            if view.phase in phases:
+                return view
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sandbox_id} still {view.phase} after {timeout}s")
+            await asyncio.sleep(0.05)
+
+
+
+
+class _OutputPrinter:
+    """Delivers each stream's bytes once and in order, whatever order they arrive in."""
+
+    def __init__(self, on_output: OutputCallback | None) -> None:
+        self._on_output = on_output
+        self._buffers: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+        self._early: dict[str, dict[int, bytes]] = {}
+
+    def received(self, stream: str) -> int:
+        return len(self._buffers.get(stream, b""))
+
+    def collected(self) -> dict[str, bytes]:
+        return {k: bytes(v) for k, v in self._buffers.items()}
+
+    def live(self, stream: str, offset: int, data: bytes) -> None:
+        buf = self._buffers.setdefault(stream, bytearray())
+        if offset > len(buf):
+            # A gap: hold this piece until what comes before it arrives.
+            self._early.setdefault(stream, {})[offset] = data
+            return
+        fresh = data[len(buf) - offset:]
+        if fresh:
+            buf += fresh
+            if self._on_output is not None:
+                self._on_output(stream, fresh)
+        early = self._early.get(stream, {})
+        while early:
+            next_offset = min(early)
+            if next_offset > len(buf):
+                break
+            self.live(stream, next_offset, early.pop(next_offset))
+
+
+async def connect(url: str | list[str], *, prefix: str = "sh", tenant: str = "default") -> Client:
+    nc = await bus_connect(url, name="sandhold-client")
+    return Client(nc, Names(prefix), tenant=tenant)

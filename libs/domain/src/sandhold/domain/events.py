@@ -1,0 +1,163 @@
+"""Every event type of sandhold, in one tagged union.
+
+Events are facts, named in the past tense. They are frozen msgspec Structs,
+JSON on the wire, with explicit string tags so that renaming a class never
+breaks the log. New fields always get defaults and never change type: old
+readers skip fields they do not know, and a breaking change gets a new tag.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from sandhold.domain.commands import CommandEndState
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Base of every event."""
+
+
+# --- sandbox lifecycle -------------------------------------------------------
+
+
+class SandboxCreated(Event, tag="sandbox.created"):
+    sandbox_id: str
+    request_key: str
+    request_digest: str
+    memory_limit_bytes: int | None = None
+    tenant: str = "default"
+
+
+class SandboxPlaced(Event, tag="sandbox.placed"):
+    """The scheduler chose a host; `generation` grows on every (re)placement."""
+
+    host: str
+    generation: int
+
+
+class SandboxStarting(Event, tag="sandbox.starting"):
+    """The host-agent took the start instruction and is preparing the sandbox."""
+
+    host: str
+    generation: int
+
+
+class SandboxStarted(Event, tag="sandbox.started"):
+    host: str
+    generation: int
+    capabilities: dict[str, str] = {}
+
+
+class SandboxStartFailed(Event, tag="sandbox.start_failed"):
+    host: str
+    generation: int
+    reason: str
+
+
+class SandboxStartRequested(Event, tag="sandbox.start_requested"):
+    request_key: str
+    request_digest: str
+
+
+class SandboxStopRequested(Event, tag="sandbox.stop_requested"):
+    request_key: str
+    request_digest: str
+
+
+class SandboxStopped(Event, tag="sandbox.stopped"):
+    host: str | None
+    generation: int
+
+
+class SandboxDeleteRequested(Event, tag="sandbox.delete_requested"):
+    request_key: str
+    request_digest: str
+
+
+class SandboxDeleted(Event, tag="sandbox.deleted"):
+    host: str | None
+    generation: int
+
+
+# --- commands ----------------------------------------------------------------
+
+
+class CommandQueued(Event, tag="command.queued"):
+    command_id: str
+    request_key: str
+    request_digest: str
+    argv: list[str]
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout_s: float | None = None
+    kill_grace_s: float = 5.0
+
+
+class CommandDispatched(Event, tag="command.dispatched"):
+    command_id: str
+    host: str
+    generation: int
+
+
+class CommandStarted(Event, tag="command.started"):
+    command_id: str
+    host: str
+    generation: int
+    pid: int
+
+
+class CommandCancelRequested(Event, tag="command.cancel_requested"):
+    command_id: str
+    request_key: str
+    request_digest: str
+
+
+class CommandEnded(Event, tag="command.ended"):
+    """A command reached its end state; see `CommandEndState` for the meanings.
+
+    `output_kept` is how many bytes of each stream JetStream acknowledged on
+    the OUTPUT stream; `output_complete` is False when newer output may be lost.
+    """
+
+    command_id: str
+    state: CommandEndState
+    exit_code: int | None = None
+    reason: str = ""
+    host: str | None = None
+    generation: int = 0
+    output_kept: dict[str, int] = {}
+    output_complete: bool = True
+
+
+# --- hosts -------------------------------------------------------------------
+
+
+class HostRegistered(Event, tag="host.registered"):
+    host: str
+    epoch: int
+    capacity_sandboxes: int
+    memory_bytes: int
+    capabilities: dict[str, str] = {}
+
+
+AnyEvent = (
+    SandboxCreated
+    | SandboxPlaced
+    | SandboxStarting
+    | SandboxStarted
+    | SandboxStartFailed
+    | SandboxStartRequested
+    | SandboxStopRequested
+    | SandboxStopped
+    | SandboxDeleteRequested
+    | SandboxDeleted
+    | CommandQueued
+    | CommandDispatched
+    | CommandStarted
+    | CommandCancelRequested
+    | CommandEnded
+    | HostRegistered
+)
+
+Actor = Literal["scheduler", "host-agent", "client", "recovery", "saver", "orchestrator"]

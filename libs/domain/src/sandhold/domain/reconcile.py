@@ -1,0 +1,93 @@
+"""What the scheduler must do next for a sandbox, read off its state alone.
+
+`plan` is level-triggered: it looks only at the state, never at which event
+just arrived, so it can run after every change, after a restart, or in two
+schedulers at once. Its events are appended with the usual fence; its work
+messages carry deterministic ids, so sending one twice is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+from sandhold.domain import events as ev
+from sandhold.domain import work as wk
+from sandhold.domain.sandbox import Sandbox
+
+ChooseHost = Callable[[Sandbox], str | None]
+
+
+class Plan(msgspec.Struct, frozen=True):
+    events: list[ev.AnyEvent]
+    work: list[tuple[str, wk.AnyWork]]  # (host, instruction)
+
+
+def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
+    events: list[ev.AnyEvent] = []
+    work: list[tuple[str, wk.AnyWork]] = []
+    sid, gen, host = state.id, state.generation, state.host
+    can_launch = state.phase in ("pending", "placed", "starting", "running")
+
+    for command in state.queued_commands():
+        if command.cancel_requested:
+            events.append(_not_launched(state, command.id, "cancelled before it started"))
+        elif state.delete_requested or not can_launch:
+            events.append(
+                _not_launched(state, command.id, f"the sandbox was {state.phase} before it started")
+            )
+        elif state.phase == "running" and host is not None:
+            events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
+
+    if state.phase == "pending" and not state.delete_requested:
+        chosen = choose_host(state)
+        if chosen is not None:
+            events.append(ev.SandboxPlaced(host=chosen, generation=gen + 1))
+    elif state.phase == "placed" and host is not None:
+        start = wk.StartSandboxWork(
+            sandbox_id=sid, generation=gen, memory_limit_bytes=state.memory_limit_bytes
+        )
+        work.append((host, start))
+    elif state.phase == "stopping" and host is not None:
+        work.append((host, wk.StopSandboxWork(sandbox_id=sid, generation=gen)))
+
+    if state.delete_requested and state.phase in ("pending", "stopped", "failed"):
+        if host is None:
+            events.append(ev.SandboxDeleted(host=None, generation=gen))
+        else:
+            work.append((host, wk.DestroySandboxWork(sandbox_id=sid, generation=gen)))
+
+    if state.phase == "running" and host is not None:
+        for command in state.commands.values():
+            if command.generation != gen:
+                continue
+            if command.state == "dispatched" and not command.cancel_requested:
+                work.append((host, _run_work(state, command.id)))
+            if command.cancel_requested and command.state in ("dispatched", "running"):
+                cancel = wk.CancelCommandWork(sandbox_id=sid, generation=gen, command_id=command.id)
+                work.append((host, cancel))
+    return Plan(events, work)
+
+
+def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:
+    c = state.commands[command_id]
+    return wk.RunCommandWork(
+        sandbox_id=state.id,
+        generation=state.generation,
+        command_id=c.id,
+        argv=c.argv,
+        cwd=c.cwd,
+        env=c.env,
+        timeout_s=c.timeout_s,
+        kill_grace_s=c.kill_grace_s,
+    )
+
+
+def _not_launched(state: Sandbox, command_id: str, reason: str) -> ev.CommandEnded:
+    return ev.CommandEnded(
+        command_id=command_id,
+        state="not_launched",
+        reason=reason,
+        host=state.host,
+        generation=state.generation,
+    )

@@ -1,0 +1,50 @@
+"""Deciding a host-agent's report of what happened on its host.
+
+This is the generation fence in the domain: a report from a placement that has
+since been superseded is rejected, so a host that was paused, cut off or
+replaced can never change the sandbox's record.
+"""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain.errors import Rejected
+from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox
+
+HostReport = (
+    ev.SandboxStarting
+    | ev.SandboxStarted
+    | ev.SandboxStartFailed
+    | ev.SandboxStopped
+    | ev.SandboxDeleted
+    | ev.CommandStarted
+    | ev.CommandEnded
+)
+
+
+def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent]:
+    """`[report]` when it is news, `[]` when already recorded; raises `Rejected` when stale."""
+    if state is None:
+        raise Rejected("sandbox_not_found", "report for a sandbox that does not exist")
+    if report.generation != state.generation or report.host != state.host:
+        raise Rejected(
+            "stale_generation",
+            f"report from {report.host} generation {report.generation}, but sandbox "
+            f"{state.id} is at {state.host} generation {state.generation}",
+        )
+    match report:
+        case ev.SandboxStarting():
+            news = state.phase == "placed"
+        case ev.SandboxStarted() | ev.SandboxStartFailed():
+            news = state.phase in ("placed", "starting")
+        case ev.SandboxStopped():
+            news = state.phase in ACTIVE_PHASES
+        case ev.SandboxDeleted():
+            news = state.phase != "deleted"
+        case ev.CommandStarted():
+            command = state.commands.get(report.command_id)
+            news = command is not None and command.state == "dispatched"
+        case ev.CommandEnded():
+            command = state.commands.get(report.command_id)
+            news = command is not None and not command.ended
+    return [report] if news else []

@@ -1,0 +1,100 @@
+"""Requests from outside: imperative names, decoded strictly.
+
+Unknown fields are refused (a typo must not be silently ignored) and every
+field is validated on decode, so a malformed request never reaches a decider.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+import msgspec
+
+IdempotencyKey = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+SandboxId = Annotated[str, msgspec.Meta(pattern=r"^sb-[0-9a-f]{16}$")]
+CommandId = Annotated[str, msgspec.Meta(pattern=r"^cmd-[0-9a-f]{16}$")]
+Tenant = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+Argv = Annotated[list[Annotated[str, msgspec.Meta(max_length=65536)]], msgspec.Meta(min_length=1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
+Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)]
+# Below a few MiB the kernel cannot even start a Python interpreter in the cgroup.
+MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024)]
+
+
+class Request(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True
+):
+    """Base of every client request. `key` is the idempotency key."""
+
+    key: IdempotencyKey
+    tenant: Tenant = "default"
+
+
+class CreateSandbox(Request, tag="sandbox.create"):
+    memory_limit_bytes: MemoryLimit | None = None
+
+
+class StartSandbox(Request, tag="sandbox.start"):
+    sandbox_id: SandboxId
+
+
+class StopSandbox(Request, tag="sandbox.stop"):
+    sandbox_id: SandboxId
+
+
+class DeleteSandbox(Request, tag="sandbox.delete"):
+    sandbox_id: SandboxId
+
+
+class RunCommand(Request, tag="command.run"):
+    sandbox_id: SandboxId
+    argv: Argv
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout_s: Seconds | None = None
+    kill_grace_s: Grace = 5.0
+
+
+class CancelCommand(Request, tag="command.cancel"):
+    sandbox_id: SandboxId
+    command_id: CommandId
+
+
+AnyRequest = CreateSandbox | StartSandbox | StopSandbox | DeleteSandbox | RunCommand | CancelCommand
+
+_decoder = msgspec.json.Decoder(AnyRequest)
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def decode_request(payload: bytes) -> AnyRequest:
+    """Decode and validate a request; raises `msgspec.ValidationError` or `DecodeError`."""
+    return _decoder.decode(payload)
+
+
+def encode_request(request: AnyRequest) -> bytes:
+    return _encoder.encode(request)
+
+
+def request_tag(request: AnyRequest) -> str:
+    return type(request).__struct_config__.tag  # type: ignore[return-value]
+
+
+def request_digest(request: AnyRequest) -> str:
+    """What the request asks for, without its key: equal digests = same body."""
+    body = msgspec.structs.replace(request, key="-")
+    return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
+
+
+def _short_hash(*parts: str) -> str:
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+
+
+def sandbox_id_for(tenant: str, key: str) -> str:
+    """A create request's sandbox id follows from its key, so a retry finds it."""
+    return f"sb-{_short_hash('sandbox', tenant, key)}"
+
+
+def command_id_for(sandbox_id: str, key: str) -> str:
+    """A run request's command id follows from its key, so the caller knows it up front."""
+    return f"cmd-{_short_hash('command', sandbox_id, key)}"

@@ -1,0 +1,297 @@
+"""The sandbox actor: its state, `evolve`, and `decide` for client requests.
+
+A sandbox and its commands are one aggregate (subject `<prefix>.ev.sandbox.<id>`),
+so one expected-sequence check fences every change to either. Everything
+here is pure: time comes in as an argument and nothing does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, assert_never
+
+import msgspec
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain.commands import END_STATES, CommandState
+from sandhold.domain.envelope import Envelope
+from sandhold.domain.errors import Rejected
+
+Phase = Literal[
+    "pending",  # created (or asked to start again), waiting for a host
+    "placed",  # a host was chosen and told
+    "starting",  # the host is preparing it
+    "running",
+    "stopping",
+    "stopped",
+    "failed",  # the host could not start it
+    "deleted",
+    # with host failure handling: "lost", "recovering"
+]
+
+# Phases in which the sandbox holds a place on a host.
+ACTIVE_PHASES: frozenset[str] = frozenset({"placed", "starting", "running", "stopping"})
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    state: CommandState
+    argv: list[str]
+    request_key: str
+    request_digest: str
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout_s: float | None = None
+    kill_grace_s: float = 5.0
+    host: str | None = None
+    generation: int = 0
+    pid: int | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    cancel_requested: bool = False
+    output_kept: dict[str, int] = {}
+    output_complete: bool = True
+    queued_at: float = 0.0
+    ended_at: float | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.state in END_STATES
+
+
+class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant: str
+    phase: Phase
+    created_at: float
+    memory_limit_bytes: int | None = None
+    host: str | None = None
+    generation: int = 0
+    reason: str = ""
+    delete_requested: bool = False
+    capabilities: dict[str, str] = {}
+    commands: dict[str, Command] = {}
+    # idempotency key -> digest of the request body that used it
+    requests: dict[str, str] = {}
+
+    def queued_commands(self) -> list[Command]:
+        return [c for c in self.commands.values() if c.state == "queued"]
+
+
+def _with_command(state: Sandbox, command: Command) -> Sandbox:
+    return msgspec.structs.replace(state, commands={**state.commands, command.id: command})
+
+
+def _remember(state: Sandbox, key: str, digest: str) -> dict[str, str]:
+    return {**state.requests, key: digest}
+
+
+def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
+    """Apply one event. The only place a sandbox's state changes."""
+    replace = msgspec.structs.replace
+    event, envelope_time = envelope.event, envelope.time
+    if isinstance(event, ev.SandboxCreated):
+        return Sandbox(
+            id=event.sandbox_id,
+            tenant=event.tenant,
+            phase="pending",
+            created_at=envelope_time,
+            memory_limit_bytes=event.memory_limit_bytes,
+            requests={event.request_key: event.request_digest},
+        )
+    if state is None:
+        return None  # an event for a sandbox we never saw created: nothing to apply to
+    match event:
+        case ev.SandboxPlaced(host=host, generation=generation):
+            return replace(state, phase="placed", host=host, generation=generation, reason="")
+        case ev.SandboxStarting():
+            return replace(state, phase="starting")
+        case ev.SandboxStarted(capabilities=capabilities):
+            return replace(state, phase="running", capabilities=capabilities)
+        case ev.SandboxStartFailed(reason=reason):
+            return replace(state, phase="failed", reason=reason)
+        case ev.SandboxStartRequested(request_key=key, request_digest=digest):
+            return replace(state, phase="pending", requests=_remember(state, key, digest))
+        case ev.SandboxStopRequested(request_key=key, request_digest=digest):
+            # Only a sandbox that holds a place on a host has processes to stop.
+            phase = "stopping" if state.phase in ACTIVE_PHASES else "stopped"
+            return replace(state, phase=phase, requests=_remember(state, key, digest))
+        case ev.SandboxStopped():
+            return replace(state, phase="stopped")
+        case ev.SandboxDeleteRequested(request_key=key, request_digest=digest):
+            phase = "stopping" if state.phase in ACTIVE_PHASES else state.phase
+            return replace(
+                state, phase=phase, delete_requested=True, requests=_remember(state, key, digest)
+            )
+        case ev.SandboxDeleted():
+            return replace(state, phase="deleted")
+        case ev.CommandQueued():
+            command = Command(
+                id=event.command_id,
+                state="queued",
+                argv=event.argv,
+                request_key=event.request_key,
+                request_digest=event.request_digest,
+                cwd=event.cwd,
+                env=event.env,
+                timeout_s=event.timeout_s,
+                kill_grace_s=event.kill_grace_s,
+                queued_at=envelope_time,
+            )
+            state = replace(state, requests=_remember(state, event.request_key, event.request_digest))
+            return _with_command(state, command)
+        case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
+            return _update_command(state, cid, state="dispatched", host=host, generation=generation)
+        case ev.CommandStarted(command_id=cid, pid=pid):
+            return _update_command(state, cid, state="running", pid=pid)
+        case ev.CommandCancelRequested(command_id=cid, request_key=key, request_digest=digest):
+            state = replace(state, requests=_remember(state, key, digest))
+            return _update_command(state, cid, cancel_requested=True)
+        case ev.CommandEnded():
+            return _update_command(
+                state,
+                event.command_id,
+                state=event.state,
+                exit_code=event.exit_code,
+                reason=event.reason,
+                output_kept=event.output_kept,
+                output_complete=event.output_complete,
+                ended_at=envelope_time,
+            )
+        case ev.SandboxCreated() | ev.HostRegistered():
+            return state
+        case _:
+            assert_never(event)
+
+
+def _update_command(state: Sandbox, command_id: str, **changes: object) -> Sandbox:
+    command = state.commands.get(command_id)
+    if command is None:
+        return state
+    return _with_command(state, msgspec.structs.replace(command, **changes))
+
+
+# --- decide ------------------------------------------------------------------
+
+
+def _check_key(state: Sandbox, key: str, digest: str) -> bool:
+    """True when this exact request was already applied; raises on a reused key."""
+    seen = state.requests.get(key)
+    if seen is None:
+        return False
+    if seen != digest:
+        raise Rejected(
+            "idempotency_conflict",
+            f"idempotency key {key!r} was already used for a different request; "
+            "use a new key for new work",
+        )
+    return True
+
+
+def _require(state: Sandbox | None, sandbox_id: str, tenant: str) -> Sandbox:
+    # Another tenant's sandbox is reported exactly like a missing one.
+    if state is None or state.tenant != tenant:
+        raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+    return state
+
+
+def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
+    """Decide what a client request changes. `[]` = nothing new (already applied).
+
+    Raises `Rejected` when the request cannot be honoured in this state.
+    """
+    digest = rq.request_digest(request)
+    match request:
+        case rq.CreateSandbox():
+            sandbox_id = rq.sandbox_id_for(request.tenant, request.key)
+            if state is not None:
+                _check_key(state, request.key, digest)
+                return []
+            return [
+                ev.SandboxCreated(
+                    sandbox_id=sandbox_id,
+                    request_key=request.key,
+                    request_digest=digest,
+                    memory_limit_bytes=request.memory_limit_bytes,
+                    tenant=request.tenant,
+                )
+            ]
+        case rq.StartSandbox():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest):
+                return []
+            if state.phase == "deleted" or state.delete_requested:
+                raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
+            if state.phase == "stopping":
+                raise Rejected("sandbox_stopping", f"sandbox {state.id} is stopping; start it once it has stopped")
+            if state.phase in ("stopped", "failed"):
+                return [ev.SandboxStartRequested(request_key=request.key, request_digest=digest)]
+            return []  # already pending, placed, starting or running
+        case rq.StopSandbox():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest):
+                return []
+            if state.phase == "deleted":
+                raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
+            if state.phase in ("stopping", "stopped", "failed"):
+                return []
+            return [ev.SandboxStopRequested(request_key=request.key, request_digest=digest)]
+        case rq.DeleteSandbox():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest) or state.delete_requested:
+                return []
+            return [ev.SandboxDeleteRequested(request_key=request.key, request_digest=digest)]
+        case rq.RunCommand():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest):
+                return []
+            if state.delete_requested or state.phase not in ("pending", "placed", "starting", "running"):
+                raise Rejected(
+                    "sandbox_not_running",
+                    f"sandbox {state.id} is {state.phase}; start it before running commands",
+                )
+            return [
+                ev.CommandQueued(
+                    command_id=rq.command_id_for(state.id, request.key),
+                    request_key=request.key,
+                    request_digest=digest,
+                    argv=request.argv,
+                    cwd=request.cwd,
+                    env=request.env,
+                    timeout_s=request.timeout_s,
+                    kill_grace_s=request.kill_grace_s,
+                )
+            ]
+        case rq.CancelCommand():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest):
+                return []
+            command = state.commands.get(request.command_id)
+            if command is None:
+                raise Rejected("command_not_found", f"no command {request.command_id} in {state.id}")
+            if command.ended or command.cancel_requested:
+                return []
+            return [
+                ev.CommandCancelRequested(
+                    command_id=command.id, request_key=request.key, request_digest=digest
+                )
+            ]
+        case _:
+            assert_never(request)
+
+
+def result_of(state: Sandbox, request: rq.AnyRequest) -> Sandbox | Command:
+    """What the caller gets back: the sandbox, or the command a run/cancel names."""
+    match request:
+        case rq.RunCommand():
+            return state.commands[rq.command_id_for(state.id, request.key)]
+        case rq.CancelCommand():
+            return state.commands[request.command_id]
+        case _:
+            return state
+
+
+def aggregate_of(request: rq.AnyRequest) -> str:
+    """The sandbox id a request is about (derived from the key for a create)."""
+    if isinstance(request, rq.CreateSandbox):
+        return rq.sandbox_id_for(request.tenant, request.key)
+    return request.sandbox_id

@@ -1,0 +1,57 @@
+"""Instructions from the scheduler to one host (the HOSTWORK stream).
+
+Every instruction names the placement `generation` it belongs to, so a host
+never acts for a placement that has since been superseded.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class HostWork(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    sandbox_id: str
+    generation: int
+
+    @property
+    def msg_id(self) -> str:
+        """Deterministic, so a re-sent instruction is dropped as a duplicate."""
+        tag = type(self).__struct_config__.tag
+        return f"{tag}:{self.sandbox_id}:{self.generation}"
+
+
+class StartSandboxWork(HostWork, tag="start_sandbox"):
+    memory_limit_bytes: int | None = None
+
+
+class RunCommandWork(HostWork, tag="run_command"):
+    command_id: str
+    argv: list[str]
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout_s: float | None = None
+    kill_grace_s: float = 5.0
+
+    @property
+    def msg_id(self) -> str:
+        return f"run_command:{self.command_id}:{self.generation}"
+
+
+class CancelCommandWork(HostWork, tag="cancel_command"):
+    command_id: str
+
+    @property
+    def msg_id(self) -> str:
+        return f"cancel_command:{self.command_id}:{self.generation}"
+
+
+class StopSandboxWork(HostWork, tag="stop_sandbox"):
+    pass
+
+
+class DestroySandboxWork(HostWork, tag="destroy_sandbox"):
+    pass
+
+
+AnyWork = StartSandboxWork | RunCommandWork | CancelCommandWork | StopSandboxWork | DestroySandboxWork
+

@@ -1,0 +1,356 @@
+"""The host-agent: does the work sent to its host and reports what happened.
+
+It registers its host (a new epoch on every start), renews its lease, takes
+instructions off `<prefix>.work.<host>`, runs them with the process driver,
+streams command output to OUTPUT, and reports facts to the sandbox's subject
+through the domain's `decide_report`: a report for a superseded placement is
+refused there, and the append's expected sequence refuses anything decided
+on stale state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, Header
+
+from sandhold.bus import leases
+from sandhold.bus.append import last_sequence
+from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
+from sandhold.bus.names import Names
+from sandhold.bus.service import announce_ready, connect
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.domain import events as ev
+from sandhold.domain import host as host_domain
+from sandhold.domain import sandbox as sb
+from sandhold.domain import work as wk
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.reports import HostReport, decide_report
+from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
+
+log = logging.getLogger("sandhold.host-agent")
+
+_work_decoder = msgspec.json.Decoder(wk.AnyWork)
+_lease_decoder = msgspec.json.Decoder(leases.Lease)
+
+
+class HostAgent:
+    name = "host-agent"
+
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        host_id: str,
+        root: Path,
+        replicas: int = 1,
+        capacity_sandboxes: int = 64,
+        lease_interval: float = 1.0,
+        interrupt_on_exit: bool = False,
+    ) -> None:
+        self._url = nats_url
+        self._names = names
+        self.host_id = host_id
+        self._root = Path(root)
+        self._replicas = replicas
+        self._capacity = capacity_sandboxes
+        self._lease_interval = lease_interval
+        self._interrupt_on_exit = interrupt_on_exit
+        self._stopping = asyncio.Event()
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
+        self._watcher_sandbox: dict[str, str] = {}
+        self.epoch = 0
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._nc = nc = await connect(self._url, name=f"sandhold-host-agent-{self.host_id}")
+        self.driver = ProcessDriver(self._root, self.host_id)
+        try:
+            js = self._js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            await self.driver.start()
+            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve,
+                                            actor=f"host-agent:{self.host_id}")
+            self.hosts = AggregateStore(js, self._names, "host", host_domain.evolve,
+                                        actor=f"host-agent:{self.host_id}")
+            await self.sandboxes.start()
+            await self.hosts.start()
+            self._kv = await leases.lease_bucket(js, self._names)
+            await self._register()
+            for handle in self.driver.adopt_all():
+                self._watch(handle)
+            sub = await js.pull_subscribe(
+                self._names.work(self.host_id),
+                durable=f"host-{self.host_id}",
+                stream=self._names.hostwork_stream,
+                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_deliver=20),
+            )
+            tasks = [asyncio.create_task(self._renew_lease()), asyncio.create_task(self._work(sub))]
+            await announce_ready(nc, self._names, self.name, host=self.host_id, epoch=self.epoch)
+            log.info("host-agent %s ready (epoch %d, %s)", self.host_id, self.epoch,
+                     self.driver.capabilities())
+            await self._stopping.wait()
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if self._interrupt_on_exit:
+                await self._interrupt_everything()
+            for task in list(self._watchers.values()):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            await self.driver.close()
+            await nc.drain()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    async def _register(self) -> None:
+        previous = 0
+        with contextlib.suppress(Exception):
+            entry = await self._kv.get(self.host_id)
+            if entry.value:
+                previous = _lease_decoder.decode(entry.value).epoch
+        registered, _ = self.hosts.get(self.host_id)
+        self.epoch = max(previous, registered.epoch if registered else 0) + 1
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        registration = ev.HostRegistered(
+            host=self.host_id,
+            epoch=self.epoch,
+            capacity_sandboxes=self._capacity,
+            memory_bytes=memory,
+            capabilities={k: str(v) for k, v in self.driver.capabilities().items()},
+        )
+        await self.hosts.execute(
+            self.host_id,
+            lambda state: host_domain.decide_register(state, registration),
+            id_base=f"register:{self.epoch}",
+            causation_id=f"{self.host_id}:start:{self.epoch}",
+            correlation_id=f"{self.host_id}:start:{self.epoch}",
+        )
+        await self._put_lease()
+
+    async def _put_lease(self) -> None:
+        await leases.renew(self._kv, leases.Lease(host=self.host_id, epoch=self.epoch,
+                                                  renewed_at=time.time()))
+
+    async def _renew_lease(self) -> None:
+        while True:
+            try:
+                await self._put_lease()
+            except Exception as err:  # a missed renewal is the recovery service's business
+                log.warning("lease renewal failed: %s", err)
+            await asyncio.sleep(self._lease_interval)
+
+    # --- work -----------------------------------------------------------------
+
+    async def _work(self, sub) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(batch=16, timeout=5)
+            except NatsTimeoutError:
+                continue
+            for msg in msgs:
+                await self._handle(msg)
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            work = _work_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.error("undecodable work on %s: %s", msg.subject, err)
+            await msg.term()
+            return
+        try:
+            await self._do(work)
+        except Rejected as err:
+            log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
+        except InfraError as err:
+            log.warning("%s for %s failed, will retry: %s", type(work).__name__,
+                        work.sandbox_id, err)
+            await msg.nak(delay=1)
+            return
+        await msg.ack()
+
+    async def _current(self, work: wk.AnyWork) -> sb.Sandbox:
+        """The sandbox as of at least the placement this work belongs to."""
+        state, _ = self.sandboxes.get(work.sandbox_id)
+        if state is None or state.generation < work.generation:
+            state, _ = await self.sandboxes.sync(work.sandbox_id)
+        if state is None or state.generation != work.generation or state.host != self.host_id:
+            raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
+        return state
+
+    async def _do(self, work: wk.AnyWork) -> None:
+        sid, gen, me = work.sandbox_id, work.generation, self.host_id
+        match work:
+            case wk.StartSandboxWork():
+                await self._current(work)
+                await self._report(sid, ev.SandboxStarting(host=me, generation=gen), work.msg_id)
+                try:
+                    await self.driver.create_sandbox(sid, work.memory_limit_bytes)
+                except OSError as err:
+                    failed = ev.SandboxStartFailed(host=me, generation=gen, reason=str(err))
+                    await self._report(sid, failed, work.msg_id)
+                    return
+                capabilities = {k: str(v) for k, v in self.driver.capabilities().items()}
+                started = ev.SandboxStarted(host=me, generation=gen, capabilities=capabilities)
+                await self._report(sid, started, work.msg_id)
+            case wk.RunCommandWork():
+                state = await self._current(work)
+                command = state.commands.get(work.command_id)
+                if command is None or command.ended:
+                    return
+                await self._launch(work)
+            case wk.CancelCommandWork():
+                await self.driver.interrupt(sid, work.command_id)
+            case wk.StopSandboxWork():
+                await self._current(work)
+                await self.driver.stop_sandbox(sid)
+                await self._settle(sid)
+                await self._report(sid, ev.SandboxStopped(host=me, generation=gen), work.msg_id)
+            case wk.DestroySandboxWork():
+                await self._current(work)
+                await self.driver.stop_sandbox(sid)
+                await self._settle(sid)
+                await self.driver.destroy_sandbox(sid)
+                await self._report(sid, ev.SandboxDeleted(host=me, generation=gen), work.msg_id)
+
+    async def _settle(self, sandbox_id: str) -> None:
+        """Wait until every command of the sandbox has reported its end."""
+        watchers = [t for cid, t in self._watchers.items()
+                    if self._watcher_sandbox.get(cid) == sandbox_id]
+        if watchers:
+            await asyncio.gather(*watchers, return_exceptions=True)
+
+    async def _report(self, sandbox_id: str, report: HostReport, cause: str) -> None:
+        await self.sandboxes.execute(
+            sandbox_id,
+            lambda state: decide_report(state, report),
+            id_base=f"{self.host_id}:{report.__struct_config__.tag}:{_report_key(report)}",
+            causation_id=cause,
+            correlation_id=cause,
+        )
+
+    # --- commands -------------------------------------------------------------
+
+    async def _launch(self, work: wk.RunCommandWork) -> None:
+        handle = await self.driver.launch(
+            work.sandbox_id,
+            work.command_id,
+            work.argv,
+            cwd=work.cwd,
+            env=work.env,
+            timeout_s=work.timeout_s,
+            kill_grace_s=work.kill_grace_s,
+        )
+        started = await handle.started()
+        if isinstance(started, int):
+            report = ev.CommandStarted(command_id=work.command_id, host=self.host_id,
+                                       generation=work.generation, pid=started)
+            with contextlib.suppress(Rejected):
+                await self._report(work.sandbox_id, report, work.msg_id)
+        self._watch(handle, generation=work.generation)
+
+    def _watch(self, handle: CommandHandle, generation: int | None = None) -> None:
+        if handle.command_id in self._watchers:
+            return
+        task = asyncio.create_task(self._follow(handle, generation))
+        self._watchers[handle.command_id] = task
+        self._watcher_sandbox[handle.command_id] = handle.sandbox_id
+        task.add_done_callback(lambda _: self._forget(handle.command_id))
+
+    def _forget(self, command_id: str) -> None:
+        self._watchers.pop(command_id, None)
+        self._watcher_sandbox.pop(command_id, None)
+
+    async def _follow(self, handle: CommandHandle, generation: int | None) -> None:
+        """Stream a command's output to OUTPUT, then report how it ended."""
+        sid, cid = handle.sandbox_id, handle.command_id
+        kept = await self._kept_offsets(sid, cid)
+        complete = True
+        exit_record: CommandExit | None = None
+        async for item in handle.watch(dict(kept)):
+            if isinstance(item, OutputChunk):
+                try:
+                    await self._publish_output(sid, cid, item)
+                    kept[item.stream] = item.offset + len(item.data)
+                except Exception as err:
+                    # The output stays on disk; what JetStream did not acknowledge is not kept.
+                    log.warning("output of %s not kept: %s", cid, err)
+                    complete = False
+            else:
+                exit_record = item
+        assert exit_record is not None
+        if generation is None:
+            state, _ = self.sandboxes.get(sid)
+            generation = state.generation if state is not None else 0
+        ended = ev.CommandEnded(
+            command_id=cid,
+            state=exit_record.reason,
+            exit_code=exit_record.exit_code,
+            reason=exit_record.detail,
+            host=self.host_id,
+            generation=generation,
+            output_kept=kept,
+            output_complete=complete,
+        )
+        for _ in range(100):
+            try:
+                await self._report(sid, ended, f"{cid}:exit")
+                break
+            except Rejected as err:
+                log.info("end of %s not recorded: %s", cid, err)
+                break
+            except InfraError as err:
+                log.warning("reporting the end of %s failed, retrying: %s", cid, err)
+                await asyncio.sleep(0.5)
+        self.driver.mark_reported(sid, cid)
+
+    async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
+        """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""
+        kept = {"stdout": 0, "stderr": 0}
+        for stream in kept:
+            subject = f"{self._names.output(sandbox_id, command_id)}.{stream}"
+            if await last_sequence(self._js, self._names.output_stream, subject) == 0:
+                continue
+            last = await self._js.get_last_msg(self._names.output_stream, subject, direct=True)
+            headers = last.headers or {}
+            kept[stream] = int(headers[OFFSET_HEADER]) + len(last.data or b"")
+        return kept
+
+    async def _publish_output(self, sandbox_id: str, command_id: str, chunk: OutputChunk) -> None:
+        await self._js.publish(
+            f"{self._names.output(sandbox_id, command_id)}.{chunk.stream}",
+            chunk.data,
+            stream=self._names.output_stream,
+            headers={
+                Header.MSG_ID: f"{command_id}:{chunk.stream}:{chunk.offset}",
+                STREAM_HEADER: chunk.stream,
+                OFFSET_HEADER: str(chunk.offset),
+            },
+        )
+
+    async def _interrupt_everything(self) -> None:
+        """On a full shutdown (`sandhold up` stopping): end commands and record it."""
+        for sandbox_id in {self._watcher_sandbox[c] for c in self._watchers}:
+            await self.driver.stop_sandbox(sandbox_id)
+        if self._watchers:
+            await asyncio.wait(list(self._watchers.values()), timeout=30)
+
+
+def _report_key(report: HostReport) -> str:
+    command_id = getattr(report, "command_id", None)
+    return f"{command_id}:{report.generation}" if command_id else str(report.generation)

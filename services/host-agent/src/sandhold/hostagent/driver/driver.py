@@ -1,0 +1,365 @@
+"""The process driver: run sandbox commands on this host so they outlive the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sandhold.hostagent.driver.cgroups import CgroupError, Cgroups, detect_cgroups
+from sandhold.hostagent.driver.handle import CommandHandle
+from sandhold.hostagent.driver.layout import HostLayout, check_id
+from sandhold.hostagent.driver.pool import (
+    SUPERVISOR_MODULE,
+    Doorbell,
+    SupervisorPool,
+    SupervisorStartError,
+)
+from sandhold.hostagent.driver.records import (
+    DEFAULT_KILL_GRACE_S,
+    CommandExit,
+    CommandSpec,
+    read_pid,
+    write_json,
+)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Beyond the grace, how long a supervisor may take to record an exit.
+_EXIT_MARGIN_S = 10.0
+
+
+class SandboxNotFound(LookupError):
+    """The sandbox was never created on this host (or has been destroyed)."""
+
+
+class ProcessDriver:
+    """Runs commands under detached supervisors; all state lives under ``root``.
+
+    Args:
+        root: this host's directory, e.g. ``<data>/hosts/<host-id>``.
+        host_id: names this host's cgroups, so agents on one machine never collide.
+        warm: how many idle supervisors to keep ready.
+        cgroups: a backend; detected from the mounts when None.
+        isolate_tmp: give each command a private tmpfs on /tmp where possible.
+        poll_interval_s: how often adopted commands (no doorbell) are looked at.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        host_id: str,
+        *,
+        warm: int = 2,
+        cgroups: Cgroups | None = None,
+        isolate_tmp: bool = True,
+        poll_interval_s: float = 0.05,
+    ) -> None:
+        self.layout = HostLayout(Path(root))
+        self.host_id = check_id("host id", host_id)
+        self.cgroups = cgroups if cgroups is not None else detect_cgroups(host_id)
+        self._pool = SupervisorPool(self.layout.root, warm)
+        self._isolate_tmp = isolate_tmp
+        self._tmp_probe: tuple[bool, str] = (False, "not probed yet (call start())")
+        self._poll_interval_s = poll_interval_s
+        self._handles: dict[tuple[str, str], CommandHandle] = {}
+
+    async def __aenter__(self) -> ProcessDriver:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        (self.layout.root / "sandboxes").mkdir(parents=True, exist_ok=True)
+        probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
+        self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())
+
+    async def close(self) -> None:
+        """Dismiss idle supervisors; running ones keep going for the next agent."""
+        await self._pool.close()
+        for handle in self._handles.values():
+            handle.detach()
+
+    async def _probe_tmp(self) -> tuple[bool, str]:
+        argv = [sys.executable, "-m", SUPERVISOR_MODULE, "--probe-tmp"]
+        done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, timeout=30)
+        try:
+            verdict = json.loads(done.stdout)
+            return bool(verdict["tmp_isolation"]), str(verdict["detail"])
+        except (ValueError, KeyError):
+            return False, f"probe failed: {done.stderr.decode(errors='replace').strip()}"
+
+    def capabilities(self) -> dict[str, Any]:
+        """What this host enforces, and in words what it does not."""
+        tmp_ok, tmp_detail = self._tmp_probe
+        degraded = []
+        if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
+            degraded.append(self.cgroups.message)
+        if not tmp_ok:
+            degraded.append(f"/tmp is shared with the host: {tmp_detail}")
+        return {
+            "cgroup": self.cgroups.kind,
+            "memory_limit": self.cgroups.enforces_memory_limit,
+            "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
+            "tmp_isolation": tmp_ok,
+            "message": "; ".join(degraded) or "full isolation",
+        }
+
+    # --- sandboxes ------------------------------------------------------------
+
+    def workspace(self, sandbox_id: str) -> Path:
+        return self.layout.workspace(sandbox_id)
+
+    async def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+        """Create (or update the limit of) a sandbox; safe to repeat."""
+        self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)
+        self.layout.commands_dir(sandbox_id).mkdir(exist_ok=True)
+        await asyncio.to_thread(self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes)
+
+    async def destroy_sandbox(self, sandbox_id: str) -> None:
+        """Kill everything in the sandbox, then remove its cgroups and directory."""
+        sandbox_dir = self.layout.sandbox_dir(sandbox_id)
+        await self._thaw_quietly(sandbox_id)
+        live = self._live_handles(sandbox_id)
+        for handle in live:
+            await self.interrupt(sandbox_id, handle.command_id, grace_s=0.0)
+        await asyncio.to_thread(self.cgroups.kill_all, sandbox_id)
+        await self._await_exits(live, _EXIT_MARGIN_S)
+        await asyncio.to_thread(self.cgroups.remove, sandbox_id)
+        for key in [key for key in self._handles if key[0] == sandbox_id]:
+            self._handles.pop(key).detach()
+        await asyncio.to_thread(shutil.rmtree, sandbox_dir, ignore_errors=True)
+
+    async def stop_sandbox(
+        self, sandbox_id: str, grace: float = DEFAULT_KILL_GRACE_S
+    ) -> dict[str, CommandExit]:
+        """Interrupt every live command (TERM, grace, KILL) and return how each ended.
+
+        Processes that outlived their command (background jobs) get the same
+        treatment afterwards, so the sandbox is quiet when this returns.
+        """
+        await self._thaw_quietly(sandbox_id)
+        live = self._live_handles(sandbox_id)
+        for handle in live:
+            await self.interrupt(sandbox_id, handle.command_id, grace_s=grace)
+        exits = await self._await_exits(live, grace + _EXIT_MARGIN_S)
+        await self._end_leftovers(sandbox_id, grace)
+        return exits
+
+    async def _thaw_quietly(self, sandbox_id: str) -> None:
+        # A frozen process cannot act on TERM, nor die of KILL, until thawed.
+        with contextlib.suppress(OSError):
+            await self.thaw(sandbox_id)
+
+    async def _end_leftovers(self, sandbox_id: str, grace: float) -> None:
+        pids = await asyncio.to_thread(self.cgroups.pids, sandbox_id)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.cgroups.pids(sandbox_id):
+            await asyncio.sleep(self._poll_interval_s)
+        await asyncio.to_thread(self.cgroups.kill_all, sandbox_id)
+
+    async def _await_exits(
+        self, handles: list[CommandHandle], timeout_s: float
+    ) -> dict[str, CommandExit]:
+        async def one(handle: CommandHandle) -> CommandExit:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    return await handle.wait()
+            # A supervisor that cannot finish is killed; its verdict is "unknown".
+            handle.signal_supervisor(signal.SIGKILL)
+            return await handle.wait()
+
+        results = await asyncio.gather(*(one(handle) for handle in handles))
+        return {handle.command_id: result for handle, result in zip(handles, results, strict=True)}
+
+    def _live_handles(self, sandbox_id: str) -> list[CommandHandle]:
+        live = []
+        for command_id in self.layout.command_ids(sandbox_id):
+            paths = self.layout.command(sandbox_id, command_id)
+            if paths.exit.exists() or paths.reported.exists():
+                continue
+            handle = self._handle(sandbox_id, command_id)
+            if handle.supervisor_alive():
+                live.append(handle)
+        return live
+
+    async def freeze(self, sandbox_id: str) -> None:
+        """Stop every process of the sandbox (for a crash-consistent save)."""
+        if self.cgroups.can_freeze:
+            await asyncio.to_thread(self.cgroups.freeze, sandbox_id)
+        else:
+            self._signal_groups(sandbox_id, signal.SIGSTOP)
+
+    async def thaw(self, sandbox_id: str) -> None:
+        if self.cgroups.can_freeze:
+            await asyncio.to_thread(self.cgroups.thaw, sandbox_id)
+        else:
+            self._signal_groups(sandbox_id, signal.SIGCONT)
+
+    def _signal_groups(self, sandbox_id: str, sig: signal.Signals) -> None:
+        # Without a freezer the process groups of running commands are all we
+        # can name; background jobs that left their group are not reached.
+        for handle in self._live_handles(sandbox_id):
+            pid = read_pid(handle.paths.pid)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, sig)
+
+    # --- commands -------------------------------------------------------------
+
+    async def launch(
+        self,
+        sandbox_id: str,
+        command_id: str,
+        argv: list[str],
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    ) -> CommandHandle:
+        """Start a command, or adopt it if this command id was launched before.
+
+        ``cwd`` defaults to the workspace; a relative one is taken from there.
+        The environment is ``env`` over a minimal PATH and HOME, never the agent's.
+        """
+        paths = self.layout.command(sandbox_id, command_id)
+        known = self._handles.get((sandbox_id, command_id))
+        if known is not None:
+            return known
+        workspace = self.layout.workspace(sandbox_id)
+        if not workspace.is_dir():
+            raise SandboxNotFound(f"sandbox {sandbox_id} does not exist on this host")
+        try:
+            paths.directory.mkdir()
+        except FileExistsError:
+            return self._handle(sandbox_id, command_id)
+        handle = CommandHandle(sandbox_id, command_id, paths, poll_interval_s=self._poll_interval_s)
+        self._handles[(sandbox_id, command_id)] = handle
+        with handle.launching():
+            await self._hand_over(handle, argv, workspace, cwd, env or {}, timeout_s, kill_grace_s)
+        return handle
+
+    async def _hand_over(
+        self,
+        handle: CommandHandle,
+        argv: list[str],
+        workspace: Path,
+        cwd: str | None,
+        env: dict[str, str],
+        timeout_s: float | None,
+        kill_grace_s: float,
+    ) -> None:
+        paths = handle.paths
+        try:
+            cgroup = self.cgroups.create_command(handle.sandbox_id, handle.command_id)
+        except (CgroupError, OSError) as err:
+            self._record_launch_failure(handle, f"cannot create the command's cgroup: {err}")
+            return
+        spec = CommandSpec(
+            sandbox_id=handle.sandbox_id,
+            command_id=handle.command_id,
+            argv=list(argv),
+            cwd=str(workspace / cwd) if cwd else str(workspace),
+            env={"PATH": DEFAULT_PATH, "HOME": str(workspace), **env},
+            timeout_s=timeout_s,
+            kill_grace_s=kill_grace_s,
+            cgroup_procs=cgroup.procs,
+            oom_file=cgroup.oom_file,
+            isolate_tmp=self._isolate_tmp,
+            keep_visible=[str(workspace)],
+            created_at=time.time(),
+        )
+        write_json(paths.spec, spec.to_json())
+        for stream in (paths.stdout, paths.stderr):
+            stream.touch()
+        while True:
+            try:
+                supervisor = await self._pool.take()
+            except SupervisorStartError as err:
+                self._record_launch_failure(handle, str(err))
+                return
+            handle.attach(Doorbell(supervisor.doorbell_fd))
+            try:
+                supervisor.hand_over(paths.directory)
+                return
+            except BrokenPipeError:
+                handle.detach()  # it died while idle; take the next one
+
+    def _record_launch_failure(self, handle: CommandHandle, detail: str) -> None:
+        now = time.time()
+        record = CommandExit(reason="launch_failed", detail=detail, started_at=now, ended_at=now)
+        write_json(handle.paths.exit, record.to_json(), durable=True)
+
+    async def interrupt(
+        self, sandbox_id: str, command_id: str, *, grace_s: float | None = None
+    ) -> bool:
+        """Ask the command's supervisor to end it (TERM, grace, KILL).
+
+        ``grace_s`` overrides the command's ``kill_grace_s``. Returns False if
+        the command had already ended or never ran.
+        """
+        if not self.layout.command(sandbox_id, command_id).directory.is_dir():
+            return False
+        handle = self._handle(sandbox_id, command_id)
+        started = await handle.started()
+        if isinstance(started, CommandExit) or handle.exit_record() is not None:
+            return False
+        if grace_s is not None:
+            write_json(handle.paths.interrupt, {"grace_s": grace_s})
+        return handle.signal_supervisor(signal.SIGUSR1)
+
+    def handle(self, sandbox_id: str, command_id: str) -> CommandHandle:
+        """The handle of a command known on disk."""
+        if not self.layout.command(sandbox_id, command_id).directory.is_dir():
+            raise LookupError(f"no command {command_id} in sandbox {sandbox_id}")
+        return self._handle(sandbox_id, command_id)
+
+    def _handle(self, sandbox_id: str, command_id: str) -> CommandHandle:
+        key = (sandbox_id, command_id)
+        if key not in self._handles:
+            paths = self.layout.command(sandbox_id, command_id)
+            self._handles[key] = CommandHandle(
+                sandbox_id, command_id, paths, poll_interval_s=self._poll_interval_s
+            )
+        return self._handles[key]
+
+    def adopt_all(self) -> list[CommandHandle]:
+        """Every command whose end has not been reported yet (after an agent restart)."""
+        return [
+            self._handle(sandbox_id, command_id)
+            for sandbox_id in self.layout.sandbox_ids()
+            for command_id in self.layout.command_ids(sandbox_id)
+            if not self.layout.command(sandbox_id, command_id).reported.exists()
+        ]
+
+    def mark_reported(self, sandbox_id: str, command_id: str) -> None:
+        """Record that the command's end is durably in the log; it is not adopted again."""
+        self.layout.command(sandbox_id, command_id).reported.touch()
+        handle = self._handles.pop((sandbox_id, command_id), None)
+        if handle is not None:
+            handle.detach()
+
+
+async def _disabled_tmp() -> tuple[bool, str]:
+    return False, "disabled by configuration"

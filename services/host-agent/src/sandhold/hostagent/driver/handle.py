@@ -1,0 +1,182 @@
+"""A command seen from the agent: its output and its end, read from its files."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from sandhold.hostagent.driver.layout import CommandPaths
+from sandhold.hostagent.driver.pool import Doorbell
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
+from sandhold.hostagent.driver.records import (
+    STREAMS,
+    CommandExit,
+    OutputChunk,
+    read_exit,
+    read_json,
+    read_pid,
+)
+
+CHUNK_BYTES = 64 * 1024
+# Even with a doorbell, look at the files now and then: a lost wake-up must
+# cost latency, never a hang.
+_DOORBELL_FALLBACK_S = 1.0
+# A command directory whose supervisor never recorded itself within this time
+# was abandoned between the driver's mkdir and the hand-over (agent crash).
+LAUNCH_CONFIRM_S = 5.0
+
+
+class CommandHandle:
+    """Follow one command, launched by this driver or adopted after a restart.
+
+    Several watchers may follow the same handle; each reads the files itself.
+    """
+
+    def __init__(
+        self, sandbox_id: str, command_id: str, paths: CommandPaths, *, poll_interval_s: float
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.command_id = command_id
+        self.paths = paths
+        self._poll_interval_s = poll_interval_s
+        self._doorbell: Doorbell | None = None
+        # True while this driver is between mkdir and the hand-over.
+        self._launching = False
+
+    def __repr__(self) -> str:
+        return f"CommandHandle({self.sandbox_id!r}, {self.command_id!r})"
+
+    @property
+    def adopted(self) -> bool:
+        """Whether progress is learned by polling (no doorbell from the supervisor)."""
+        return self._doorbell is None or not self._doorbell.attached
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """While the driver hands the command over, a missing supervisor is not a death."""
+        self._launching = True
+        try:
+            yield
+        finally:
+            self._launching = False
+
+    def attach(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+
+    def detach(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.detach()
+
+    def exit_record(self) -> CommandExit | None:
+        """The exit as recorded so far, without waiting."""
+        return read_exit(self.paths.exit)
+
+    def supervisor(self) -> ProcessIdentity | None:
+        raw = read_json(self.paths.supervisor)
+        return None if raw is None else ProcessIdentity.from_json(raw)
+
+    def supervisor_alive(self) -> bool:
+        if self._doorbell is not None and self._doorbell.attached:
+            return not self._doorbell.hung_up
+        identity = self.supervisor()
+        if identity is not None:
+            return identity.is_alive()
+        if self._launching:
+            return True
+        try:
+            age = time.time() - self.paths.spec.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return age < LAUNCH_CONFIRM_S
+
+    def _vanished(self) -> CommandExit:
+        if self.supervisor() is None:
+            detail = "launch was never confirmed: no supervisor took the command"
+        else:
+            detail = "supervisor vanished without an exit record"
+        return CommandExit(reason="unknown", detail=detail)
+
+    def _rings(self) -> int:
+        return self._doorbell.rings if self._doorbell is not None else 0
+
+    async def _wait(self, seen: int) -> None:
+        if self._doorbell is not None and self._doorbell.attached and not self._doorbell.hung_up:
+            await self._doorbell.wait(seen, _DOORBELL_FALLBACK_S)
+        else:
+            await asyncio.sleep(self._poll_interval_s)
+
+    async def started(self) -> int | CommandExit:
+        """The command's pid once it runs, or its end if it never ran (launch_failed)."""
+        while True:
+            seen = self._rings()
+            alive = self.supervisor_alive()
+            pid = read_pid(self.paths.pid)
+            if pid is not None:
+                return pid
+            record = self.exit_record()
+            if record is not None:
+                return record
+            if not alive:
+                return self._vanished()
+            await self._wait(seen)
+
+    async def wait(self) -> CommandExit:
+        """The end of the command, without reading its output."""
+        while True:
+            seen = self._rings()
+            # Liveness first: an exit record written before death is then visible.
+            alive = self.supervisor_alive()
+            record = self.exit_record()
+            if record is not None:
+                return record
+            if not alive:
+                return self._vanished()
+            await self._wait(seen)
+
+    async def watch(
+        self, offsets: dict[str, int] | None = None
+    ) -> AsyncIterator[OutputChunk | CommandExit]:
+        """Output from ``offsets`` on (64 KiB pieces at most), then the exit.
+
+        The exit comes only after all output: the supervisor writes exit.json
+        after the last output byte, and the files are read after exit.json.
+        """
+        positions = {"stdout": 0, "stderr": 0}
+        positions.update(offsets or {})
+        files: dict[str, int] = {}
+        try:
+            while True:
+                seen = self._rings()
+                alive = self.supervisor_alive()
+                record = self.exit_record()
+                for stream in STREAMS:
+                    while chunk := self._read(files, stream, positions[stream]):
+                        positions[stream] += len(chunk.data)
+                        yield chunk
+                if record is not None:
+                    yield record
+                    return
+                if not alive:
+                    yield self._vanished()
+                    return
+                await self._wait(seen)
+        finally:
+            for fd in files.values():
+                os.close(fd)
+
+    def _read(self, files: dict[str, int], stream: str, offset: int) -> OutputChunk | None:
+        if stream not in files:
+            try:
+                files[stream] = os.open(self.paths.stream(stream), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+        data = os.pread(files[stream], CHUNK_BYTES, offset)
+        return OutputChunk(stream, offset, data) if data else None  # type: ignore[arg-type]
+
+    def signal_supervisor(self, sig: signal.Signals) -> bool:
+        identity = self.supervisor()
+        return identity is not None and identity.send(sig)

@@ -1,0 +1,113 @@
+"""Where a host's sandboxes and commands live on disk.
+
+The directory tree is the driver's only durable state: a supervisor writes into
+it while the agent is down, and the next agent reads it back (``adopt_all``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Ids become path components and cgroup names, so they must not be able to
+# climb out of their directory or collide with our own file names.
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Return ``value`` if it is safe as a single path component, else raise ValueError."""
+    if not _ID_PATTERN.fullmatch(value) or ".." in value:
+        raise ValueError(f"invalid {kind} {value!r}: use letters, digits, '.', '_' and '-'")
+    return value
+
+
+@dataclass(frozen=True)
+class CommandPaths:
+    """The files of one command: ``<root>/sandboxes/<sandbox>/commands/<command>/``."""
+
+    directory: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.directory / "spec.json"
+
+    @property
+    def stdout(self) -> Path:
+        return self.directory / "stdout"
+
+    @property
+    def stderr(self) -> Path:
+        return self.directory / "stderr"
+
+    @property
+    def pid(self) -> Path:
+        """The command's own pid (its process group id too)."""
+        return self.directory / "pid"
+
+    @property
+    def supervisor(self) -> Path:
+        """Identity of the supervisor process, so liveness survives pid reuse."""
+        return self.directory / "supervisor.json"
+
+    @property
+    def interrupt(self) -> Path:
+        """Written before SIGUSR1 when the caller wants a grace other than the spec's."""
+        return self.directory / "interrupt.json"
+
+    @property
+    def exit(self) -> Path:
+        return self.directory / "exit.json"
+
+    @property
+    def reported(self) -> Path:
+        return self.directory / "reported"
+
+    @property
+    def log(self) -> Path:
+        """The supervisor's own stderr (tracebacks), never the command's."""
+        return self.directory / "supervisor.log"
+
+    def stream(self, name: str) -> Path:
+        if name == "stdout":
+            return self.stdout
+        if name == "stderr":
+            return self.stderr
+        raise ValueError(f"unknown stream {name!r}")
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The tree under a host root, e.g. ``<data>/hosts/<host-id>``."""
+
+    root: Path
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.root / "sandboxes" / check_id("sandbox id", sandbox_id)
+
+    def workspace(self, sandbox_id: str) -> Path:
+        return self.sandbox_dir(sandbox_id) / "workspace"
+
+    def commands_dir(self, sandbox_id: str) -> Path:
+        return self.sandbox_dir(sandbox_id) / "commands"
+
+    def command(self, sandbox_id: str, command_id: str) -> CommandPaths:
+        return CommandPaths(self.commands_dir(sandbox_id) / check_id("command id", command_id))
+
+    def sandbox_ids(self) -> list[str]:
+        base = self.root / "sandboxes"
+        try:
+            entries = os.scandir(base)
+        except FileNotFoundError:
+            return []
+        with entries:
+            return sorted(entry.name for entry in entries if entry.is_dir())
+
+    def command_ids(self, sandbox_id: str) -> list[str]:
+        try:
+            entries = os.scandir(self.commands_dir(sandbox_id))
+        except FileNotFoundError:
+            return []
+        with entries:
+            return sorted(entry.name for entry in entries if entry.is_dir())

@@ -1,0 +1,205 @@
+"""Warm supervisors and their doorbells.
+
+Starting Python costs 20-40 ms, more than the whole exec round trip may take,
+so supervisors are started ahead of need and wait for a command on stdin.
+They are spawned detached (own session, then a second fork), so they are not
+the agent's children: nothing to reap, nothing killed when the agent exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPERVISOR_MODULE = "sandhold.hostagent.driver.supervisor"
+_ANNOUNCE_LIMIT = 64
+
+log = logging.getLogger(__name__)
+
+
+class SupervisorStartError(RuntimeError):
+    """A supervisor process could not be started."""
+
+
+@dataclass
+class WarmSupervisor:
+    """An idle supervisor: its pid, the write end of its stdin, its doorbell pipe."""
+
+    pid: int
+    stdin_fd: int
+    doorbell_fd: int
+
+    def hand_over(self, command_dir: Path) -> None:
+        """Give it its command; raises BrokenPipeError if it died while idle."""
+        line = json.dumps({"command_dir": str(command_dir)}).encode() + b"\n"
+        try:
+            os.write(self.stdin_fd, line)
+        finally:
+            os.close(self.stdin_fd)
+
+    def dismiss(self) -> None:
+        """Let it go: EOF on its stdin makes an idle supervisor exit."""
+        for fd in (self.stdin_fd, self.doorbell_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def spawn_supervisor(root: Path) -> WarmSupervisor:
+    """Start one supervisor and wait until it has announced itself (blocking)."""
+    stdin_r, stdin_w = os.pipe()
+    bell_r, bell_w = os.pipe()
+    err_r, err_w = os.pipe()
+    argv = [sys.executable, "-m", SUPERVISOR_MODULE, "--root", str(root)]
+    try:
+        launcher = os.posix_spawn(
+            sys.executable,
+            argv,
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, stdin_r, 0),
+                (os.POSIX_SPAWN_DUP2, bell_w, 1),
+                (os.POSIX_SPAWN_DUP2, err_w, 2),
+            ],
+            setsid=True,
+        )
+    except OSError as err:
+        for fd in (stdin_r, stdin_w, bell_r, bell_w, err_r, err_w):
+            os.close(fd)
+        raise SupervisorStartError(f"cannot spawn {sys.executable}: {err}") from err
+    for fd in (stdin_r, bell_w, err_w):
+        os.close(fd)
+    announced = b""
+    while not announced.endswith(b"\n") and len(announced) < _ANNOUNCE_LIMIT:
+        piece = os.read(bell_r, _ANNOUNCE_LIMIT)
+        if not piece:
+            break
+        announced += piece
+    os.waitpid(launcher, 0)  # the intermediate process that forked the supervisor
+    if not announced.endswith(b"\n"):
+        errors = os.read(err_r, 8192).decode(errors="replace").strip()
+        for fd in (stdin_w, bell_r, err_r):
+            os.close(fd)
+        raise SupervisorStartError(f"supervisor did not start: {errors or 'no output'}")
+    os.close(err_r)
+    os.set_blocking(bell_r, False)
+    os.set_blocking(stdin_w, False)
+    return WarmSupervisor(int(announced), stdin_w, bell_r)
+
+
+class SupervisorPool:
+    """Keeps ``size`` idle supervisors ready, refilling in the background."""
+
+    def __init__(self, root: Path, size: int) -> None:
+        self._root = root
+        self._size = size
+        self._idle: list[WarmSupervisor] = []
+        self._spawning: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def start(self) -> None:
+        """Fill the pool; a supervisor that cannot start fails here, loudly."""
+        spawned = await asyncio.gather(
+            *(asyncio.to_thread(spawn_supervisor, self._root) for _ in range(self._size))
+        )
+        self._idle.extend(spawned)
+
+    async def take(self) -> WarmSupervisor:
+        """An idle supervisor; else one already starting; else a fresh one."""
+        while not self._closed:
+            if self._idle:
+                supervisor = self._idle.pop()
+                self._top_up()
+                return supervisor
+            if not self._spawning:
+                break
+            await asyncio.wait(set(self._spawning), return_when=asyncio.FIRST_COMPLETED)
+        if self._closed:
+            raise SupervisorStartError("the supervisor pool is closed")
+        supervisor = await asyncio.to_thread(spawn_supervisor, self._root)
+        self._top_up()
+        return supervisor
+
+    def _top_up(self) -> None:
+        for _ in range(self._size - len(self._idle) - len(self._spawning)):
+            task = asyncio.create_task(self._spawn_one(), name="supervisor-pool-refill")
+            self._spawning.add(task)
+            task.add_done_callback(self._spawning.discard)
+
+    async def _spawn_one(self) -> None:
+        try:
+            supervisor = await asyncio.to_thread(spawn_supervisor, self._root)
+        except SupervisorStartError:
+            # take() then starts one itself and surfaces the error there.
+            log.exception("refilling the supervisor pool failed")
+            return
+        if self._closed:
+            supervisor.dismiss()
+        else:
+            self._idle.append(supervisor)
+
+    async def close(self) -> None:
+        self._closed = True
+        # Not cancelled: a cancelled to_thread would leak the supervisor it is
+        # starting. Each sees _closed and dismisses its own.
+        await asyncio.gather(*self._spawning)
+        while self._idle:
+            self._idle.pop().dismiss()
+
+
+class Doorbell:
+    """Wake-ups from a supervisor's stdout; EOF there means it has exited."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+        self.rings = 0
+        self.hung_up = False
+        self._loop.add_reader(fd, self._on_readable)
+
+    @property
+    def attached(self) -> bool:
+        """Whether this bell still speaks for the supervisor (not closed by the driver)."""
+        return self._fd is not None or self.hung_up
+
+    def _on_readable(self) -> None:
+        assert self._fd is not None
+        try:
+            data = os.read(self._fd, 4096)
+        except BlockingIOError:
+            return
+        if not data:
+            self.hung_up = True
+            self._release()
+        self._ring()
+
+    def _ring(self) -> None:
+        self.rings += 1
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def detach(self) -> None:
+        """Stop listening (driver closing); the supervisor keeps running."""
+        self._release()
+        self._ring()
+
+    async def wait(self, seen: int, timeout_s: float) -> None:
+        """Return once the bell rang after ``seen`` rings, or after ``timeout_s``."""
+        if self.rings != seen:
+            return
+        event = self._event
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()

@@ -1,0 +1,146 @@
+"""The records the driver and its supervisors exchange through files.
+
+Plain JSON rather than msgspec: the supervisor imports this module in every warm
+process, and these records never leave the host (the service maps them onto
+domain events).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Stream = Literal["stdout", "stderr"]
+STREAMS: tuple[Stream, ...] = ("stdout", "stderr")
+
+# How a command ended, as the supervisor (or the driver, for "unknown") saw it.
+ExitReason = Literal[
+    "exited", "timed_out", "interrupted", "launch_failed", "resource_exhausted", "unknown"
+]
+EXIT_REASONS: frozenset[str] = frozenset(ExitReason.__args__)  # type: ignore[attr-defined]
+
+DEFAULT_KILL_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """A piece of a command's output, at its byte offset in the stream file."""
+
+    stream: Stream
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class CommandExit:
+    """The parsed ``exit.json`` of a command (or the driver's ``unknown`` verdict)."""
+
+    reason: ExitReason
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str = ""
+    started_at: float | None = None
+    ended_at: float | None = None
+    oom_kills: int = 0
+    tmp_isolated: bool = False
+    # Why /tmp was not private, when it was not.
+    tmp_detail: str = ""
+    pid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> CommandExit:
+        reason = raw.get("reason")
+        if reason not in EXIT_REASONS:
+            return cls(reason="unknown", detail=f"unreadable exit record (reason {reason!r})")
+        known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """What a supervisor must run; written by the driver as ``spec.json``."""
+
+    sandbox_id: str
+    command_id: str
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    timeout_s: float | None = None
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S
+    # cgroup.procs files of the command's cgroup(s): the child writes its pid
+    # into them before exec, and the final KILL reaches everyone listed there.
+    cgroup_procs: list[str] = field(default_factory=list)
+    # memory.oom_control (v1) or memory.events (v2) of the command's cgroup.
+    oom_file: str | None = None
+    isolate_tmp: bool = True
+    # Directories under /tmp that must stay visible through the private /tmp.
+    keep_visible: list[str] = field(default_factory=list)
+    created_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> CommandSpec:
+        known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        return cls(**known)
+
+
+def write_atomically(path: Path, payload: bytes, *, durable: bool) -> None:
+    """Replace ``path`` so readers see the old file or the whole new one, never a part.
+
+    ``durable`` adds the fsyncs that make the file survive a power loss; the
+    exit record needs them, the pid file does not.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if durable:
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def write_json(path: Path, value: dict[str, Any], *, durable: bool = False) -> None:
+    write_atomically(path, json.dumps(value, separators=(",", ":")).encode(), durable=durable)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None if the file does not exist (yet)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return value
+
+
+def read_exit(path: Path) -> CommandExit | None:
+    raw = read_json(path)
+    return None if raw is None else CommandExit.from_json(raw)
+
+
+def read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return int(text.strip()) if text.strip() else None

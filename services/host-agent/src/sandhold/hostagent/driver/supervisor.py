@@ -1,0 +1,351 @@
+"""The supervisor: one process per command, independent of the agent.
+
+Started warm by the driver (``python -m sandhold.hostagent.driver.supervisor``),
+it detaches, announces its pid on stdout and waits for one line on stdin naming
+a command directory. Then it runs the command from ``spec.json``, copies its
+output into files, enforces the timeout and interrupts, and writes
+``exit.json``. stdout stays a pipe to the agent: one byte there (the doorbell)
+after every write tells the agent to look at the files. If the agent is gone
+the doorbell is silently lost and the files remain the truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids
+from sandhold.hostagent.driver.layout import CommandPaths
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
+from sandhold.hostagent.driver.records import (
+    CommandExit,
+    CommandSpec,
+    ExitReason,
+    read_json,
+    write_atomically,
+    write_json,
+)
+from sandhold.hostagent.driver.tmp_isolation import TmpIsolation
+
+_READ_SIZE = 64 * 1024
+# After the command exits, output still held by its background children is
+# read for this long; then the pipes are closed and the exit is recorded.
+_DRAIN_S = 0.5
+_DOORBELL = 1
+_OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+
+
+def ring() -> None:
+    """Wake the agent; never block and never fail, the agent may be gone."""
+    with contextlib.suppress(OSError):
+        os.write(_DOORBELL, b"!")
+
+
+def launch_problem(spec: CommandSpec) -> str | None:
+    """Why the command cannot start, in the words ``launch_failed`` reports."""
+    if not spec.argv:
+        return "empty command line"
+    if not os.path.isdir(spec.cwd):
+        return f"working directory does not exist: {spec.cwd}"
+    program = spec.argv[0]
+    if "/" in program:
+        path = os.path.join(spec.cwd, program)
+        if not os.path.exists(path):
+            return f"executable not found: {program}"
+        if os.path.isdir(path) or not os.access(path, os.X_OK):
+            return f"not an executable file: {program}"
+        return None
+    if shutil.which(program, path=spec.env.get("PATH", os.defpath)) is None:
+        return f"executable not found: {program}"
+    return None
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class Supervisor:
+    def __init__(self, paths: CommandPaths, spec: CommandSpec, wakeup: int) -> None:
+        self.paths = paths
+        self.spec = spec
+        self.wakeup = wakeup
+        self.started_at = time.time()
+        self.tmp_isolated = False
+        self.tmp_detail = ""
+        self.ending: ExitReason | None = None
+        self.ending_detail = ""
+        self.kill_at: float | None = None
+        self.killed = False
+        self.output_problem = ""
+
+    # --- launch -----------------------------------------------------------
+
+    def run(self) -> None:
+        problem = launch_problem(self.spec)
+        if problem is not None:
+            self.finish(CommandExit(reason="launch_failed", detail=problem))
+            return
+        status_r, status_w = os.pipe()
+        isolation = TmpIsolation() if self.spec.isolate_tmp else None
+        child: subprocess.Popen[bytes] | None = None
+        try:
+            child = subprocess.Popen(
+                self.spec.argv,
+                cwd=self.spec.cwd,
+                env=self.spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=lambda: self._child_setup(isolation, status_w),
+            )
+        except subprocess.SubprocessError:
+            problem = "child setup failed"
+        except OSError as err:
+            problem = f"cannot start {self.spec.argv[0]}: {err.strerror}"
+        finally:
+            # Closed before reading, so a child that wrote nothing yields EOF.
+            os.close(status_w)
+        status = os.read(status_r, 4096).decode(errors="replace")
+        os.close(status_r)
+        if child is None:
+            if status.startswith("F"):
+                problem = status[1:]
+            self.finish(CommandExit(reason="launch_failed", detail=problem))
+            return
+        self.tmp_isolated = status.startswith("T")
+        self.tmp_detail = status[1:]
+        write_atomically(self.paths.pid, f"{child.pid}\n".encode(), durable=False)
+        ring()
+        self.relay(child)
+        self.finish(self.exit_record(child))
+
+    def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
+        """Runs in the child between fork and exec: join cgroups, private /tmp."""
+        pid = str(os.getpid()).encode()
+        for procs in self.spec.cgroup_procs:
+            try:
+                fd = os.open(procs, os.O_WRONLY)
+                try:
+                    os.write(fd, pid)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                os.write(status_w, f"Fcannot join cgroup {procs}: {err.strerror}".encode())
+                raise
+        if isolation is None:
+            os.write(status_w, b"Nprivate /tmp disabled")
+            return
+        reason = isolation.isolate([*self.spec.keep_visible, self.spec.cwd])
+        os.write(status_w, b"T" if reason is None else f"N{reason}".encode())
+
+    # --- relay and end ------------------------------------------------------
+
+    def relay(self, child: subprocess.Popen[bytes]) -> None:
+        assert child.stdout is not None and child.stderr is not None
+        outputs = {
+            child.stdout.fileno(): os.open(self.paths.stdout, _OUTPUT_FLAGS, 0o644),
+            child.stderr.fileno(): os.open(self.paths.stderr, _OUTPUT_FLAGS, 0o644),
+        }
+        selector = selectors.DefaultSelector()
+        for fd in outputs:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        selector.register(self.wakeup, selectors.EVENT_READ)
+        timeout_at = None if self.spec.timeout_s is None else time.monotonic() + self.spec.timeout_s
+        drain_until: float | None = None
+        while True:
+            now = time.monotonic()
+            if timeout_at is not None and now >= timeout_at and child.returncode is None:
+                timeout_at = None
+                self.begin_ending(child, "timed_out", self.spec.kill_grace_s)
+            if self.kill_at is not None and now >= self.kill_at and not self.killed:
+                self.kill_everything(child.pid)
+            if child.returncode is None and child.poll() is not None:
+                drain_until = max(now, self.kill_at or 0.0) + _DRAIN_S
+            if drain_until is not None and (len(outputs) == 0 or now >= drain_until):
+                break
+            kill_at = None if self.killed else self.kill_at
+            timers = [t for t in (timeout_at, kill_at, drain_until) if t is not None]
+            wait = max(0.0, min(timers) - now) if timers else None
+            for key, _ in selector.select(wait):
+                fd = int(key.fd)
+                if fd == self.wakeup:
+                    self.handle_signals(child)
+                    continue
+                data = os.read(fd, _READ_SIZE)
+                if data:
+                    self.record_output(outputs[fd], data)
+                    ring()
+                else:
+                    selector.unregister(fd)
+                    os.close(outputs.pop(fd))
+        for fd, out in outputs.items():
+            selector.unregister(fd)
+            os.close(out)
+        selector.close()
+        child.stdout.close()
+        child.stderr.close()
+
+    def record_output(self, out: int, data: bytes) -> None:
+        # On a full disk the command keeps running (its pipe is still read),
+        # and its end says what was lost rather than the supervisor dying.
+        if self.output_problem:
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view) :]
+        except OSError as err:
+            self.output_problem = f"output not recorded from here on: {err.strerror}"
+
+    def handle_signals(self, child: subprocess.Popen[bytes]) -> None:
+        try:
+            received = os.read(self.wakeup, 256)
+        except BlockingIOError:
+            return
+        if {signal.SIGUSR1, signal.SIGTERM} & set(received) and child.returncode is None:
+            grace = self.spec.kill_grace_s
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                grace = float((read_json(self.paths.interrupt) or {}).get("grace_s", grace))
+            self.begin_ending(child, "interrupted", grace)
+
+    def begin_ending(
+        self, child: subprocess.Popen[bytes], reason: ExitReason, grace: float
+    ) -> None:
+        """TERM to the process group now, KILL after the grace; first reason wins."""
+        if self.ending is not None:
+            return
+        self.ending = reason
+        what = "timeout passed" if reason == "timed_out" else "interrupt requested"
+        self.ending_detail = f"{what}: SIGTERM sent, SIGKILL after {grace:g}s"
+        _kill_group(child.pid, signal.SIGTERM)
+        self.kill_at = time.monotonic() + grace
+
+    def kill_everything(self, pgid: int) -> None:
+        self.killed = True
+        _kill_group(pgid, signal.SIGKILL)
+        # The cgroup also reaches processes that left the process group.
+        for procs in self.spec.cgroup_procs:
+            with contextlib.suppress(OSError):
+                for pid in parse_pids(Path(procs).read_text()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+    def exit_record(self, child: subprocess.Popen[bytes]) -> CommandExit:
+        code = child.returncode
+        assert code is not None
+        oom_kills = 0
+        if self.spec.oom_file is not None:
+            with contextlib.suppress(OSError, ValueError):
+                oom_kills = parse_oom_kills(Path(self.spec.oom_file).read_text())
+        exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        if oom_kills:
+            reason: ExitReason = "resource_exhausted"
+            detail = f"out of memory: {oom_kills} process(es) of the command were OOM-killed"
+        elif self.ending is not None:
+            reason, detail = self.ending, self.ending_detail
+        else:
+            reason = "exited"
+            detail = "" if sig is None else f"killed by {signal.Signals(sig).name}"
+        if self.output_problem:
+            detail = f"{detail}; {self.output_problem}" if detail else self.output_problem
+        return CommandExit(
+            reason=reason, exit_code=exit_code, signal=sig, detail=detail,
+            oom_kills=oom_kills, pid=child.pid,
+        )  # fmt: skip
+
+    def finish(self, record: CommandExit) -> None:
+        final = CommandExit(
+            **{
+                **record.to_json(),
+                "started_at": self.started_at,
+                "ended_at": time.time(),
+                "tmp_isolated": self.tmp_isolated,
+                "tmp_detail": self.tmp_detail,
+            }
+        )
+        write_json(self.paths.exit, final.to_json(), durable=True)
+        ring()
+
+
+# --- process setup ----------------------------------------------------------
+
+
+def _detach() -> None:
+    """Fork once more so that the agent never has to reap us, then announce our pid."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.write(_DOORBELL, f"{os.getpid()}\n".encode())
+
+
+def _signals() -> int:
+    """Route SIGUSR1/SIGTERM/SIGCHLD into a pipe the relay loop selects on."""
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_r, False)
+    os.set_blocking(wakeup_w, False)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, lambda *_: None)
+    signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
+    return wakeup_r
+
+
+def serve() -> int:
+    # A handler rather than SIG_IGN: ignored signals would be inherited by the command.
+    signal.signal(signal.SIGHUP, lambda *_: None)
+    _detach()
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 0  # the driver let this warm supervisor go unused
+    paths = CommandPaths(Path(json.loads(line)["command_dir"]))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    os.set_blocking(_DOORBELL, False)
+    wakeup = _signals()
+    identity = ProcessIdentity.of(os.getpid())
+    assert identity is not None
+    write_json(paths.supervisor, identity.to_json())
+    spec = CommandSpec.from_json(read_json(paths.spec) or {})
+    supervisor = Supervisor(paths, spec, wakeup)
+    try:
+        supervisor.run()
+    except BaseException as err:
+        if not paths.exit.exists():
+            detail = f"supervisor failed: {type(err).__name__}: {err}"
+            supervisor.finish(CommandExit(reason="unknown", detail=detail))
+        raise
+    return 0
+
+
+def probe_tmp() -> int:
+    """Report whether a private /tmp works here (run as a throwaway process)."""
+    reason = TmpIsolation().isolate([])
+    print(json.dumps({"tmp_isolation": reason is None, "detail": reason or ""}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandhold-supervisor")
+    # Only there so that `ps` (and test cleanup) can tell whose supervisor this is.
+    parser.add_argument("--root", default="")
+    parser.add_argument("--probe-tmp", action="store_true")
+    args = parser.parse_args(argv)
+    return probe_tmp() if args.probe_tmp else serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

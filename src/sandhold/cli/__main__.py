@@ -1,0 +1,3 @@
+from sandhold.cli.main import main
+
+main()

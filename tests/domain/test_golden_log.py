@@ -1,0 +1,264 @@
+"""Replay a checked-in event log, so a change that breaks old logs fails loudly.
+
+`golden/sandbox_v1.jsonl` was written once by driving the real deciders and is
+never regenerated: if this test fails, the change broke logs already on disk.
+Keep the file; make the change compatible (a default for a new field, or a new
+tag and an upcaster) and add a `_v2` log next to it if the new shape needs one.
+
+The log is a slice of the EVENTS stream: one sandbox's life (two placements, four
+commands, every event type) interleaved with two host registrations. Some lines
+are deliberately not what today's encoder writes: a newer writer's extra fields
+(in an event and in an envelope) and an older writer's missing defaulted fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain.envelope import Envelope
+from sandhold.domain.fold import fold
+from sandhold.domain.host import Host
+from sandhold.domain.host import evolve as evolve_host
+from sandhold.domain.sandbox import Sandbox, evolve
+from sandhold.domain.views import sandbox_view
+
+GOLDEN = Path(__file__).parent / "golden" / "sandbox_v1.jsonl"
+DECODER = msgspec.json.Decoder(Envelope)
+
+T0 = 1_700_000_000.0
+TENANT = "acme"
+SID = "sb-88b946ae2134cc58"
+BUILD = "cmd-250c7b5afc3fd923"
+SERVE = "cmd-6e9de978700239f1"
+MISSING = "cmd-faee333b07eac915"
+QUEUED = "cmd-8fb4d0ef36173e74"
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def at(step: int) -> float:
+    """The time the log's writer gave the envelopes of its `step`."""
+    return T0 + step * 1.25
+
+
+@pytest.fixture(scope="module")
+def envelopes() -> list[Envelope]:
+    return [DECODER.decode(line) for line in GOLDEN.read_bytes().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def sandbox(envelopes: list[Envelope]) -> Sandbox:
+    state = fold(evolve, [e for e in envelopes if e.aggregate_id == SID], None)
+    assert state is not None
+    return state
+
+
+def test_the_ids_still_follow_from_the_keys() -> None:
+    # A retry after an upgrade must find the sandbox and commands it made before.
+    assert rq.sandbox_id_for(TENANT, "golden-create") == SID
+    assert [rq.command_id_for(SID, key) for key in ("run-build", "run-serve", "run-missing")] == [
+        BUILD,
+        SERVE,
+        MISSING,
+    ]
+    assert rq.command_id_for(SID, "run-queued") == QUEUED
+
+
+def test_the_log_holds_every_event_type(envelopes: list[Envelope]) -> None:
+    every_tag = {t.__struct_config__.tag for t in ev.AnyEvent.__args__}  # type: ignore[attr-defined]
+    assert {e.type for e in envelopes} == every_tag
+
+
+def test_the_envelopes_decode_with_their_metadata(envelopes: list[Envelope]) -> None:
+    assert len(envelopes) == 27
+    first_sandbox_envelope = envelopes[1]
+    assert first_sandbox_envelope == Envelope(
+        id=f"{SID}:g1:0",
+        aggregate_id=SID,
+        time=at(1),
+        actor="client",
+        causation_id="golden-create",
+        correlation_id="corr-golden-create",
+        event=ev.SandboxCreated(
+            sandbox_id=SID,
+            request_key="golden-create",
+            request_digest="c90ef123692a091268cfeb4537c4808e",
+            memory_limit_bytes=256 * MiB,
+            tenant=TENANT,
+        ),
+        trace_id="trace-create",
+    )
+    assert len({e.id for e in envelopes}) == len(envelopes), "ids stay unique (Nats-Msg-Id)"
+
+
+def test_fields_a_newer_writer_added_are_skipped(envelopes: list[Envelope]) -> None:
+    raw = [msgspec.json.decode(line) for line in GOLDEN.read_bytes().splitlines()]
+    assert "duration_s" in raw[12]["event"] and "span_id" in raw[4]
+    assert envelopes[12].event == ev.CommandEnded(
+        command_id=BUILD,
+        state="exited",
+        exit_code=0,
+        host="host-a",
+        generation=1,
+        output_kept={"stdout": 2048, "stderr": 12},
+    )
+    assert envelopes[4].type == "sandbox.started"
+
+
+def test_fields_an_older_writer_left_out_take_their_defaults(envelopes: list[Envelope]) -> None:
+    raw = [msgspec.json.decode(line) for line in GOLDEN.read_bytes().splitlines()]
+    assert "cwd" not in raw[17]["event"] and "trace_id" not in raw[20]
+    assert envelopes[17].event == ev.CommandQueued(
+        command_id=QUEUED,
+        request_key="run-queued",
+        request_digest="1b4e874500d3028a029868db2fc9dde1",
+        argv=["sleep", "1"],
+    )
+    assert envelopes[20].trace_id is None
+
+
+def test_each_prefix_replays_to_the_phase_it_had(envelopes: list[Envelope]) -> None:
+    phases = []
+    state: Sandbox | None = None
+    for envelope in (e for e in envelopes if e.aggregate_id == SID):
+        state = evolve(state, envelope)
+        assert state is not None
+        phases.append(state.phase)
+    assert phases == [
+        "pending",  # created
+        "placed",
+        "starting",
+        "running",  # started
+        *["running"] * 13,  # commands queued, dispatched, started, cancelled, ended
+        "stopping",  # stop requested
+        "stopping",  # the queued command not launched
+        "stopped",
+        "pending",  # start requested
+        "placed",  # on host-b, generation 2
+        "failed",
+        "failed",  # delete requested
+        "deleted",
+    ]
+
+
+def test_the_sandbox_replays_field_by_field(sandbox: Sandbox) -> None:
+    assert sandbox.id == SID
+    assert sandbox.tenant == TENANT
+    assert sandbox.phase == "deleted"
+    assert sandbox.created_at == at(1)
+    assert sandbox.memory_limit_bytes == 256 * MiB
+    assert sandbox.host == "host-b"
+    assert sandbox.generation == 2
+    assert sandbox.reason == "image pull failed"
+    assert sandbox.delete_requested is True
+    assert sandbox.capabilities == {"runtime": "runc", "net": "none"}
+    assert list(sandbox.commands) == [BUILD, SERVE, MISSING, QUEUED]
+    assert sandbox_view(sandbox).commands == {
+        "exited": 1,
+        "interrupted": 1,
+        "launch_failed": 1,
+        "not_launched": 1,
+    }
+
+
+def test_the_recorded_keys_still_match_the_requests_that_made_them(sandbox: Sandbox) -> None:
+    # If the digest changed, retrying any of these requests after an upgrade would be
+    # refused as an idempotency conflict.
+    requests: list[rq.AnyRequest] = [
+        rq.CreateSandbox(key="golden-create", tenant=TENANT, memory_limit_bytes=256 * MiB),
+        rq.RunCommand(
+            key="run-build",
+            tenant=TENANT,
+            sandbox_id=SID,
+            argv=["make", "build"],
+            cwd="/work",
+            env={"CI": "1"},
+            timeout_s=600.0,
+            kill_grace_s=10.0,
+        ),
+        rq.RunCommand(
+            key="run-serve", tenant=TENANT, sandbox_id=SID, argv=["python", "-m", "http.server"]
+        ),
+        rq.RunCommand(key="run-missing", tenant=TENANT, sandbox_id=SID, argv=["no-such-tool"]),
+        rq.CancelCommand(key="cancel-serve", tenant=TENANT, sandbox_id=SID, command_id=SERVE),
+        rq.RunCommand(key="run-queued", tenant=TENANT, sandbox_id=SID, argv=["sleep", "1"]),
+        rq.StopSandbox(key="stop-1", tenant=TENANT, sandbox_id=SID),
+        rq.StartSandbox(key="start-2", tenant=TENANT, sandbox_id=SID),
+        rq.DeleteSandbox(key="delete-1", tenant=TENANT, sandbox_id=SID),
+    ]
+    assert sandbox.requests == {r.key: rq.request_digest(r) for r in requests}
+
+
+def test_a_command_that_ran_and_exited(sandbox: Sandbox) -> None:
+    build = sandbox.commands[BUILD]
+    assert build.state == "exited"
+    assert build.exit_code == 0
+    assert build.argv == ["make", "build"]
+    assert build.request_key == "run-build"
+    assert (build.cwd, build.env, build.timeout_s, build.kill_grace_s) == (
+        "/work",
+        {"CI": "1"},
+        600.0,
+        10.0,
+    )
+    assert (build.host, build.generation, build.pid) == ("host-a", 1, 101)
+    assert build.reason == ""
+    assert build.cancel_requested is False
+    assert build.output_kept == {"stdout": 2048, "stderr": 12}
+    assert build.output_complete is True
+    assert (build.queued_at, build.ended_at) == (at(5), at(10))
+
+
+def test_a_command_cancelled_while_it_ran(sandbox: Sandbox) -> None:
+    serve = sandbox.commands[SERVE]
+    assert serve.state == "interrupted"
+    assert serve.exit_code is None
+    assert serve.argv == ["python", "-m", "http.server"]
+    assert (serve.cwd, serve.env, serve.timeout_s, serve.kill_grace_s) == (None, {}, None, 5.0)
+    assert (serve.host, serve.generation, serve.pid) == ("host-a", 1, 102)
+    assert serve.reason == "cancelled"
+    assert serve.cancel_requested is True
+    assert serve.output_kept == {"stdout": 100, "stderr": 0}
+    assert serve.output_complete is False
+    assert (serve.queued_at, serve.ended_at) == (at(6), at(13))
+
+
+def test_a_command_that_could_not_start(sandbox: Sandbox) -> None:
+    missing = sandbox.commands[MISSING]
+    assert missing.state == "launch_failed"
+    assert missing.exit_code is None
+    assert missing.reason == "executable not found"
+    assert (missing.host, missing.generation, missing.pid) == ("host-a", 1, None)
+    assert missing.cancel_requested is False
+    assert (missing.output_kept, missing.output_complete) == ({}, True)
+    assert (missing.queued_at, missing.ended_at) == (at(7), at(14))
+
+
+def test_a_command_the_stop_overtook(sandbox: Sandbox) -> None:
+    queued = sandbox.commands[QUEUED]
+    assert queued.state == "not_launched"
+    assert queued.argv == ["sleep", "1"]
+    assert (queued.cwd, queued.env, queued.timeout_s, queued.kill_grace_s) == (None, {}, None, 5.0)
+    assert queued.reason == "the sandbox was stopping before it started"
+    assert (queued.host, queued.generation, queued.pid, queued.exit_code) == (None, 0, None, None)
+    assert (queued.queued_at, queued.ended_at) == (at(15), at(17))
+
+
+def test_the_hosts_replay(envelopes: list[Envelope]) -> None:
+    host_a = fold(evolve_host, [e for e in envelopes if e.aggregate_id == "host-a"], None)
+    host_b = fold(evolve_host, [e for e in envelopes if e.aggregate_id == "host-b"], None)
+    assert host_a == Host(
+        host="host-a",
+        epoch=1,
+        capacity_sandboxes=8,
+        memory_bytes=16 * GiB,
+        registered_at=at(0),
+        capabilities={"runtime": "runc"},
+    )
+    assert host_b == Host(
+        host="host-b", epoch=3, capacity_sandboxes=4, memory_bytes=8 * GiB, registered_at=at(20)
+    )

@@ -1,0 +1,108 @@
+"""Running `sandhold up` as a real subprocess, and the CLI against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+SANDHOLD = str(Path(sys.executable).parent / "sandhold")
+
+
+class Up:
+    """`sandhold up --data-dir DIR` in its own process group; stopped by PID."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.data_dir = data_dir
+        self.extra = list(extra)
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+        self.lines: queue.Queue[str] = queue.Queue()
+
+    def start(self, timeout: float = 60.0) -> Up:
+        self.process = subprocess.Popen(
+            [SANDHOLD, "--data-dir", str(self.data_dir), "up", *self.extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        seen: list[str] = []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            seen.append(line)
+            if line.startswith("sandhold is up: "):
+                self.url = line.split(": ", 1)[1].strip()
+                return self
+        self.stop()
+        raise AssertionError(f"sandhold up did not become ready: {seen}")
+
+    def _pump(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line)
+
+    @property
+    def runtime(self) -> dict:
+        return json.loads((self.data_dir / "runtime.json").read_text())
+
+    def service_pid(self, name: str) -> int:
+        return int(self.runtime["services"][name])
+
+    def workspace(self, sandbox_id: str, host: str = "local") -> Path:
+        return self.data_dir / "hosts" / host / "sandboxes" / sandbox_id / "workspace"
+
+    def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SANDHOLD_NATS_URL": ""}
+        return subprocess.run(
+            [SANDHOLD, "--data-dir", str(self.data_dir), *args],
+            capture_output=True, text=True, timeout=timeout, env=env,
+        )
+
+    def cli_json(self, *args: str) -> dict:
+        done = self.cli(*args, "--json") if "--" not in args else self.cli(*args)
+        assert done.returncode == 0, done.stderr
+        return msgspec.json.decode(done.stdout)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        _kill_leftovers(self.data_dir)
+        return self.process.returncode
+
+
+def _kill_leftovers(data_dir: Path) -> None:
+    """Any process still running from this data dir (a test that failed midway)."""
+    marker = str(data_dir.resolve())
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            continue
+        try:
+            cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(pid_dir / "cwd")
+        except OSError:
+            continue
+        if marker in cmdline or cwd.startswith(marker):
+            try:
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

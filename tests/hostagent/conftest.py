@@ -1,0 +1,145 @@
+"""Fixtures for the process driver: a host root per test, and a reaper.
+
+Supervisors are detached on purpose (they must outlive the agent), so nothing
+kills them when a test fails. The reaper does, by pid: every supervisor whose
+command line names this test's root, every command process group recorded
+under it, and everything left in this host's cgroups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sandhold.hostagent.driver import (
+    CommandExit,
+    CommandHandle,
+    OutputChunk,
+    ProcessDriver,
+    V2Cgroups,
+    detect_cgroups,
+)
+from sandhold.hostagent.driver.cgroups import parse_mounts
+from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
+
+
+def supervisor_pids(root: Path) -> list[int]:
+    """Pids of the supervisors started for ``root`` (from their command lines)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if SUPERVISOR_MODULE.encode() in argv and str(root).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def _kill_command_groups(root: Path) -> None:
+    for pid_file in root.glob("sandboxes/*/commands/*/pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pid = int(pid_file.read_text())
+            # Only a session we created: the command is its session leader.
+            if os.getsid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+
+
+def reap(root: Path, host_id: str) -> None:
+    for pid in supervisor_pids(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _kill_command_groups(root)
+    # Tests may use the unified hierarchy directly, besides the detected one.
+    backends = [detect_cgroups(host_id)] + [V2Cgroups(m, host_id) for m in unified_mounts()]
+    for cgroups in backends:
+        for sandbox_dir in (root / "sandboxes").glob("*"):
+            with contextlib.suppress(OSError):
+                cgroups.kill_all(sandbox_dir.name)
+                cgroups.remove(sandbox_dir.name)
+        cgroups.remove_host()
+
+
+def unified_mounts() -> list[Path]:
+    """Writable cgroup v2 mounts of this machine."""
+    return [
+        mount.target
+        for mount in parse_mounts(Path("/proc/self/mounts").read_text())
+        if mount.fstype == "cgroup2" and "ro" not in mount.options
+    ]
+
+
+@pytest.fixture
+def host_id() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def root(tmp_path: Path, host_id: str) -> Iterator[Path]:
+    root = tmp_path / "hosts" / host_id
+    try:
+        yield root
+    finally:
+        reap(root, host_id)
+
+
+@pytest.fixture
+async def make_driver(
+    root: Path, host_id: str
+) -> AsyncIterator[Callable[..., Awaitable[ProcessDriver]]]:
+    """Start drivers on this test's root; all are closed at the end (close is idempotent)."""
+    drivers: list[ProcessDriver] = []
+
+    async def make(**options: object) -> ProcessDriver:
+        driver = ProcessDriver(root, host_id, **options)  # type: ignore[arg-type]
+        drivers.append(driver)
+        await driver.start()
+        return driver
+
+    try:
+        yield make
+    finally:
+        # close() only dismisses idle supervisors; the reaper (root) kills the rest.
+        for driver in drivers:
+            await driver.close()
+
+
+@pytest.fixture
+async def driver(make_driver: Callable[..., Awaitable[ProcessDriver]]) -> ProcessDriver:
+    return await make_driver()
+
+
+async def collect(
+    handle: CommandHandle, offsets: dict[str, int] | None = None, timeout: float = 30.0
+) -> tuple[bytes, bytes, CommandExit]:
+    """Everything ``watch`` yields: stdout, stderr, and the exit (within a deadline)."""
+    out = {"stdout": b"", "stderr": b""}
+    async with asyncio.timeout(timeout):
+        async for item in handle.watch(offsets):
+            if isinstance(item, OutputChunk):
+                assert item.offset == (offsets or {}).get(item.stream, 0) + len(out[item.stream])
+                out[item.stream] += item.data
+            else:
+                return out["stdout"], out["stderr"], item
+    raise AssertionError("watch ended without an exit")
+
+
+async def eventually(
+    predicate: Callable[[], object], *, timeout: float = 20.0, what: str = ""
+) -> object:
+    """Poll until ``predicate()`` is truthy; fail after ``timeout`` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not (value := predicate()):
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what or predicate}") from None
+    return value

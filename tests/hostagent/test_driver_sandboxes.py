@@ -1,0 +1,178 @@
+"""Sandbox-wide operations: stop, destroy, freeze/thaw; and a host without cgroups."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
+
+from .conftest import collect, eventually, unified_mounts
+
+PY = sys.executable
+SB = "sb1"
+MakeDriver = Callable[..., Awaitable[ProcessDriver]]
+
+COUNTER = (
+    "import itertools, os\n"
+    "for n in itertools.count():\n"
+    "    with open('counter.tmp', 'w') as f:\n"
+    "        f.write(str(n))\n"
+    "    os.replace('counter.tmp', 'counter')\n"
+)
+
+
+def _counter(workspace: Path) -> int:
+    try:
+        return int((workspace / "counter").read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_stop_interrupts_commands_and_ends_background_jobs(driver: ProcessDriver) -> None:
+    await driver.create_sandbox(SB, None)
+    # A finished command that left a background job behind, in its own session.
+    leaver = await driver.launch(
+        SB, "leaver", ["sh", "-c", "setsid sleep 100 > /dev/null 2>&1 < /dev/null &"]
+    )
+    assert (await leaver.wait()).reason == "exited"
+    running = [await driver.launch(SB, f"c{i}", ["sleep", "100"]) for i in range(2)]
+    for handle in running:
+        assert isinstance(await handle.started(), int)
+    exits = await driver.stop_sandbox(SB, grace=2.0)
+    assert {cid: end.reason for cid, end in exits.items()} == {
+        "c0": "interrupted",
+        "c1": "interrupted",
+    }
+    if driver.cgroups.kind != "none":
+        assert driver.cgroups.pids(SB) == []
+
+
+async def test_destroy_kills_everything_and_removes_the_sandbox(driver: ProcessDriver) -> None:
+    await driver.create_sandbox(SB, 64 * 1024 * 1024)
+    handle = await driver.launch(SB, "c1", ["sleep", "100"])
+    assert isinstance(await handle.started(), int)
+    await driver.destroy_sandbox(SB)
+    assert not driver.layout.sandbox_dir(SB).exists()
+    assert driver.cgroups.pids(SB) == []
+    if isinstance(driver.cgroups, V1Cgroups):
+        assert not (Path("/sys/fs/cgroup/memory/sandhold") / driver.host_id / SB).exists()
+    await driver.destroy_sandbox(SB)  # idempotent
+
+
+async def test_freeze_stops_the_sandbox_and_thaw_resumes_it(driver: ProcessDriver) -> None:
+    if not driver.cgroups.can_freeze:
+        pytest.skip(f"no cgroup freezer on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    workspace = driver.workspace(SB)
+    handle = await driver.launch(SB, "counter", [PY, "-c", COUNTER])
+    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    await driver.freeze(SB)
+    try:
+        frozen_at = _counter(workspace)
+        # Proving that nothing happens takes a span of time, not a state change.
+        await asyncio.sleep(0.3)
+        assert _counter(workspace) == frozen_at
+    finally:
+        await driver.thaw(SB)
+    await eventually(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
+    assert await driver.interrupt(SB, "counter", grace_s=1.0)
+    assert (await handle.wait()).reason == "interrupted"
+
+
+async def test_freeze_falls_back_to_sigstop_without_cgroups(make_driver: MakeDriver) -> None:
+    driver = await make_driver(cgroups=NoCgroups("no cgroups in this test"))
+    await driver.create_sandbox(SB, None)
+    workspace = driver.workspace(SB)
+    handle = await driver.launch(SB, "counter", [PY, "-c", COUNTER])
+    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    child = await handle.started()
+    assert isinstance(child, int)
+    await driver.freeze(SB)
+    try:
+        await eventually(lambda: _state(child) == "T", what="the command is stopped")
+        stopped_at = _counter(workspace)
+        await asyncio.sleep(0.3)
+        assert _counter(workspace) == stopped_at
+    finally:
+        await driver.thaw(SB)
+    await eventually(lambda: _counter(workspace) > stopped_at + 10, what="the counter resumes")
+    await driver.stop_sandbox(SB, grace=1.0)
+    assert (await handle.wait()).reason == "interrupted"
+
+
+async def test_without_cgroups_commands_run_and_capabilities_say_what_is_missing(
+    make_driver: MakeDriver,
+) -> None:
+    driver = await make_driver(cgroups=NoCgroups("no cgroups in this test"))
+    capabilities = driver.capabilities()
+    assert capabilities["cgroup"] == "none"
+    assert capabilities["memory_limit"] is False
+    assert "no cgroups in this test" in capabilities["message"]
+    await driver.create_sandbox(SB, 32 * 1024 * 1024)
+    stdout, _, end = await collect(await driver.launch(SB, "c1", ["echo", "hi"]))
+    assert (stdout, end.reason, end.oom_kills) == (b"hi\n", "exited", 0)
+
+
+async def test_capabilities_on_this_host(driver: ProcessDriver) -> None:
+    capabilities = driver.capabilities()
+    assert capabilities["cgroup"] == driver.cgroups.kind
+    assert set(capabilities) == {"cgroup", "memory_limit", "freeze", "tmp_isolation", "message"}
+    if capabilities["cgroup"] != "none" and capabilities["tmp_isolation"]:
+        assert capabilities["message"] == "full isolation"
+
+
+async def test_tmp_isolation_can_be_switched_off(make_driver: MakeDriver) -> None:
+    driver = await make_driver(isolate_tmp=False)
+    assert driver.capabilities()["tmp_isolation"] is False
+    await driver.create_sandbox(SB, None)
+    end = await (await driver.launch(SB, "c1", ["true"])).wait()
+    assert end.reason == "exited"
+    assert not end.tmp_isolated and end.tmp_detail == "private /tmp disabled"
+
+
+async def test_cgroup_v2_freeze_kill_and_remove_on_the_unified_hierarchy(
+    make_driver: MakeDriver, host_id: str
+) -> None:
+    """Real cgroup v2 operations, even where v2 lacks the memory controller."""
+    mounts = unified_mounts()
+    if not mounts:
+        pytest.skip("no writable cgroup v2 hierarchy on this machine")
+    cgroups = V2Cgroups(mounts[0], host_id)
+    driver = await make_driver(cgroups=cgroups)
+    await driver.create_sandbox(SB, None)
+    workspace = driver.workspace(SB)
+    handle = await driver.launch(SB, "counter", [PY, "-c", COUNTER])
+    child = await handle.started()
+    assert isinstance(child, int)
+    assert cgroups.pids(SB) == [child]
+    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    await driver.freeze(SB)
+    try:
+        frozen_at = _counter(workspace)
+        await asyncio.sleep(0.3)
+        assert _counter(workspace) == frozen_at
+    finally:
+        await driver.thaw(SB)
+    await eventually(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
+    await driver.destroy_sandbox(SB)
+    assert not (mounts[0] / "sandhold" / host_id / SB).exists()
+    assert not Path(f"/proc/{child}").exists()
+
+
+async def test_stopping_a_frozen_sandbox_thaws_it_first(driver: ProcessDriver) -> None:
+    if not driver.cgroups.can_freeze:
+        pytest.skip(f"no cgroup freezer on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    handle = await driver.launch(SB, "c1", ["sleep", "100"])
+    assert isinstance(await handle.started(), int)
+    await driver.freeze(SB)
+    exits = await driver.stop_sandbox(SB, grace=2.0)
+    assert exits["c1"].reason == "interrupted"

@@ -225,7 +225,8 @@ class Client:
                 record = msgspec.structs.replace(
                     record, state=end.state, exit_code=end.exit_code, reason=end.reason,
                     output_kept=end.output_kept, output_complete=end.output_complete,
-                    ended_at=at, host=end.host or record.host)
+                    ended_at=at, host=end.host or record.host,
+                    generation=end.generation or record.generation)
         finally:
             for sub in subs:
                 await sub.unsubscribe()

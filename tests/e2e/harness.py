@@ -32,7 +32,8 @@ class Up:
             [SANDHOLD, "--data-dir", str(self.data_dir), "up", *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0,
         )
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
         deadline = time.monotonic() + timeout
         seen: list[str] = []
         while time.monotonic() < deadline:
@@ -87,6 +88,9 @@ class Up:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         _kill_leftovers(self.data_dir)
+        self._pump_thread.join(timeout=10)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
         return self.process.returncode
 
 

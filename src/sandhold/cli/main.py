@@ -117,7 +117,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
 
 
 async def _exec(args: argparse.Namespace, client: Client) -> int:
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    argv = args.argv
     if not argv:
         print("sandhold: exec needs a command after --", file=sys.stderr)
         return EXIT_REJECTED
@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--cwd")
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
     ex.add_argument("--json", action="store_true", help="print the command record as JSON")
-    ex.add_argument("argv", nargs=argparse.REMAINDER)
+    ex.add_argument("argv", nargs="*", help="the command, after --")
 
     command = sub.add_parser("command", help="show, read the output of, or cancel a command")
     cactions = command.add_subparsers(dest="action", required=True)
@@ -216,7 +216,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    command: list[str] | None = None
+    if "exec" in argv and "--" in argv:
+        # Everything after `--` is the program's, options included.
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
     args = _parser().parse_args(argv)
+    if command is not None:
+        args.argv = [*args.argv, *command]
     if args.group == "up":
         from sandhold.cli.up import up
 

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from sandhold.client import Client, connect
+from tests.e2e.harness import Up
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    """One `sandhold up` for a module's tests (each test makes its own sandboxes)."""
+    running = Up(tmp_path_factory.mktemp("up") / "data").start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def own_up(tmp_path) -> Iterator[Up]:
+    """A `sandhold up` of this test alone, for tests that kill or pause parts of it."""
+    running = Up(tmp_path / "data").start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+async def client(up: Up) -> AsyncIterator[Client]:
+    c = await connect(up.url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def running_sandbox(client: Client, **kwargs) -> str:
+    view = await client.create_sandbox(**kwargs)
+    await client.wait_for_phase(view.id, {"running"}, timeout=30)
+    return view.id

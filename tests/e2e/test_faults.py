@@ -1,0 +1,142 @@
+"""Idempotency, malformed input and process faults, through a real `sandhold up`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import nats
+import pytest
+
+from sandhold.client import Client, connect
+from sandhold.domain.errors import Rejected
+from sandhold.domain.requests import command_id_for
+from tests.conftest import wait_until
+from tests.e2e.conftest import running_sandbox
+from tests.e2e.harness import Up
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+async def test_same_key_twice_launches_once_and_a_different_body_is_refused(up: Up,
+                                                                             client: Client):
+    sandbox_id = await running_sandbox(client)
+    count = up.workspace(sandbox_id) / "count"
+    argv = ["sh", "-c", "echo launched >> count"]
+    first = await client.exec(sandbox_id, argv, key="only-once")
+    second = await client.exec(sandbox_id, argv, key="only-once")
+    assert first.command.id == second.command.id
+    assert second.command.state == "exited"
+    assert _lines(count) == ["launched"]
+    with pytest.raises(Rejected) as refused:
+        await client.exec(sandbox_id, ["sh", "-c", "echo other >> count"], key="only-once")
+    assert refused.value.code == "idempotency_conflict"
+    assert _lines(count) == ["launched"]
+
+
+def test_a_conflicting_key_is_a_clear_error_from_the_cli(up: Up):
+    sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    assert up.cli("exec", sandbox_id, "--key", "k1", "--", "true").returncode == 0
+    done = up.cli("exec", sandbox_id, "--key", "k1", "--", "false")
+    assert done.returncode == 2
+    assert "idempotency_conflict" in done.stderr and "k1" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("subject", "payload", "names_the_problem"),
+    [
+        ("sh.req.command.run", b"this is not json", "malformed"),
+        ("sh.req.command.run", b'{"type": "command.run", "key": "k"}', "sandbox_id"),
+        ("sh.req.command.run",
+         b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", "argv": []}',
+         "argv"),
+        ("sh.req.sandbox.create", b'{"type": "sandbox.create", "key": "k", "colour": "red"}',
+         "colour"),
+        ("sh.req.sandbox.create", b'{"type": "sandbox.explode", "key": "k"}', "sandbox.explode"),
+        ("sh.req.command.run",
+         b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", '
+         b'"argv": ["true"], "timeout_s": -1}', "timeout_s"),
+    ],
+)
+async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_on(
+        up: Up, client: Client, subject: str, payload: bytes, names_the_problem: str):
+    nc = await nats.connect(up.url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, max_msgs=1)
+        await nc.jetstream().publish(subject, payload, headers={"Sh-Reply": inbox})
+        reply = msgspec.json.decode((await sub.next_msg(timeout=20)).data)
+    finally:
+        await nc.close()
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == "malformed_request"
+    assert names_the_problem in reply["error"]["message"]
+    # nothing was half-applied, and the next request is served
+    sandbox_id = await running_sandbox(client)
+    assert (await client.exec(sandbox_id, ["true"])).command.state == "exited"
+
+
+async def test_scheduler_killed_between_requests_loses_none_and_launches_none_twice(
+        own_up: Up):
+    client = await connect(own_up.url)
+    try:
+        sandbox_id = await running_sandbox(client)
+        count = own_up.workspace(sandbox_id) / "count"
+        first = await client.exec(sandbox_id, ["sh", "-c", "echo a >> count"], key="req-a")
+        assert first.command.state == "exited"
+
+        old_pid = own_up.service_pid("scheduler")
+        os.kill(old_pid, signal.SIGKILL)
+        await wait_until(lambda: not _alive(old_pid), what="scheduler dead")
+        # Sent while no scheduler runs: JetStream keeps it until the restarted one takes it.
+        second = await client.exec(sandbox_id, ["sh", "-c", "echo b >> count"], key="req-b")
+        assert second.command.state == "exited"
+        assert own_up.service_pid("scheduler") != old_pid
+
+        # The first request again, after the restart: the original result, no second launch.
+        again = await client.exec(sandbox_id, ["sh", "-c", "echo a >> count"], key="req-a")
+        assert again.command.id == first.command.id and again.command.state == "exited"
+        assert sorted(_lines(count)) == ["a", "b"]
+    finally:
+        await client.close()
+
+
+async def test_commands_queued_when_the_sandbox_stops_end_not_launched(own_up: Up):
+    client = await connect(own_up.url)
+    agent = own_up.service_pid("host-agent:local")
+    os.kill(agent, signal.SIGSTOP)  # the host takes no work: the sandbox never runs
+    try:
+        view = await client.create_sandbox()
+        await client.wait_for_phase(view.id, {"placed"})
+        run = asyncio.create_task(client.exec(view.id, ["sh", "-c", "echo ran > ran"], key="q"))
+        command_id = command_id_for(view.id, "q")
+        await wait_until(lambda: _command_state(client, view.id, command_id, "queued"),
+                         what="queued")
+        await client.stop_sandbox(view.id)
+        result = await asyncio.wait_for(run, 30)
+        assert result.command.state == "not_launched"
+        assert "before it started" in result.command.reason
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    await client.wait_for_phase(view.id, {"stopped"}, timeout=30)
+    assert not (own_up.workspace(view.id) / "ran").exists()
+    await client.close()
+
+
+async def _command_state(client: Client, sandbox_id: str, command_id: str, state: str) -> bool:
+    try:
+        return (await client.show_command(sandbox_id, command_id)).state == state
+    except Rejected:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

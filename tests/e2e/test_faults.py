@@ -140,3 +140,26 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def test_host_agent_killed_mid_command_readopts_it_and_keeps_all_output(own_up: Up):
+    client = await connect(own_up.url)
+    try:
+        sandbox_id = await running_sandbox(client)
+        script = "echo before; while [ ! -e go ]; do sleep 0.05; done; echo after; exit 7"
+        run = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", script], key="survivor"))
+        command_id = command_id_for(sandbox_id, "survivor")
+        await wait_until(lambda: _command_state(client, sandbox_id, command_id, "running"),
+                         what="running")
+        old_agent = own_up.service_pid("host-agent:local")
+        os.kill(old_agent, signal.SIGKILL)
+        await wait_until(lambda: not _alive(old_agent), what="agent dead")
+        # The command's supervisor outlives the agent; it finishes while no agent runs.
+        (own_up.workspace(sandbox_id) / "go").touch()
+        result = await asyncio.wait_for(run, 60)
+        assert own_up.service_pid("host-agent:local") != old_agent
+        assert result.command.state == "exited" and result.command.exit_code == 7
+        assert result.stdout == b"before\nafter\n"
+        assert result.command.output_kept == {"stdout": 13, "stderr": 0}
+    finally:
+        await client.close()

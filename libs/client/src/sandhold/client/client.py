@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -229,7 +230,8 @@ class Client:
                     generation=end.generation or record.generation)
         finally:
             for sub in subs:
-                await sub.unsubscribe()
+                with contextlib.suppress(Exception):  # a closed connection has no subscriptions
+                    await sub.unsubscribe()
         kept = await self._complete_output(sandbox_id, command_id, record, printer)
         return CommandResult(command=record, stdout=kept.get("stdout", b""),
                              stderr=kept.get("stderr", b""))

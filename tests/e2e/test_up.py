@@ -1,0 +1,173 @@
+"""`sandhold up` as a user runs it: ready line, runtime.json, clean stop, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+
+from sandhold.bus.server import NatsServer
+from sandhold.client import connect
+from sandhold.domain.requests import command_id_for
+from tests.conftest import wait_until
+from tests.e2e.conftest import running_sandbox
+from tests.e2e.harness import SANDHOLD, Up
+
+
+def _pids_of_tree(root_pids: list[int]) -> list[int]:
+    """Every live process whose parent chain reaches one of `root_pids` or that
+    started a supervisor from this data dir."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], list(root_pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+async def _running(client, sandbox_id: str, command_id: str) -> bool:
+    try:
+        return (await client.show_command(sandbox_id, command_id)).state == "running"
+    except Exception:
+        return False
+
+
+def _pids_in(data_dir: Path) -> list[int]:
+    """Processes working inside the data dir (sandbox commands and their supervisors)."""
+    marker = str(data_dir.resolve())
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.readlink(d / "cwd").startswith(marker):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: Path):
+    up = Up(tmp_path / "data").start()
+    try:
+        runtime = up.runtime
+        assert runtime["nats_url"] == up.url and up.url.startswith("nats://127.0.0.1:")
+        pids = [runtime["nats_pid"], *runtime["services"].values()]
+        assert set(runtime["services"]) == {"scheduler", "host-agent:local"}
+        client = await connect(up.url)
+        sandbox_id = await running_sandbox(client)
+        done = up.cli("exec", sandbox_id, "--", "true")
+        assert done.returncode == 0
+        # a command still running when `up` stops must not be left behind
+        sleeper = asyncio.create_task(client.exec(sandbox_id, ["sleep", "600"], key="sleeper"))
+        command_id = command_id_for(sandbox_id, "sleeper")
+        await wait_until(lambda: _running(client, sandbox_id, command_id), what="sleep running")
+        tree = _pids_of_tree(pids) + _pids_in(tmp_path / "data")
+        assert any(_cmdline(p) == "sleep 600" for p in tree)
+        sleeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sleeper
+        await client.close()
+    finally:
+        code = up.stop()
+    assert code == 0
+    assert not [p for p in tree if _alive(p)], "processes left after sandhold up stopped"
+    assert not (tmp_path / "data" / "runtime.json").exists()
+
+
+async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
+    first = Up(tmp_path / "data").start()
+    try:
+        created = first.cli_json("sandbox", "create", "--wait")
+        assert first.cli("exec", created["id"], "--", "sh", "-c", "echo 1 > mark").returncode == 0
+        # while it runs, another `up` on the same dir is refused
+        refused = subprocess.run([SANDHOLD, "--data-dir", str(tmp_path / "data"), "up"],
+                                 capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 1 and "another `sandhold up`" in refused.stderr
+    finally:
+        first.stop()
+    second = Up(tmp_path / "data").start()
+    try:
+        shown = second.cli_json("sandbox", "show", created["id"])
+        assert shown["id"] == created["id"] and shown["generation"] == 1
+        listed = second.cli_json("sandbox", "ls")
+        assert created["id"] in {s["id"] for s in listed}
+    finally:
+        second.stop()
+
+
+def test_cli_without_a_server_says_how_to_start_one(tmp_path: Path):
+    done = subprocess.run([SANDHOLD, "--data-dir", str(tmp_path), "sandbox", "ls"],
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "SANDHOLD_NATS_URL": ""})
+    assert done.returncode != 0
+    assert "sandhold up" in done.stderr
+
+
+async def test_services_run_alone_against_a_given_server(tmp_path: Path):
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    procs: list[subprocess.Popen[bytes]] = []
+    nc = await nats.connect(server.url)
+    try:
+        ready: list[bytes] = []
+        async def on_ready(msg) -> None:
+            ready.append(msg.data)
+
+        await nc.subscribe("sh.svc.ready", cb=on_ready)
+        await nc.flush()
+        for service, extra in (("scheduler", []),
+                               ("host-agent", ["--host-id", "h1", "--root", str(tmp_path / "h1")])):
+            procs.append(subprocess.Popen(
+                [SANDHOLD, "run", service, "--nats", server.url, *extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        await wait_until(lambda: len(ready) == 2, timeout=30, what="both services ready")
+        services = {json.loads(r)["service"] for r in ready}
+        assert services == {"scheduler", "host-agent"}
+        client = await connect(server.url)
+        sandbox_id = await running_sandbox(client)
+        result = await client.exec(sandbox_id, [sys.executable, "-c", "print('alone')"])
+        assert result.stdout == b"alone\n"
+        assert (await client.show_sandbox(sandbox_id)).host == "h1"
+        await client.close()
+    finally:
+        await nc.close()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        server.stop()
+

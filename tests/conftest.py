@@ -7,25 +7,31 @@ testcontainers, where a Docker engine exists.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats
 import pytest
-
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsCluster, NatsServer
 from sandhold.bus.streams import ensure_streams
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--nats", choices=["wheel", "container"], default="wheel",
-                     help="where the test nats-server comes from")
+    parser.addoption(
+        "--nats",
+        choices=["wheel", "container"],
+        default="wheel",
+        help="where the test nats-server comes from",
+    )
 
 
 @pytest.fixture(scope="session")
-def nats_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def nats_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     if request.config.getoption("--nats") == "container":
         yield from _container_url()
         return
@@ -64,12 +70,15 @@ async def nc(nats_url: str, names: Names) -> AsyncIterator[nats.NATS]:
     try:
         yield conn
     finally:
-        for stream in (names.events_stream, names.output_stream, names.requests_stream,
-                       names.hostwork_stream, f"KV_{names.lease_bucket}"):
-            try:
+        for stream in (
+            names.events_stream,
+            names.output_stream,
+            names.requests_stream,
+            names.hostwork_stream,
+            f"KV_{names.lease_bucket}",
+        ):
+            with contextlib.suppress(Exception):
                 await js.delete_stream(stream)
-            except Exception:
-                pass
         await conn.close()
 
 

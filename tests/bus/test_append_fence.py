@@ -22,8 +22,15 @@ def _created(sandbox_id: str, key: str = "k") -> SandboxCreated:
 
 
 def _envelopes(sandbox_id: str, events, id_base: str):
-    return wrap(events, aggregate_id=sandbox_id, id_base=id_base, actor="test",
-                causation_id=id_base, correlation_id=id_base, time=time.time())
+    return wrap(
+        events,
+        aggregate_id=sandbox_id,
+        id_base=id_base,
+        actor="test",
+        causation_id=id_base,
+        correlation_id=id_base,
+        time=time.time(),
+    )
 
 
 async def test_two_writers_racing_exactly_one_wins_and_the_loser_redecides(nc, names: Names):
@@ -34,8 +41,13 @@ async def test_two_writers_racing_exactly_one_wins_and_the_loser_redecides(nc, n
     await b.start()
     create = rq.CreateSandbox(key="create-1")
     sandbox_id = sb.aggregate_of(create)
-    await a.execute(sandbox_id, lambda s: sb.decide(s, create), id_base="c",
-                    causation_id="c", correlation_id="c")
+    await a.execute(
+        sandbox_id,
+        lambda s: sb.decide(s, create),
+        id_base="c",
+        causation_id="c",
+        correlation_id="c",
+    )
     await b.sync(sandbox_id)
 
     # Both decide a different run on the same state: seen-by-b is now stale for one of them.
@@ -46,15 +58,18 @@ async def test_two_writers_racing_exactly_one_wins_and_the_loser_redecides(nc, n
             decided_on.setdefault(store_name, 0)
             decided_on[store_name] += 1
             return sb.decide(state, request)
+
         return decide
 
     run_a = rq.RunCommand(key="run-a", sandbox_id=sandbox_id, argv=["true"])
     run_b = rq.RunCommand(key="run-b", sandbox_id=sandbox_id, argv=["false"])
     ra, rb = await asyncio.gather(
-        a.execute(sandbox_id, decider("a", run_a), id_base="ra", causation_id="ra",
-                  correlation_id="ra"),
-        b.execute(sandbox_id, decider("b", run_b), id_base="rb", causation_id="rb",
-                  correlation_id="rb"),
+        a.execute(
+            sandbox_id, decider("a", run_a), id_base="ra", causation_id="ra", correlation_id="ra"
+        ),
+        b.execute(
+            sandbox_id, decider("b", run_b), id_base="rb", causation_id="rb", correlation_id="rb"
+        ),
     )
     # Exactly one decided once; the other was refused by JetStream, re-read and decided again.
     assert sorted(decided_on.values()) == [1, 2]
@@ -71,8 +86,9 @@ async def test_plain_append_with_a_stale_sequence_is_refused(nc, names: Names):
     subject = names.events("sandbox", "sb-0000000000000001")
     first = _envelopes("sb-0000000000000001", [_created("sb-0000000000000001")], "one")
     [seq] = await append(js, names.events_stream, subject, first, 0)
-    stale = _envelopes("sb-0000000000000001",
-                       [SandboxStopRequested(request_key="s", request_digest="d")], "two")
+    stale = _envelopes(
+        "sb-0000000000000001", [SandboxStopRequested(request_key="s", request_digest="d")], "two"
+    )
     with pytest.raises(WrongSequence):
         await append(js, names.events_stream, subject, stale, 0)
     assert await last_sequence(js, names.events_stream, subject) == seq
@@ -84,9 +100,15 @@ async def test_hundred_rounds_of_three_racers_accept_exactly_one_each(nc, names:
     expected = 0
     for round_no in range(100):
         attempts = [
-            append(js, names.events_stream, subject,
-                   _envelopes("sb-0000000000000002", [_created("x", f"{round_no}-{w}")],
-                              f"r{round_no}w{w}"), expected)
+            append(
+                js,
+                names.events_stream,
+                subject,
+                _envelopes(
+                    "sb-0000000000000002", [_created("x", f"{round_no}-{w}")], f"r{round_no}w{w}"
+                ),
+                expected,
+            )
             for w in range(3)
         ]
         results = await asyncio.gather(*attempts, return_exceptions=True)
@@ -131,8 +153,9 @@ async def test_r3_retry_after_lost_ack_returns_the_original(nats_cluster, names:
         stream = names.events_stream
         for _ in range(100):
             try:
-                await js.add_stream(StreamConfig(name=stream, subjects=[f"{names.prefix}.ev.>"],
-                                                 num_replicas=3))
+                await js.add_stream(
+                    StreamConfig(name=stream, subjects=[f"{names.prefix}.ev.>"], num_replicas=3)
+                )
                 break
             except Exception:
                 await asyncio.sleep(0.2)

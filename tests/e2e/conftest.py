@@ -3,8 +3,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-
 from sandhold.client import Client, connect
+
 from tests.e2e.harness import Up
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -30,7 +31,10 @@ class Up:
     def start(self, timeout: float = 60.0) -> Up:
         self.process = subprocess.Popen(
             [SANDHOLD, "--data-dir", str(self.data_dir), "up", *self.extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            process_group=0,
         )
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
@@ -69,7 +73,10 @@ class Up:
         env = {**os.environ, "SANDHOLD_NATS_URL": ""}
         return subprocess.run(
             [SANDHOLD, "--data-dir", str(self.data_dir), *args],
-            capture_output=True, text=True, timeout=timeout, env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
         )
 
     def cli_json(self, *args: str) -> dict:
@@ -106,7 +113,5 @@ def _kill_leftovers(data_dir: Path) -> None:
         except OSError:
             continue
         if marker in cmdline or cwd.startswith(marker):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_dir.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass

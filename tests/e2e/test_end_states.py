@@ -6,8 +6,8 @@ import asyncio
 import time
 
 import msgspec
-
 from sandhold.client import Client
+
 from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
@@ -38,13 +38,17 @@ async def test_exited_keeps_all_output_in_order(client: Client):
     sandbox_id = await running_sandbox(client)
     seen: list[bytes] = []
     result = await client.exec(
-        sandbox_id, ["sh", "-c", "for i in $(seq 1 2000); do echo line-$i; done"],
-        on_output=lambda stream, data: seen.append(data))
+        sandbox_id,
+        ["sh", "-c", "for i in $(seq 1 2000); do echo line-$i; done"],
+        on_output=lambda stream, data: seen.append(data),
+    )
     assert result.command.state == "exited" and result.command.exit_code == 0
     expected = "".join(f"line-{i}\n" for i in range(1, 2001)).encode()
     assert b"".join(seen) == expected == result.stdout
     assert await client.read_output(sandbox_id, result.command.id) == {
-        "stdout": expected, "stderr": b""}
+        "stdout": expected,
+        "stderr": b"",
+    }
 
 
 async def test_launch_failed_for_a_missing_executable_and_a_missing_cwd(client: Client):
@@ -68,8 +72,11 @@ async def test_timed_out_terms_then_kills_after_the_grace(client: Client):
     sandbox_id = await running_sandbox(client)
     started = time.monotonic()
     result = await client.exec(
-        sandbox_id, ["sh", "-c", "trap '' TERM; echo waiting; sleep 30"],
-        timeout_s=0.5, kill_grace_s=0.5)
+        sandbox_id,
+        ["sh", "-c", "trap '' TERM; echo waiting; sleep 30"],
+        timeout_s=0.5,
+        kill_grace_s=0.5,
+    )
     assert result.command.state == "timed_out"
     assert result.stdout == b"waiting\n"
     # ended by the KILL after the grace, long before the program's own 30 s

@@ -9,10 +9,10 @@ import signal
 import msgspec
 import nats
 import pytest
-
 from sandhold.client import Client, connect
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for
+
 from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
@@ -22,8 +22,7 @@ def _lines(path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-async def test_same_key_twice_launches_once_and_a_different_body_is_refused(up: Up,
-                                                                             client: Client):
+async def test_same_key_twice_launches_once_and_a_different_body_is_refused(up: Up, client: Client):
     sandbox_id = await running_sandbox(client)
     count = up.workspace(sandbox_id) / "count"
     argv = ["sh", "-c", "echo launched >> count"]
@@ -51,19 +50,28 @@ def test_a_conflicting_key_is_a_clear_error_from_the_cli(up: Up):
     [
         ("sh.req.command.run", b"this is not json", "malformed"),
         ("sh.req.command.run", b'{"type": "command.run", "key": "k"}', "sandbox_id"),
-        ("sh.req.command.run",
-         b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", "argv": []}',
-         "argv"),
-        ("sh.req.sandbox.create", b'{"type": "sandbox.create", "key": "k", "colour": "red"}',
-         "colour"),
+        (
+            "sh.req.command.run",
+            b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", "argv": []}',
+            "argv",
+        ),
+        (
+            "sh.req.sandbox.create",
+            b'{"type": "sandbox.create", "key": "k", "colour": "red"}',
+            "colour",
+        ),
         ("sh.req.sandbox.create", b'{"type": "sandbox.explode", "key": "k"}', "sandbox.explode"),
-        ("sh.req.command.run",
-         b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", '
-         b'"argv": ["true"], "timeout_s": -1}', "timeout_s"),
+        (
+            "sh.req.command.run",
+            b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", '
+            b'"argv": ["true"], "timeout_s": -1}',
+            "timeout_s",
+        ),
     ],
 )
 async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_on(
-        up: Up, client: Client, subject: str, payload: bytes, names_the_problem: str):
+    up: Up, client: Client, subject: str, payload: bytes, names_the_problem: str
+):
     nc = await nats.connect(up.url)
     try:
         inbox = nc.new_inbox()
@@ -80,8 +88,7 @@ async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_o
     assert (await client.exec(sandbox_id, ["true"])).command.state == "exited"
 
 
-async def test_scheduler_killed_between_requests_loses_none_and_launches_none_twice(
-        own_up: Up):
+async def test_scheduler_killed_between_requests_loses_none_and_launches_none_twice(own_up: Up):
     client = await connect(own_up.url)
     try:
         sandbox_id = await running_sandbox(client)
@@ -114,8 +121,9 @@ async def test_commands_queued_when_the_sandbox_stops_end_not_launched(own_up: U
         await client.wait_for_phase(view.id, {"placed"})
         run = asyncio.create_task(client.exec(view.id, ["sh", "-c", "echo ran > ran"], key="q"))
         command_id = command_id_for(view.id, "q")
-        await wait_until(lambda: _command_state(client, view.id, command_id, "queued"),
-                         what="queued")
+        await wait_until(
+            lambda: _command_state(client, view.id, command_id, "queued"), what="queued"
+        )
         await client.stop_sandbox(view.id)
         result = await asyncio.wait_for(run, 30)
         assert result.command.state == "not_launched"
@@ -149,8 +157,9 @@ async def test_host_agent_killed_mid_command_readopts_it_and_keeps_all_output(ow
         script = "echo before; while [ ! -e go ]; do sleep 0.05; done; echo after; exit 7"
         run = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", script], key="survivor"))
         command_id = command_id_for(sandbox_id, "survivor")
-        await wait_until(lambda: _command_state(client, sandbox_id, command_id, "running"),
-                         what="running")
+        await wait_until(
+            lambda: _command_state(client, sandbox_id, command_id, "running"), what="running"
+        )
         old_agent = own_up.service_pid("host-agent:local")
         os.kill(old_agent, signal.SIGKILL)
         await wait_until(lambda: not _alive(old_agent), what="agent dead")

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import nats
-
 from sandhold.bus.server import NatsServer
 from sandhold.client import connect
 from sandhold.domain.requests import command_id_for
+
 from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up
@@ -110,8 +110,12 @@ async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
         created = first.cli_json("sandbox", "create", "--wait")
         assert first.cli("exec", created["id"], "--", "sh", "-c", "echo 1 > mark").returncode == 0
         # while it runs, another `up` on the same dir is refused
-        refused = subprocess.run([SANDHOLD, "--data-dir", str(tmp_path / "data"), "up"],
-                                 capture_output=True, text=True, timeout=30)
+        refused = subprocess.run(
+            [SANDHOLD, "--data-dir", str(tmp_path / "data"), "up"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert refused.returncode == 1 and "another `sandhold up`" in refused.stderr
     finally:
         first.stop()
@@ -126,9 +130,13 @@ async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
 
 
 def test_cli_without_a_server_says_how_to_start_one(tmp_path: Path):
-    done = subprocess.run([SANDHOLD, "--data-dir", str(tmp_path), "sandbox", "ls"],
-                          capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "SANDHOLD_NATS_URL": ""})
+    done = subprocess.run(
+        [SANDHOLD, "--data-dir", str(tmp_path), "sandbox", "ls"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "SANDHOLD_NATS_URL": ""},
+    )
     assert done.returncode != 0
     assert "sandhold up" in done.stderr
 
@@ -140,16 +148,23 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
     nc = await nats.connect(server.url)
     try:
         ready: list[bytes] = []
+
         async def on_ready(msg) -> None:
             ready.append(msg.data)
 
         await nc.subscribe("sh.svc.ready", cb=on_ready)
         await nc.flush()
-        for service, extra in (("scheduler", []),
-                               ("host-agent", ["--host-id", "h1", "--root", str(tmp_path / "h1")])):
-            procs.append(subprocess.Popen(
-                [SANDHOLD, "run", service, "--nats", server.url, *extra],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for service, extra in (
+            ("scheduler", []),
+            ("host-agent", ["--host-id", "h1", "--root", str(tmp_path / "h1")]),
+        ):
+            procs.append(
+                subprocess.Popen(
+                    [SANDHOLD, "run", service, "--nats", server.url, *extra],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         await wait_until(lambda: len(ready) == 2, timeout=30, what="both services ready")
         services = {json.loads(r)["service"] for r in ready}
         assert services == {"scheduler", "host-agent"}
@@ -170,4 +185,3 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
                 p.kill()
                 p.wait()
         server.stop()
-

@@ -129,7 +129,12 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         out.flush()
 
     result = await client.exec(
-        args.id, argv, key=args.key, cwd=args.cwd, env=env, timeout_s=args.timeout,
+        args.id,
+        argv,
+        key=args.key,
+        cwd=args.cwd,
+        env=env,
+        timeout_s=args.timeout,
         on_output=None if args.json else stream,
     )
     return _report_exec(result, args.json)
@@ -146,8 +151,11 @@ def _report_exec(result: CommandResult, as_json: bool) -> int:
     if command.state == "exited":
         return command.exit_code if command.exit_code is not None else 0
     if not as_json:
-        print(f"sandhold: command {command.id} ended {command.state}"
-              + (f": {command.reason}" if command.reason else ""), file=sys.stderr)
+        print(
+            f"sandhold: command {command.id} ended {command.state}"
+            + (f": {command.reason}" if command.reason else ""),
+            file=sys.stderr,
+        )
     return EXIT_CODES.get(command.state, 125)
 
 
@@ -169,7 +177,9 @@ async def _command(args: argparse.Namespace, client: Client) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sandhold", description=__doc__)
-    p.add_argument("--nats", help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)")
+    p.add_argument(
+        "--nats", help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)"
+    )
     p.add_argument("--prefix", help="subject/stream prefix (default sh)")
     p.add_argument("--data-dir", default=os.environ.get("SANDHOLD_DATA_DIR", ".sandhold"))
     sub = p.add_subparsers(dest="group", required=True)
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     if "exec" in argv and "--" in argv:
         # Everything after `--` is the program's, options included.
         split = argv.index("--")
-        argv, command = argv[:split], argv[split + 1:]
+        argv, command = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
     if command is not None:
         args.argv = [*args.argv, *command]

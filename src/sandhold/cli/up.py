@@ -10,6 +10,7 @@ own is restarted with a growing delay.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import fcntl
 import json
@@ -48,8 +49,12 @@ class Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                process_group=0, preexec_fn=_die_with_parent,
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                process_group=0,
+                preexec_fn=_die_with_parent,
             )
 
     @property
@@ -78,17 +83,35 @@ class Runtime:
         base = [sys.executable, "-m"]
         common = ["--nats", url, "--prefix", self.names.prefix]
         logs = self.data_dir / "logs"
-        children = [Child("scheduler", [*base, "sandhold.scheduler", *common],
-                          logs / "scheduler.log", "scheduler")]
+        children = [
+            Child(
+                "scheduler",
+                [*base, "sandhold.scheduler", *common],
+                logs / "scheduler.log",
+                "scheduler",
+            )
+        ]
         host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
         for host_id in host_ids:
             root = self.data_dir / "hosts" / host_id
-            children.append(Child(
-                f"host-agent:{host_id}",
-                [*base, "sandhold.hostagent", *common, "--host-id", host_id, "--root", str(root),
-                 "--on-exit", "interrupt"],
-                logs / f"host-agent-{host_id}.log", f"host-agent:{host_id}",
-            ))
+            children.append(
+                Child(
+                    f"host-agent:{host_id}",
+                    [
+                        *base,
+                        "sandhold.hostagent",
+                        *common,
+                        "--host-id",
+                        host_id,
+                        "--root",
+                        str(root),
+                        "--on-exit",
+                        "interrupt",
+                    ],
+                    logs / f"host-agent-{host_id}.log",
+                    f"host-agent:{host_id}",
+                )
+            )
         return children
 
     def _write_runtime(self) -> None:
@@ -139,14 +162,15 @@ class Runtime:
             while not all(c.ready_key in ready for c in self.children):
                 if time.monotonic() > deadline or self._stop.is_set():
                     missing = [c.name for c in self.children if c.ready_key not in ready]
-                    print(f"sandhold: services not ready: {', '.join(missing)}; "
-                          f"see {self.data_dir / 'logs'}", file=sys.stderr)
+                    print(
+                        f"sandhold: services not ready: {', '.join(missing)}; "
+                        f"see {self.data_dir / 'logs'}",
+                        file=sys.stderr,
+                    )
                     return 1
                 got_ready.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(got_ready.wait(), 0.5)
-                except TimeoutError:
-                    pass
             print(f"sandhold is up: {url}", flush=True)
             await self._supervise()
             return 0
@@ -159,19 +183,21 @@ class Runtime:
                 if child.alive() or time.monotonic() < child.next_start:
                     continue
                 if child.process is not None and child.next_start == 0.0:
-                    delay = min(10.0, 0.5 * 2 ** child.restarts)
-                    print(f"sandhold: {child.name} exited ({child.process.returncode}); "
-                          f"restarting in {delay:.1f}s", file=sys.stderr, flush=True)
+                    delay = min(10.0, 0.5 * 2**child.restarts)
+                    print(
+                        f"sandhold: {child.name} exited ({child.process.returncode}); "
+                        f"restarting in {delay:.1f}s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     child.next_start = time.monotonic() + delay
                     child.restarts += 1
                     continue
                 child.start()
                 child.next_start = 0.0
                 self._write_runtime()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.2)
-            except TimeoutError:
-                pass
 
     async def _stop_children(self) -> None:
         # Scheduler first, so no new work lands while host-agents wind down.

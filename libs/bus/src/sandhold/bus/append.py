@@ -55,7 +55,11 @@ async def append(
 
 
 async def _append_one(
-    js: JetStreamContext, stream: str, subject: str, envelope: Envelope, expected: int,
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    envelope: Envelope,
+    expected: int,
     attempts: int,
 ) -> int:
     payload = encode_envelope(envelope)

@@ -66,7 +66,9 @@ class LeaseWatcher:
                 continue
             age = 0.0
             if entry.created is not None:
-                created = entry.created if entry.created.tzinfo else entry.created.replace(tzinfo=UTC)
+                created = (
+                    entry.created if entry.created.tzinfo else entry.created.replace(tzinfo=UTC)
+                )
                 age = max(0.0, (datetime.now(UTC) - created).total_seconds())
             was_live = self.is_live(lease.host)
             self._seen[lease.host] = (time.monotonic() - age, lease)

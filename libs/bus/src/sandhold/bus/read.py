@@ -14,15 +14,30 @@ from sandhold.domain.envelope import Recorded
 
 
 @overload
-async def read_subjects(js: JetStreamContext, stream: str, subject_filter: str, *,
-                        raw: Literal[False] = False, start_seq: int = 1,
-                        until_seq: int | None = None, timeout: float = 60.0) -> list[Recorded]: ...
+async def read_subjects(
+    js: JetStreamContext,
+    stream: str,
+    subject_filter: str,
+    *,
+    raw: Literal[False] = False,
+    start_seq: int = 1,
+    until_seq: int | None = None,
+    timeout: float = 60.0,
+) -> list[Recorded]: ...
 @overload
-async def read_subjects(js: JetStreamContext, stream: str, subject_filter: str, *,
-                        raw: Literal[True], start_seq: int = 1,
-                        until_seq: int | None = None, timeout: float = 60.0) -> list[Msg]: ...
-async def read_subjects(js, stream, subject_filter, *, raw=False, start_seq=1, until_seq=None,
-                        timeout=60.0):
+async def read_subjects(
+    js: JetStreamContext,
+    stream: str,
+    subject_filter: str,
+    *,
+    raw: Literal[True],
+    start_seq: int = 1,
+    until_seq: int | None = None,
+    timeout: float = 60.0,
+) -> list[Msg]: ...
+async def read_subjects(
+    js, stream, subject_filter, *, raw=False, start_seq=1, until_seq=None, timeout=60.0
+):
     """Every message matching `subject_filter` from `start_seq` up to the last one
     present when the read began (or `until_seq`), decoded unless `raw`."""
     last = await last_sequence(js, stream, subject_filter)

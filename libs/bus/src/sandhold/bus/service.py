@@ -47,15 +47,25 @@ async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) 
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats", default=os.environ.get("SANDHOLD_NATS_URL"), required=False,
-                        help="NATS server URL(s), comma separated")
-    parser.add_argument("--prefix", default=os.environ.get("SANDHOLD_PREFIX", "sh"),
-                        help="subject and stream prefix (default sh)")
+    parser.add_argument(
+        "--nats",
+        default=os.environ.get("SANDHOLD_NATS_URL"),
+        required=False,
+        help="NATS server URL(s), comma separated",
+    )
+    parser.add_argument(
+        "--prefix",
+        default=os.environ.get("SANDHOLD_PREFIX", "sh"),
+        help="subject and stream prefix (default sh)",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a cluster)")
 
 
-def run_service(make: Callable[[argparse.Namespace], Service], parser: argparse.ArgumentParser,
-                argv: list[str] | None = None) -> None:
+def run_service(
+    make: Callable[[argparse.Namespace], Service],
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None = None,
+) -> None:
     """Parse arguments, then run the service on uvloop until SIGTERM/SIGINT."""
     args = parser.parse_args(argv)
     if not args.nats:

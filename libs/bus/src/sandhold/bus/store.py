@@ -66,7 +66,9 @@ class AggregateStore(Generic[S]):
 
     async def start(self, *, timeout: float = 60.0) -> None:
         """Replay every aggregate of this kind, then follow live events."""
-        self._target = await last_sequence(self._js, self._stream, self._names.events(self._kind, ">"))
+        self._target = await last_sequence(
+            self._js, self._stream, self._names.events(self._kind, ">")
+        )
         if self._target == 0:
             self._caught_up.set()
         self._sub = await self._js.subscribe(
@@ -155,12 +157,20 @@ class AggregateStore(Generic[S]):
         """
         lock = self._locks.setdefault(aggregate_id, asyncio.Lock())
         async with lock:
-            return await self._execute(aggregate_id, decide, id_base, causation_id,
-                                       correlation_id, trace_id, attempts)
+            return await self._execute(
+                aggregate_id, decide, id_base, causation_id, correlation_id, trace_id, attempts
+            )
 
-    async def _execute(self, aggregate_id: str, decide: Decide[S], id_base: str,
-                       causation_id: str, correlation_id: str, trace_id: str | None,
-                       attempts: int) -> Executed[S]:
+    async def _execute(
+        self,
+        aggregate_id: str,
+        decide: Decide[S],
+        id_base: str,
+        causation_id: str,
+        correlation_id: str,
+        trace_id: str | None,
+        attempts: int,
+    ) -> Executed[S]:
         for _ in range(attempts):
             state, seq = self.get(aggregate_id)
             events = decide(state)
@@ -189,5 +199,6 @@ class AggregateStore(Generic[S]):
                 self._apply(aggregate_id, new_seq, [envelope])
             state, seq = self.get(aggregate_id)
             return Executed(state, seq, envelopes)
-        raise InfraError(f"{aggregate_id}: gave up after {attempts} conflicting appends",
-                         retryable=True)
+        raise InfraError(
+            f"{aggregate_id}: gave up after {attempts} conflicting appends", retryable=True
+        )

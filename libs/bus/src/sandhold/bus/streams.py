@@ -16,8 +16,14 @@ from sandhold.bus.names import Names
 _STREAM_EXISTS_DIFFERENT = 10058
 
 
-def stream_configs(names: Names, *, replicas: int = 1, output_max_age_s: float = 7 * 86400,
-                   output_max_bytes: int = -1, duplicate_window_s: float = 120.0) -> list[StreamConfig]:
+def stream_configs(
+    names: Names,
+    *,
+    replicas: int = 1,
+    output_max_age_s: float = 7 * 86400,
+    output_max_bytes: int = -1,
+    duplicate_window_s: float = 120.0,
+) -> list[StreamConfig]:
     p = names.prefix
     return [
         # The audit trail: kept forever, one subject per aggregate.
@@ -72,6 +78,7 @@ async def ensure_streams(js: JetStreamContext, names: Names, *, replicas: int = 
                 raise
             await js.update_stream(config)
     await js.create_key_value(
-        KeyValueConfig(bucket=names.lease_bucket, history=1, replicas=replicas,
-                       storage=StorageType.FILE)
+        KeyValueConfig(
+            bucket=names.lease_bucket, history=1, replicas=replicas, storage=StorageType.FILE
+        )
     )

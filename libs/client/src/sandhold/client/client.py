@@ -38,8 +38,9 @@ class CommandResult(msgspec.Struct, kw_only=True):
 
 
 class Client:
-    def __init__(self, nc: NATS, names: Names, *, tenant: str = "default",
-                 request_timeout: float = 30.0) -> None:
+    def __init__(
+        self, nc: NATS, names: Names, *, tenant: str = "default", request_timeout: float = 30.0
+    ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.names = names
@@ -83,7 +84,8 @@ class Client:
             except TimeoutError as err:
                 raise InfraError(
                     f"no answer from the scheduler in {self.request_timeout}s; the request is "
-                    "queued and will be handled when a scheduler runs", retryable=True
+                    "queued and will be handled when a scheduler runs",
+                    retryable=True,
                 ) from err
         finally:
             await sub.unsubscribe()
@@ -96,43 +98,55 @@ class Client:
     def _key(self, key: str | None) -> str:
         return key or uuid.uuid4().hex
 
-    async def create_sandbox(self, *, memory_limit_bytes: int | None = None,
-                             key: str | None = None) -> SandboxView:
-        reply = await self.send(rq.CreateSandbox(
-            key=self._key(key), tenant=self.tenant, memory_limit_bytes=memory_limit_bytes))
+    async def create_sandbox(
+        self, *, memory_limit_bytes: int | None = None, key: str | None = None
+    ) -> SandboxView:
+        reply = await self.send(
+            rq.CreateSandbox(
+                key=self._key(key), tenant=self.tenant, memory_limit_bytes=memory_limit_bytes
+            )
+        )
         assert reply.sandbox is not None
         return reply.sandbox
 
     async def start_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(rq.StartSandbox(key=self._key(key), tenant=self.tenant,
-                                                sandbox_id=sandbox_id))
+        reply = await self.send(
+            rq.StartSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
+        )
         assert reply.sandbox is not None
         return reply.sandbox
 
     async def stop_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(rq.StopSandbox(key=self._key(key), tenant=self.tenant,
-                                               sandbox_id=sandbox_id))
+        reply = await self.send(
+            rq.StopSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
+        )
         assert reply.sandbox is not None
         return reply.sandbox
 
     async def delete_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(rq.DeleteSandbox(key=self._key(key), tenant=self.tenant,
-                                                 sandbox_id=sandbox_id))
+        reply = await self.send(
+            rq.DeleteSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
+        )
         assert reply.sandbox is not None
         return reply.sandbox
 
-    async def cancel_command(self, sandbox_id: str, command_id: str, *,
-                             key: str | None = None) -> CommandView:
-        reply = await self.send(rq.CancelCommand(key=self._key(key), tenant=self.tenant,
-                                                 sandbox_id=sandbox_id, command_id=command_id))
+    async def cancel_command(
+        self, sandbox_id: str, command_id: str, *, key: str | None = None
+    ) -> CommandView:
+        reply = await self.send(
+            rq.CancelCommand(
+                key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id, command_id=command_id
+            )
+        )
         assert reply.command is not None
         return reply.command
 
     # --- reading state (the same fold the services use) -------------------------
 
     async def sandbox_state(self, sandbox_id: str) -> sb.Sandbox | None:
-        records = await read_subject(self.js, self.names.events_stream,
-                                     self.names.events("sandbox", sandbox_id))
+        records = await read_subject(
+            self.js, self.names.events_stream, self.names.events("sandbox", sandbox_id)
+        )
         state = fold(sb.evolve, (r.envelope for r in records), None)
         return state if state is not None and state.tenant == self.tenant else None
 
@@ -144,13 +158,16 @@ class Client:
 
     async def list_sandboxes(self, *, include_deleted: bool = False) -> list[SandboxView]:
         states: dict[str, sb.Sandbox | None] = {}
-        for record in await read_subjects(self.js, self.names.events_stream,
-                                          self.names.events("sandbox", "*")):
+        for record in await read_subjects(
+            self.js, self.names.events_stream, self.names.events("sandbox", "*")
+        ):
             aggregate = record.envelope.aggregate_id
             states[aggregate] = sb.evolve(states.get(aggregate), record.envelope)
         return [
-            sandbox_view(s) for s in states.values()
-            if s is not None and s.tenant == self.tenant
+            sandbox_view(s)
+            for s in states.values()
+            if s is not None
+            and s.tenant == self.tenant
             and (include_deleted or s.phase != "deleted")
         ]
 
@@ -171,7 +188,7 @@ class Client:
             if offset == len(buf):
                 buf += msg.data
             elif offset < len(buf) < offset + len(msg.data):
-                buf += msg.data[len(buf) - offset:]
+                buf += msg.data[len(buf) - offset :]
         return {k: bytes(v) for k, v in out.items()}
 
     # --- exec -----------------------------------------------------------------
@@ -198,15 +215,19 @@ class Client:
         key = self._key(key)
         command_id = rq.command_id_for(sandbox_id, key)
         ended: asyncio.Future[tuple[float, ev.CommandEnded]] = (
-            asyncio.get_running_loop().create_future())
+            asyncio.get_running_loop().create_future()
+        )
         printer = _OutputPrinter(on_output)
 
         async def on_event(msg: Msg) -> None:
             envelope = decode_envelope(msg.data)
             event = envelope.event
-            if isinstance(event, ev.CommandEnded) and event.command_id == command_id:
-                if not ended.done():
-                    ended.set_result((envelope.time, event))
+            if (
+                isinstance(event, ev.CommandEnded)
+                and event.command_id == command_id
+                and not ended.done()
+            ):
+                ended.set_result((envelope.time, event))
 
         async def on_chunk(msg: Msg) -> None:
             printer.live(msg.headers[STREAM_HEADER], int(msg.headers[OFFSET_HEADER]), msg.data)
@@ -216,28 +237,45 @@ class Client:
             await self.nc.subscribe(self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk),
         ]
         try:
-            reply = await self.send(rq.RunCommand(
-                key=key, tenant=self.tenant, sandbox_id=sandbox_id, argv=argv, cwd=cwd,
-                env=env or {}, timeout_s=timeout_s, kill_grace_s=kill_grace_s))
+            reply = await self.send(
+                rq.RunCommand(
+                    key=key,
+                    tenant=self.tenant,
+                    sandbox_id=sandbox_id,
+                    argv=argv,
+                    cwd=cwd,
+                    env=env or {},
+                    timeout_s=timeout_s,
+                    kill_grace_s=kill_grace_s,
+                )
+            )
             assert reply.command is not None
             record = reply.command
             if record.state not in _END_STATES:
                 at, end = await asyncio.wait_for(ended, wait_timeout)
                 record = msgspec.structs.replace(
-                    record, state=end.state, exit_code=end.exit_code, reason=end.reason,
-                    output_kept=end.output_kept, output_complete=end.output_complete,
-                    ended_at=at, host=end.host or record.host,
-                    generation=end.generation or record.generation)
+                    record,
+                    state=end.state,
+                    exit_code=end.exit_code,
+                    reason=end.reason,
+                    output_kept=end.output_kept,
+                    output_complete=end.output_complete,
+                    ended_at=at,
+                    host=end.host or record.host,
+                    generation=end.generation or record.generation,
+                )
         finally:
             for sub in subs:
                 with contextlib.suppress(Exception):  # a closed connection has no subscriptions
                     await sub.unsubscribe()
         kept = await self._complete_output(sandbox_id, command_id, record, printer)
-        return CommandResult(command=record, stdout=kept.get("stdout", b""),
-                             stderr=kept.get("stderr", b""))
+        return CommandResult(
+            command=record, stdout=kept.get("stdout", b""), stderr=kept.get("stderr", b"")
+        )
 
-    async def _complete_output(self, sandbox_id: str, command_id: str, record: CommandView,
-                               printer: _OutputPrinter) -> dict[str, bytes]:
+    async def _complete_output(
+        self, sandbox_id: str, command_id: str, record: CommandView, printer: _OutputPrinter
+    ) -> dict[str, bytes]:
         if all(printer.received(s) >= n for s, n in record.output_kept.items()):
             return printer.collected()
         stored = await self.read_output(sandbox_id, command_id)
@@ -245,8 +283,9 @@ class Client:
             printer.live(stream, 0, data)
         return printer.collected()
 
-    async def wait_for_phase(self, sandbox_id: str, phases: set[str], *,
-                             timeout: float = 30.0) -> SandboxView:
+    async def wait_for_phase(
+        self, sandbox_id: str, phases: set[str], *, timeout: float = 30.0
+    ) -> SandboxView:
         """Poll the folded state until the sandbox reaches one of `phases`."""
         deadline = time.monotonic() + timeout
         while True:
@@ -256,8 +295,6 @@ class Client:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{sandbox_id} still {view.phase} after {timeout}s")
             await asyncio.sleep(0.05)
-
-
 
 
 class _OutputPrinter:
@@ -280,7 +317,7 @@ class _OutputPrinter:
             # A gap: hold this piece until what comes before it arrives.
             self._early.setdefault(stream, {})[offset] = data
             return
-        fresh = data[len(buf) - offset:]
+        fresh = data[len(buf) - offset :]
         if fresh:
             buf += fresh
             if self._on_output is not None:

@@ -44,10 +44,15 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
         # may or may not have run, and sandhold says so instead of guessing.
         for command in state.commands.values():
             if command.state in ("dispatched", "running"):
-                events.append(ev.CommandEnded(
-                    command_id=command.id, state="unknown",
-                    reason="the sandbox stopped before its host reported how the command ended",
-                    host=state.host, generation=state.generation))
+                events.append(
+                    ev.CommandEnded(
+                        command_id=command.id,
+                        state="unknown",
+                        reason="the sandbox stopped before its host reported how the command ended",
+                        host=state.host,
+                        generation=state.generation,
+                    )
+                )
 
     if state.phase == "pending" and not state.delete_requested:
         chosen = choose_host(state)

@@ -11,7 +11,9 @@ from typing import Annotated
 
 import msgspec
 
-IdempotencyKey = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+IdempotencyKey = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")
+]
 SandboxId = Annotated[str, msgspec.Meta(pattern=r"^sb-[0-9a-f]{16}$")]
 CommandId = Annotated[str, msgspec.Meta(pattern=r"^cmd-[0-9a-f]{16}$")]
 Tenant = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]

@@ -137,7 +137,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 kill_grace_s=event.kill_grace_s,
                 queued_at=envelope_time,
             )
-            state = replace(state, requests=_remember(state, event.request_key, event.request_digest))
+            state = replace(
+                state, requests=_remember(state, event.request_key, event.request_digest)
+            )
             return _with_command(state, command)
         case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
             return _update_command(state, cid, state="dispatched", host=host, generation=generation)
@@ -222,7 +224,10 @@ def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
             if state.phase == "deleted" or state.delete_requested:
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
             if state.phase == "stopping":
-                raise Rejected("sandbox_stopping", f"sandbox {state.id} is stopping; start it once it has stopped")
+                raise Rejected(
+                    "sandbox_stopping",
+                    f"sandbox {state.id} is stopping; start it once it has stopped",
+                )
             if state.phase in ("stopped", "failed"):
                 return [ev.SandboxStartRequested(request_key=request.key, request_digest=digest)]
             return []  # already pending, placed, starting or running
@@ -244,7 +249,12 @@ def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
             state = _require(state, request.sandbox_id, request.tenant)
             if _check_key(state, request.key, digest):
                 return []
-            if state.delete_requested or state.phase not in ("pending", "placed", "starting", "running"):
+            if state.delete_requested or state.phase not in (
+                "pending",
+                "placed",
+                "starting",
+                "running",
+            ):
                 raise Rejected(
                     "sandbox_not_running",
                     f"sandbox {state.id} is {state.phase}; start it before running commands",
@@ -267,7 +277,9 @@ def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
                 return []
             command = state.commands.get(request.command_id)
             if command is None:
-                raise Rejected("command_not_found", f"no command {request.command_id} in {state.id}")
+                raise Rejected(
+                    "command_not_found", f"no command {request.command_id} in {state.id}"
+                )
             if command.ended or command.cancel_requested:
                 return []
             return [

@@ -53,5 +53,6 @@ class DestroySandboxWork(HostWork, tag="destroy_sandbox"):
     pass
 
 
-AnyWork = StartSandboxWork | RunCommandWork | CancelCommandWork | StopSandboxWork | DestroySandboxWork
-
+AnyWork = (
+    StartSandboxWork | RunCommandWork | CancelCommandWork | StopSandboxWork | DestroySandboxWork
+)

@@ -14,25 +14,39 @@ from sandhold.hostagent.service import HostAgent
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sandhold run host-agent")
     common_arguments(p)
-    p.add_argument("--host-id", default=socket.gethostname().split(".")[0].lower(),
-                   help="this host's name (default: the hostname)")
-    p.add_argument("--root", type=Path, default=None,
-                   help="where sandboxes live (default ./.sandhold/hosts/<host-id>)")
+    p.add_argument(
+        "--host-id",
+        default=socket.gethostname().split(".")[0].lower(),
+        help="this host's name (default: the hostname)",
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="where sandboxes live (default ./.sandhold/hosts/<host-id>)",
+    )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
     p.add_argument("--lease-interval", type=float, default=1.0)
-    p.add_argument("--on-exit", choices=["keep", "interrupt"], default="keep",
-                   help="keep commands running for the next agent to adopt (default), "
-                        "or interrupt them")
+    p.add_argument(
+        "--on-exit",
+        choices=["keep", "interrupt"],
+        default="keep",
+        help="keep commands running for the next agent to adopt (default), or interrupt them",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     def make(a: argparse.Namespace) -> HostAgent:
         return HostAgent(
-            a.nats, Names(a.prefix), host_id=a.host_id,
+            a.nats,
+            Names(a.prefix),
+            host_id=a.host_id,
             root=a.root or Path(".sandhold") / "hosts" / a.host_id,
-            replicas=a.replicas, capacity_sandboxes=a.capacity,
-            lease_interval=a.lease_interval, interrupt_on_exit=a.on_exit == "interrupt",
+            replicas=a.replicas,
+            capacity_sandboxes=a.capacity,
+            lease_interval=a.lease_interval,
+            interrupt_on_exit=a.on_exit == "interrupt",
         )
 
     run_service(make, parser(), argv)

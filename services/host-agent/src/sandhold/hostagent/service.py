@@ -21,7 +21,6 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, Header
-
 from sandhold.bus import leases
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
@@ -80,10 +79,12 @@ class HostAgent:
             js = self._js = nc.jetstream()
             await ensure_streams(js, self._names, replicas=self._replicas)
             await self.driver.start()
-            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve,
-                                            actor=f"host-agent:{self.host_id}")
-            self.hosts = AggregateStore(js, self._names, "host", host_domain.evolve,
-                                        actor=f"host-agent:{self.host_id}")
+            self.sandboxes = AggregateStore(
+                js, self._names, "sandbox", sb.evolve, actor=f"host-agent:{self.host_id}"
+            )
+            self.hosts = AggregateStore(
+                js, self._names, "host", host_domain.evolve, actor=f"host-agent:{self.host_id}"
+            )
             await self.sandboxes.start()
             await self.hosts.start()
             self._kv = await leases.lease_bucket(js, self._names)
@@ -98,8 +99,12 @@ class HostAgent:
             )
             tasks = [asyncio.create_task(self._renew_lease()), asyncio.create_task(self._work(sub))]
             await announce_ready(nc, self._names, self.name, host=self.host_id, epoch=self.epoch)
-            log.info("host-agent %s ready (epoch %d, %s)", self.host_id, self.epoch,
-                     self.driver.capabilities())
+            log.info(
+                "host-agent %s ready (epoch %d, %s)",
+                self.host_id,
+                self.epoch,
+                self.driver.capabilities(),
+            )
             await self._stopping.wait()
             for task in tasks:
                 task.cancel()
@@ -144,8 +149,9 @@ class HostAgent:
         await self._put_lease()
 
     async def _put_lease(self) -> None:
-        await leases.renew(self._kv, leases.Lease(host=self.host_id, epoch=self.epoch,
-                                                  renewed_at=time.time()))
+        await leases.renew(
+            self._kv, leases.Lease(host=self.host_id, epoch=self.epoch, renewed_at=time.time())
+        )
 
     async def _renew_lease(self) -> None:
         while True:
@@ -178,8 +184,9 @@ class HostAgent:
         except Rejected as err:
             log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
         except InfraError as err:
-            log.warning("%s for %s failed, will retry: %s", type(work).__name__,
-                        work.sandbox_id, err)
+            log.warning(
+                "%s for %s failed, will retry: %s", type(work).__name__, work.sandbox_id, err
+            )
             await msg.nak(delay=1)
             return
         await msg.ack()
@@ -230,8 +237,9 @@ class HostAgent:
 
     async def _settle(self, sandbox_id: str) -> None:
         """Wait until every command of the sandbox has reported its end."""
-        watchers = [t for cid, t in self._watchers.items()
-                    if self._watcher_sandbox.get(cid) == sandbox_id]
+        watchers = [
+            t for cid, t in self._watchers.items() if self._watcher_sandbox.get(cid) == sandbox_id
+        ]
         if watchers:
             await asyncio.gather(*watchers, return_exceptions=True)
 
@@ -258,8 +266,12 @@ class HostAgent:
         )
         started = await handle.started()
         if isinstance(started, int):
-            report = ev.CommandStarted(command_id=work.command_id, host=self.host_id,
-                                       generation=work.generation, pid=started)
+            report = ev.CommandStarted(
+                command_id=work.command_id,
+                host=self.host_id,
+                generation=work.generation,
+                pid=started,
+            )
             with contextlib.suppress(Rejected):
                 await self._report(work.sandbox_id, report, work.msg_id)
         self._watch(handle, generation=work.generation)

@@ -41,8 +41,15 @@ _work_encoder = msgspec.json.Encoder()
 class Scheduler:
     name = "scheduler"
 
-    def __init__(self, nats_url: str, names: Names, *, replicas: int = 1,
-                 lease_ttl: float = 5.0, durable: str = "scheduler") -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        replicas: int = 1,
+        lease_ttl: float = 5.0,
+        durable: str = "scheduler",
+    ) -> None:
         self._url = nats_url
         self._names = names
         self._replicas = replicas
@@ -58,11 +65,15 @@ class Scheduler:
             js = nc.jetstream()
             await ensure_streams(js, self._names, replicas=self._replicas)
             self._js = js
-            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="scheduler")
-            self.hosts = AggregateStore(js, self._names, "host", host_domain.evolve,
-                                        actor="scheduler")
-            self.leases = leases.LeaseWatcher(await leases.lease_bucket(js, self._names),
-                                              ttl=self._lease_ttl)
+            self.sandboxes = AggregateStore(
+                js, self._names, "sandbox", sb.evolve, actor="scheduler"
+            )
+            self.hosts = AggregateStore(
+                js, self._names, "host", host_domain.evolve, actor="scheduler"
+            )
+            self.leases = leases.LeaseWatcher(
+                await leases.lease_bucket(js, self._names), ttl=self._lease_ttl
+            )
             self.leases.on_renewal(self._host_renewed)
             self.sandboxes.listen(self._mark_dirty)
             await self.hosts.start()
@@ -78,7 +89,10 @@ class Scheduler:
             )
             await announce_ready(nc, self._names, self.name)
             log.info("scheduler ready")
-            tasks = [asyncio.create_task(self._requests(sub)), asyncio.create_task(self._reconciler())]
+            tasks = [
+                asyncio.create_task(self._requests(sub)),
+                asyncio.create_task(self._reconciler()),
+            ]
             await self._stopping.wait()
             for task in tasks:
                 task.cancel()
@@ -194,14 +208,17 @@ class Scheduler:
         for host_id in self.hosts.ids():
             registered, _ = self.hosts.get(host_id)
             if registered is not None:
-                hosts.append(HostInfo(
-                    host=registered.host,
-                    capacity_sandboxes=registered.capacity_sandboxes,
-                    memory_bytes=registered.memory_bytes,
-                    live=self.leases.is_live(registered.host),
-                ))
-        return choose_host(hosts, load, memory_limit_bytes=state.memory_limit_bytes,
-                           prefer=state.host)
+                hosts.append(
+                    HostInfo(
+                        host=registered.host,
+                        capacity_sandboxes=registered.capacity_sandboxes,
+                        memory_bytes=registered.memory_bytes,
+                        live=self.leases.is_live(registered.host),
+                    )
+                )
+        return choose_host(
+            hosts, load, memory_limit_bytes=state.memory_limit_bytes, prefer=state.host
+        )
 
     async def _send(self, host: str, work: AnyWork) -> None:
         await self._js.publish(

@@ -68,9 +68,23 @@ def test_the_ids_still_follow_from_the_keys() -> None:
     assert rq.command_id_for(SID, "run-queued") == QUEUED
 
 
-def test_the_log_holds_every_event_type(envelopes: list[Envelope]) -> None:
+def test_the_golden_logs_hold_every_event_type(envelopes: list[Envelope]) -> None:
+    # v1 holds the first release's types; each later file adds the types it introduced.
     every_tag = {t.__struct_config__.tag for t in ev.AnyEvent.__args__}  # type: ignore[attr-defined]
-    assert {e.type for e in envelopes} == every_tag
+    later = [
+        msgspec.json.decode(line, type=Envelope)
+        for path in sorted(GOLDEN.parent.glob("sandbox_v*.jsonl"))
+        if path != GOLDEN
+        for line in path.read_bytes().splitlines()
+    ]
+    assert {e.type for e in [*envelopes, *later]} == every_tag
+
+
+def test_v2_request_noted_takes_its_key() -> None:
+    lines = (GOLDEN.parent / "sandbox_v2.jsonl").read_bytes().splitlines()
+    state = fold(evolve, (msgspec.json.decode(x, type=Envelope) for x in lines), None)
+    assert state is not None and state.phase == "running"
+    assert "start-again" in state.requests
 
 
 def test_the_envelopes_decode_with_their_metadata(envelopes: list[Envelope]) -> None:

@@ -135,8 +135,12 @@ def test_start_a_stopping_sandbox_is_refused() -> None:
 
 
 @pytest.mark.parametrize("phase", ["pending", "placed", "starting", "running"])
-def test_start_an_already_started_sandbox_is_nothing_new(phase: str) -> None:
-    assert when(given(*ALL_PHASES[phase]), start()) == []
+def test_start_an_already_started_sandbox_only_notes_the_key(phase: str) -> None:
+    assert when(given(*ALL_PHASES[phase]), start()) == noted(start())
+
+
+def test_a_noted_key_reused_with_another_body_conflicts() -> None:
+    then_rejected(when(given(*RUNNING, start("k")), run("k")), "idempotency_conflict")
 
 
 def test_start_retried_with_its_key_is_nothing_new() -> None:
@@ -170,8 +174,8 @@ def test_stop_a_pending_sandbox_stops_it_at_once() -> None:
 
 
 @pytest.mark.parametrize("phase", ["stopping", "stopped", "failed"])
-def test_stop_a_sandbox_that_is_not_running_is_nothing_new(phase: str) -> None:
-    assert when(given(*ALL_PHASES[phase]), stop(key="stop-2")) == []
+def test_stop_a_sandbox_that_is_not_running_only_notes_the_key(phase: str) -> None:
+    assert when(given(*ALL_PHASES[phase]), stop(key="stop-2")) == noted(stop(key="stop-2"))
 
 
 def test_stop_retried_with_its_key_is_nothing_new() -> None:
@@ -209,7 +213,8 @@ def test_delete_a_sandbox_off_any_host_keeps_its_phase(phase: str) -> None:
 
 
 def test_delete_twice_with_another_key_is_nothing_new() -> None:
-    assert when(given(*RUNNING, delete()), delete(key="delete-2")) == []
+    again = delete(key="delete-2")
+    assert when(given(*RUNNING, delete()), again) == noted(again)
 
 
 def test_delete_retried_with_its_key_is_nothing_new() -> None:
@@ -217,7 +222,7 @@ def test_delete_retried_with_its_key_is_nothing_new() -> None:
 
 
 def test_delete_a_deleted_sandbox_is_nothing_new() -> None:
-    assert when(given(*DELETED), delete(key="delete-2")) == []
+    assert when(given(*DELETED), delete(key="delete-2")) == noted(delete(key="delete-2"))
 
 
 def test_delete_with_a_key_used_for_another_request_conflicts() -> None:
@@ -314,11 +319,12 @@ def test_cancel_a_live_command(progress: tuple[Step, ...]) -> None:
 
 def test_cancel_an_ended_command_is_nothing_new() -> None:
     history = (*RUNNING, run(), dispatched(), command_started(), command_ended())
-    assert when(given(*history), cancel(cmd())) == []
+    assert when(given(*history), cancel(cmd())) == noted(cancel(cmd()))
 
 
 def test_cancel_twice_with_another_key_is_nothing_new() -> None:
-    assert when(given(*RUNNING, run(), cancel(cmd())), cancel(cmd(), key="cancel-2")) == []
+    again = cancel(cmd(), key="cancel-2")
+    assert when(given(*RUNNING, run(), cancel(cmd())), again) == noted(again)
 
 
 def test_cancel_retried_with_its_key_is_nothing_new() -> None:
@@ -450,3 +456,8 @@ def test_the_digest_ignores_the_key_but_not_the_body() -> None:
     assert rq.request_digest(run("a")) == rq.request_digest(run("b"))
     assert rq.request_digest(run("a")) != rq.request_digest(run("a", argv=["other"]))
     assert rq.request_digest(stop("a")) != rq.request_digest(start("a"))
+
+
+def noted(request: rq.AnyRequest) -> list[ev.AnyEvent]:
+    """A valid request that changes nothing still takes its key."""
+    return [ev.RequestNoted(request_key=request.key, request_digest=rq.request_digest(request))]

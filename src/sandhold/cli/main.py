@@ -148,8 +148,15 @@ def _report_exec(result: CommandResult, as_json: bool) -> int:
         record["stdout"] = result.stdout.decode(errors="replace")
         record["stderr"] = result.stderr.decode(errors="replace")
         _print_json(record)
-    if command.state == "exited":
-        return command.exit_code if command.exit_code is not None else 0
+    if command.state == "exited" and command.exit_code is not None:
+        return command.exit_code
+    if command.state == "exited" and command.signal is not None:
+        if not as_json:
+            print(
+                f"sandhold: command {command.id} was killed by signal {command.signal}",
+                file=sys.stderr,
+            )
+        return 128 + command.signal  # as a shell reports it
     if not as_json:
         print(
             f"sandhold: command {command.id} ended {command.state}"

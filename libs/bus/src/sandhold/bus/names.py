@@ -43,6 +43,17 @@ class Names(msgspec.Struct, frozen=True):
         return f"{self._stream_prefix}_HOSTWORK"
 
     @property
+    def saves_stream(self) -> str:
+        """The save store: content-addressed chunks and manifests."""
+        return f"{self._stream_prefix}_SAVES"
+
+    def chunk(self, digest: str) -> str:
+        return f"{self.prefix}.chunk.{digest}"
+
+    def manifest(self, save_id: str) -> str:
+        return f"{self.prefix}.manifest.{save_id}"
+
+    @property
     def lease_bucket(self) -> str:
         return f"{self._stream_prefix}_leases"
 

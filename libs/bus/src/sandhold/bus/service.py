@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -85,3 +86,19 @@ def run_service(
         await service.run()
 
     uvloop.run(main())
+
+
+async def close_quickly(nc: NATS, *stores: object) -> None:
+    """Unsubscribe the stores' consumers, flush what we published, then close.
+
+    Not `drain()`: draining an ordered consumer can make nats-py try to recreate
+    it against a connection that no longer takes requests, which stalls shutdown.
+    """
+    for store in stores:
+        stop = getattr(store, "stop", None)
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                await stop()
+    with contextlib.suppress(Exception):
+        await nc.flush(timeout=2)
+    await nc.close()

@@ -24,7 +24,7 @@ from sandhold.bus.append import WrongSequence, append, last_sequence
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
 from sandhold.domain.envelope import Envelope, wrap
-from sandhold.domain.errors import InfraError
+from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.events import AnyEvent
 from sandhold.domain.fold import fold
 
@@ -171,9 +171,18 @@ class AggregateStore(Generic[S]):
         trace_id: str | None,
         attempts: int,
     ) -> Executed[S]:
+        synced = False
         for _ in range(attempts):
             state, seq = self.get(aggregate_id)
-            events = decide(state)
+            try:
+                events = decide(state)
+            except Rejected:
+                if synced:
+                    raise
+                # Never refuse on a stale cache: read what is really there first.
+                await self.sync(aggregate_id)
+                synced = True
+                continue
             if not events:
                 return Executed(state, seq, [])
             envelopes = wrap(
@@ -194,6 +203,7 @@ class AggregateStore(Generic[S]):
                 )
             except WrongSequence:
                 await self.sync(aggregate_id)
+                synced = True
                 continue
             for envelope, new_seq in zip(envelopes, sequences, strict=True):
                 self._apply(aggregate_id, new_seq, [envelope])

@@ -57,6 +57,18 @@ def stream_configs(
             num_replicas=replicas,
             duplicate_window=duplicate_window_s,
         ),
+        # The save store: one message per chunk subject (its sha256), so a chunk
+        # already stored is refused by an expected-sequence-0 write (NATS-NOTES).
+        StreamConfig(
+            name=names.saves_stream,
+            subjects=[f"{p}.chunk.*", f"{p}.manifest.*"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            duplicate_window=duplicate_window_s,
+        ),
         StreamConfig(
             name=names.hostwork_stream,
             subjects=[f"{p}.work.>"],

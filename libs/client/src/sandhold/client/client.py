@@ -15,6 +15,7 @@ from nats.js.api import Header
 from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
 from sandhold.bus.names import Names
 from sandhold.bus.read import read_subject, read_subjects
+from sandhold.bus.service import close_quickly
 from sandhold.bus.service import connect as bus_connect
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -48,7 +49,7 @@ class Client:
         self.request_timeout = request_timeout
 
     async def close(self) -> None:
-        await self.nc.drain()
+        await close_quickly(self.nc)
 
     async def __aenter__(self) -> Client:
         return self
@@ -252,11 +253,12 @@ class Client:
             assert reply.command is not None
             record = reply.command
             if record.state not in _END_STATES:
-                at, end = await asyncio.wait_for(ended, wait_timeout)
+                at, end = await self._wait_for_end(sandbox_id, command_id, ended, wait_timeout)
                 record = msgspec.structs.replace(
                     record,
                     state=end.state,
                     exit_code=end.exit_code,
+                    signal=end.signal,
                     reason=end.reason,
                     output_kept=end.output_kept,
                     output_complete=end.output_complete,
@@ -272,6 +274,40 @@ class Client:
         return CommandResult(
             command=record, stdout=kept.get("stdout", b""), stderr=kept.get("stderr", b"")
         )
+
+    async def _wait_for_end(
+        self,
+        sandbox_id: str,
+        command_id: str,
+        ended: asyncio.Future[tuple[float, ev.CommandEnded]],
+        wait_timeout: float | None,
+    ) -> tuple[float, ev.CommandEnded]:
+        """The live `command.ended` event; if none arrives for a while (live
+        delivery is best effort), look in the log, which is the truth."""
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_timeout is None else loop.time() + wait_timeout
+        while True:
+            step = 2.0 if deadline is None else max(0.0, min(2.0, deadline - loop.time()))
+            try:
+                return await asyncio.wait_for(asyncio.shield(ended), step)
+            except TimeoutError:
+                pass
+            state = await self.sandbox_state(sandbox_id)
+            command = state.commands.get(command_id) if state is not None else None
+            if command is not None and command.ended:
+                return command.ended_at or 0.0, ev.CommandEnded(
+                    command_id=command.id,
+                    state=command.state,
+                    exit_code=command.exit_code,
+                    signal=command.signal,
+                    reason=command.reason,
+                    host=command.host,
+                    generation=command.generation,
+                    output_kept=command.output_kept,
+                    output_complete=command.output_complete,
+                )
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"{command_id} has not ended after {wait_timeout}s")
 
     async def _complete_output(
         self, sandbox_id: str, command_id: str, record: CommandView, printer: _OutputPrinter

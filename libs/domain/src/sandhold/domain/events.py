@@ -123,6 +123,7 @@ class CommandEnded(Event, tag="command.ended"):
     command_id: str
     state: CommandEndState
     exit_code: int | None = None
+    signal: int | None = None  # the signal that ended the program, when one did
     reason: str = ""
     host: str | None = None
     generation: int = 0
@@ -131,6 +132,17 @@ class CommandEnded(Event, tag="command.ended"):
 
 
 # --- hosts -------------------------------------------------------------------
+
+
+class RequestNoted(Event, tag="request.noted"):
+    """A valid request that changed nothing (e.g. start of a running sandbox).
+
+    Recorded so that its idempotency key is taken: the same key with a
+    different body is refused later, as for every other request.
+    """
+
+    request_key: str
+    request_digest: str
 
 
 class HostRegistered(Event, tag="host.registered"):
@@ -157,6 +169,7 @@ AnyEvent = (
     | CommandStarted
     | CommandCancelRequested
     | CommandEnded
+    | RequestNoted
     | HostRegistered
 )
 

@@ -51,6 +51,7 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
                         reason="the sandbox stopped before its host reported how the command ended",
                         host=state.host,
                         generation=state.generation,
+                        output_complete=False,
                     )
                 )
 

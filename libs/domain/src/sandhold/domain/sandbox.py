@@ -46,6 +46,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     generation: int = 0
     pid: int | None = None
     exit_code: int | None = None
+    signal: int | None = None
     reason: str = ""
     cancel_requested: bool = False
     output_kept: dict[str, int] = {}
@@ -154,11 +155,14 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 event.command_id,
                 state=event.state,
                 exit_code=event.exit_code,
+                signal=event.signal,
                 reason=event.reason,
                 output_kept=event.output_kept,
                 output_complete=event.output_complete,
                 ended_at=envelope_time,
             )
+        case ev.RequestNoted(request_key=key, request_digest=digest):
+            return replace(state, requests=_remember(state, key, digest))
         case ev.SandboxCreated() | ev.HostRegistered():
             return state
         case _:
@@ -199,9 +203,17 @@ def _require(state: Sandbox | None, sandbox_id: str, tenant: str) -> Sandbox:
 def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
     """Decide what a client request changes. `[]` = nothing new (already applied).
 
-    Raises `Rejected` when the request cannot be honoured in this state.
+    Raises `Rejected` when the request cannot be honoured in this state. A new
+    key on a request that changes nothing is still recorded (`RequestNoted`).
     """
     digest = rq.request_digest(request)
+    events = _decide(state, request, digest)
+    if not events and state is not None and request.key not in state.requests:
+        return [ev.RequestNoted(request_key=request.key, request_digest=digest)]
+    return events
+
+
+def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[ev.AnyEvent]:
     match request:
         case rq.CreateSandbox():
             sandbox_id = rq.sandbox_id_for(request.tenant, request.key)

@@ -12,6 +12,7 @@ class CommandView(msgspec.Struct, kw_only=True):
     state: str
     argv: list[str]
     exit_code: int | None = None
+    signal: int | None = None
     reason: str = ""
     host: str | None = None
     generation: int = 0
@@ -57,6 +58,7 @@ def command_view(sandbox_id: str, c: Command) -> CommandView:
         state=c.state,
         argv=c.argv,
         exit_code=c.exit_code,
+        signal=c.signal,
         reason=c.reason,
         host=c.host,
         generation=c.generation,

@@ -25,7 +25,7 @@ from sandhold.bus import leases
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.service import announce_ready, connect
+from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import events as ev
@@ -118,7 +118,7 @@ class HostAgent:
                     await task
         finally:
             await self.driver.close()
-            await nc.drain()
+            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
 
     async def shutdown(self) -> None:
         self._stopping.set()
@@ -313,6 +313,7 @@ class HostAgent:
             command_id=cid,
             state=exit_record.reason,
             exit_code=exit_record.exit_code,
+            signal=exit_record.signal,
             reason=exit_record.detail,
             host=self.host_id,
             generation=generation,

@@ -20,7 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, Header
 from sandhold.bus import leases
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.service import announce_ready, connect
+from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import host as host_domain
@@ -101,7 +101,7 @@ class Scheduler:
                     await task
             await self.leases.stop()
         finally:
-            await nc.drain()
+            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
 
     async def shutdown(self) -> None:
         self._stopping.set()
@@ -125,6 +125,15 @@ class Scheduler:
             # A poison message: answer it, drop it, never redeliver it.
             log.warning("malformed request on %s: %s", msg.subject, err)
             await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
+            await msg.term()
+            return
+        expected_subject = self._names.request(rq.request_tag(request))
+        if msg.subject != expected_subject:
+            message = (
+                f"malformed request: a {rq.request_tag(request)!r} request was sent to "
+                f"{msg.subject}; send it to {expected_subject}"
+            )
+            await self._reply(reply_to, _error("malformed_request", message))
             await msg.term()
             return
         sandbox_id = sb.aggregate_of(request)

@@ -255,15 +255,18 @@ def test_a_command_dispatched_before_a_stop_still_ends() -> None:
 # --- stop and delete -------------------------------------------------------------------
 
 
-def test_a_stopping_sandbox_is_stopped_by_its_host() -> None:
-    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1)
-    assert plan(given_sandbox(*STOPPING), must_not_choose) == Plan([], [(HOST_A, stop_work)])
+def test_a_stopping_sandbox_is_stopped_by_its_host_with_a_final_save() -> None:
+    state = given_sandbox(*STOPPING)
+    assert state.final_save_id is not None
+    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1,
+                                   final_save_id=state.final_save_id)
+    assert plan(state, must_not_choose) == Plan([], [(HOST_A, stop_work)])
     assert stop_work.msg_id == f"stop_sandbox:{SID}:1"
 
 
 def test_deleting_a_running_sandbox_stops_it_then_destroys_it() -> None:
     state = given_sandbox(*RUNNING, delete())
-    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1)
+    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1, final_save_id=None)
     assert plan(state, must_not_choose) == Plan([], [(HOST_A, stop_work)])
     state = apply(state, decide_report(state, stopped()))
     destroy = wk.DestroySandboxWork(sandbox_id=SID, generation=1)

@@ -68,6 +68,8 @@ def test_create_a_new_sandbox() -> None:
             request_digest=rq.request_digest(request),
             memory_limit_bytes=256 * MiB,
             tenant="acme",
+            save_interval_s=30.0,
+            stop_deadline_s=60.0,
         )
     ]
 
@@ -159,7 +161,11 @@ def test_stop_a_sandbox_on_a_host_asks_the_host_to_stop_it(phase: str) -> None:
     request = stop()
     events = when(given(*ALL_PHASES[phase]), request)
     assert events == [
-        ev.SandboxStopRequested(request_key="stop-1", request_digest=rq.request_digest(request))
+        ev.SandboxStopRequested(
+            request_key="stop-1",
+            request_digest=rq.request_digest(request),
+            final_save_id=rq.save_id_for(SID, "final:stop-1"),
+        )
     ]
     assert given_sandbox(*ALL_PHASES[phase], request).phase == "stopping"
 

@@ -27,6 +27,10 @@ class SandboxCreated(Event, tag="sandbox.created"):
     request_digest: str
     memory_limit_bytes: int | None = None
     tenant: str = "default"
+    save_interval_s: float | None = None  # None: the saver's global interval
+    stop_deadline_s: float = 60.0  # how long a stop may take, final save included
+    source_snapshot_id: str | None = None  # created from this Snapshot (a save id)
+    source_sandbox_id: str | None = None  # ...which belongs to this sandbox
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):
@@ -63,6 +67,7 @@ class SandboxStartRequested(Event, tag="sandbox.start_requested"):
 class SandboxStopRequested(Event, tag="sandbox.stop_requested"):
     request_key: str
     request_digest: str
+    final_save_id: str | None = None  # the save the host takes once processes are stopped
 
 
 class SandboxStopped(Event, tag="sandbox.stopped"):
@@ -131,6 +136,71 @@ class CommandEnded(Event, tag="command.ended"):
     output_complete: bool = True
 
 
+# --- saves and snapshots -----------------------------------------------------
+
+
+class SaveRequested(Event, tag="save.requested"):
+    """A save was asked for: on schedule (saver), as a Snapshot, or at a stop."""
+
+    save_id: str
+    kind: Literal["scheduled", "snapshot", "final"]
+    host: str | None
+    generation: int
+    parent_id: str | None = None  # the last completed save: what unchanged files come from
+    snapshot_name: str | None = None
+    request_key: str | None = None
+    request_digest: str | None = None
+
+
+class SaveCaptured(Event, tag="save.captured"):
+    """The host froze the sandbox, copied what changed into its spool, and thawed."""
+
+    save_id: str
+    host: str
+    generation: int
+    freeze_ms: float
+    freeze_method: str  # "cgroup" | "sigstop" | "none" (stopped sandbox)
+    scanned_files: int = 0
+    changed_files: int = 0
+    changed_bytes: int = 0
+
+
+class SaveUploaded(Event, tag="save.uploaded"):
+    """Every chunk and the manifest were sent to the save store (not yet verified)."""
+
+    save_id: str
+    host: str
+    generation: int
+    total_bytes: int
+    files: int
+    uploaded_bytes: int
+    uploaded_chunks: int
+    manifest_bytes: int
+    duration_ms: float
+
+
+class SaveCompleted(Event, tag="save.completed"):
+    """The saver verified the manifest and every chunk it names: only now it counts."""
+
+    save_id: str
+    total_bytes: int
+    files: int
+
+
+class SaveFailed(Event, tag="save.failed"):
+    save_id: str
+    stage: Literal["capture", "upload", "verify", "timeout", "interrupted"]
+    reason: str
+    host: str | None = None
+    generation: int = 0
+
+
+class SavesExpired(Event, tag="save.expired"):
+    """Retention dropped these completed saves; their chunks may be collected."""
+
+    save_ids: list[str]
+
+
 # --- hosts -------------------------------------------------------------------
 
 
@@ -170,6 +240,12 @@ AnyEvent = (
     | CommandCancelRequested
     | CommandEnded
     | RequestNoted
+    | SaveRequested
+    | SaveCaptured
+    | SaveUploaded
+    | SaveCompleted
+    | SaveFailed
+    | SavesExpired
     | HostRegistered
 )
 

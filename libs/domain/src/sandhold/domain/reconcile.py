@@ -61,11 +61,22 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
             events.append(ev.SandboxPlaced(host=chosen, generation=gen + 1))
     elif state.phase == "placed" and host is not None:
         start = wk.StartSandboxWork(
-            sandbox_id=sid, generation=gen, memory_limit_bytes=state.memory_limit_bytes
+            sandbox_id=sid,
+            generation=gen,
+            memory_limit_bytes=state.memory_limit_bytes,
+            restore_save_id=state.restore_point(),
         )
         work.append((host, start))
     elif state.phase == "stopping" and host is not None:
-        work.append((host, wk.StopSandboxWork(sandbox_id=sid, generation=gen)))
+        final = state.saves.get(state.final_save_id) if state.final_save_id else None
+        stop = wk.StopSandboxWork(
+            sandbox_id=sid,
+            generation=gen,
+            final_save_id=final.id if final is not None else None,
+            parent_save_id=final.parent_id if final is not None else None,
+            deadline_s=state.stop_deadline_s,
+        )
+        work.append((host, stop))
 
     if state.delete_requested and state.phase in ("pending", "stopped", "failed"):
         if host is None:

@@ -10,9 +10,13 @@ from __future__ import annotations
 from sandhold.domain import events as ev
 from sandhold.domain.errors import Rejected
 from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox
+from sandhold.domain.saves import IN_FLIGHT
 
 HostReport = (
-    ev.SandboxStarting
+    ev.SaveCaptured
+    | ev.SaveUploaded
+    | ev.SaveFailed
+    | ev.SandboxStarting
     | ev.SandboxStarted
     | ev.SandboxStartFailed
     | ev.SandboxStopped
@@ -47,4 +51,13 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
         case ev.CommandEnded():
             command = state.commands.get(report.command_id)
             news = command is not None and not command.ended
+        case ev.SaveCaptured():
+            save = state.saves.get(report.save_id)
+            news = save is not None and save.state == "requested"
+        case ev.SaveUploaded():
+            save = state.saves.get(report.save_id)
+            news = save is not None and save.state in ("requested", "captured")
+        case ev.SaveFailed():
+            save = state.saves.get(report.save_id)
+            news = save is not None and save.state in IN_FLIGHT
     return [report] if news else []

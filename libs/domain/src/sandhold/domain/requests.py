@@ -33,8 +33,19 @@ class Request(
     tenant: Tenant = "default"
 
 
+SaveId = Annotated[str, msgspec.Meta(pattern=r"^sv-[0-9a-f]{16}$")]
+SnapshotName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+]
+Interval = Annotated[float, msgspec.Meta(ge=1, le=86400)]
+Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
+
+
 class CreateSandbox(Request, tag="sandbox.create"):
     memory_limit_bytes: MemoryLimit | None = None
+    from_snapshot: SaveId | None = None  # a Snapshot's id: its files are the starting point
+    save_interval_s: Interval | None = None  # default: the scheduler's (30 s)
+    stop_deadline_s: Deadline | None = None  # default: the scheduler's (60 s)
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -47,6 +58,13 @@ class StopSandbox(Request, tag="sandbox.stop"):
 
 class DeleteSandbox(Request, tag="sandbox.delete"):
     sandbox_id: SandboxId
+
+
+class SnapshotSandbox(Request, tag="sandbox.snapshot"):
+    """Take a named, retained save now (a milestone)."""
+
+    sandbox_id: SandboxId
+    name: SnapshotName
 
 
 class RunCommand(Request, tag="command.run"):
@@ -63,7 +81,15 @@ class CancelCommand(Request, tag="command.cancel"):
     command_id: CommandId
 
 
-AnyRequest = CreateSandbox | StartSandbox | StopSandbox | DeleteSandbox | RunCommand | CancelCommand
+AnyRequest = (
+    CreateSandbox
+    | StartSandbox
+    | StopSandbox
+    | DeleteSandbox
+    | SnapshotSandbox
+    | RunCommand
+    | CancelCommand
+)
 
 _decoder = msgspec.json.Decoder(AnyRequest)
 _encoder = msgspec.json.Encoder(order="sorted")
@@ -82,9 +108,17 @@ def request_tag(request: AnyRequest) -> str:
     return type(request).__struct_config__.tag  # type: ignore[return-value]
 
 
+# Fields added after the first release are left out of the digest while unset,
+# so a request retried across an upgrade keeps its digest (and its key stays its own).
+_LATER_FIELDS = frozenset({"from_snapshot", "save_interval_s", "stop_deadline_s"})
+
+
 def request_digest(request: AnyRequest) -> str:
     """What the request asks for, without its key: equal digests = same body."""
-    body = msgspec.structs.replace(request, key="-")
+    body = msgspec.to_builtins(msgspec.structs.replace(request, key="-"))
+    for name in _LATER_FIELDS:
+        if body.get(name) is None:
+            body.pop(name, None)
     return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
 
 
@@ -95,6 +129,12 @@ def _short_hash(*parts: str) -> str:
 def sandbox_id_for(tenant: str, key: str) -> str:
     """A create request's sandbox id follows from its key, so a retry finds it."""
     return f"sb-{_short_hash('sandbox', tenant, key)}"
+
+
+def save_id_for(sandbox_id: str, cause: str) -> str:
+    """A save's id follows from what asked for it (a request key, or the state a
+    scheduled save was decided on), so deciding twice names the same save."""
+    return f"sv-{_short_hash('save', sandbox_id, cause)}"
 
 
 def command_id_for(sandbox_id: str, key: str) -> str:

@@ -7,11 +7,13 @@ here is pure: time comes in as an argument and nothing does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, assert_never
 
 import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
+from sandhold.domain import saves as sv
 from sandhold.domain.commands import END_STATES, CommandState
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
@@ -70,9 +72,26 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     delete_requested: bool = False
     capabilities: dict[str, str] = {}
+    save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
+    stop_deadline_s: float = 60.0
+    source_snapshot_id: str | None = None
+    source_sandbox_id: str | None = None
+    running_since: float | None = None
+    final_save_id: str | None = None  # the final save of the latest stop
+    saves: dict[str, sv.SaveRecord] = {}
     commands: dict[str, Command] = {}
     # idempotency key -> digest of the request body that used it
     requests: dict[str, str] = {}
+
+    @property
+    def last_completed_save(self) -> sv.SaveRecord | None:
+        return sv.last_completed(self.saves)
+
+    def restore_point(self) -> str | None:
+        """The save a fresh workspace is materialised from: the last completed
+        save, else the Snapshot the sandbox was created from, else none (base image)."""
+        latest = self.last_completed_save
+        return latest.id if latest is not None else self.source_snapshot_id
 
     def queued_commands(self) -> list[Command]:
         return [c for c in self.commands.values() if c.state == "queued"]
@@ -98,6 +117,10 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             created_at=envelope_time,
             memory_limit_bytes=event.memory_limit_bytes,
             requests={event.request_key: event.request_digest},
+            save_interval_s=event.save_interval_s or sv.DEFAULT_SAVE_INTERVAL_S,
+            stop_deadline_s=event.stop_deadline_s,
+            source_snapshot_id=event.source_snapshot_id,
+            source_sandbox_id=event.source_sandbox_id,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -107,7 +130,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.SandboxStarting():
             return replace(state, phase="starting")
         case ev.SandboxStarted(capabilities=capabilities):
-            return replace(state, phase="running", capabilities=capabilities)
+            return replace(
+                state, phase="running", capabilities=capabilities, running_since=envelope_time
+            )
         case ev.SandboxStartFailed(reason=reason):
             return replace(state, phase="failed", reason=reason)
         case ev.SandboxStartRequested(request_key=key, request_digest=digest):
@@ -115,13 +140,36 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.SandboxStopRequested(request_key=key, request_digest=digest):
             # Only a sandbox that holds a place on a host has processes to stop.
             phase = "stopping" if state.phase in ACTIVE_PHASES else "stopped"
-            return replace(state, phase=phase, requests=_remember(state, key, digest))
+            saves = state.saves
+            if event.final_save_id is not None:
+                latest = state.last_completed_save
+                requested = ev.SaveRequested(
+                    save_id=event.final_save_id,
+                    kind="final",
+                    host=state.host,
+                    generation=state.generation,
+                    parent_id=latest.id if latest else None,
+                )
+                saves = sv.apply(saves, requested, envelope_time)
+            return replace(
+                state,
+                phase=phase,
+                requests=_remember(state, key, digest),
+                saves=saves,
+                final_save_id=event.final_save_id,
+                running_since=None,
+            )
         case ev.SandboxStopped():
             return replace(state, phase="stopped")
         case ev.SandboxDeleteRequested(request_key=key, request_digest=digest):
             phase = "stopping" if state.phase in ACTIVE_PHASES else state.phase
+            # A deleted sandbox's files are discarded, not saved.
             return replace(
-                state, phase=phase, delete_requested=True, requests=_remember(state, key, digest)
+                state,
+                phase=phase,
+                delete_requested=True,
+                requests=_remember(state, key, digest),
+                final_save_id=None,
             )
         case ev.SandboxDeleted():
             return replace(state, phase="deleted")
@@ -163,6 +211,18 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             )
         case ev.RequestNoted(request_key=key, request_digest=digest):
             return replace(state, requests=_remember(state, key, digest))
+        case ev.SaveRequested(request_key=key, request_digest=digest) if key and digest:
+            saves = sv.apply(state.saves, event, envelope_time)
+            return replace(state, saves=saves, requests=_remember(state, key, digest))
+        case (
+            ev.SaveRequested()
+            | ev.SaveCaptured()
+            | ev.SaveUploaded()
+            | ev.SaveCompleted()
+            | ev.SaveFailed()
+            | ev.SavesExpired()
+        ):
+            return replace(state, saves=sv.apply(state.saves, event, envelope_time))
         case ev.SandboxCreated() | ev.HostRegistered():
             return state
         case _:
@@ -200,35 +260,85 @@ def _require(state: Sandbox | None, sandbox_id: str, tenant: str) -> Sandbox:
     return state
 
 
-def decide(state: Sandbox | None, request: rq.AnyRequest) -> list[ev.AnyEvent]:
+class Defaults(msgspec.Struct, frozen=True, kw_only=True):
+    """The scheduler's configuration, recorded into each sandbox at creation."""
+
+    save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
+    stop_deadline_s: float = 60.0
+
+
+# A Snapshot's owning sandbox and record, looked up by id: (sandbox, save) or None.
+FindSnapshot = Callable[[str], "tuple[Sandbox, sv.SaveRecord] | None"]
+
+
+def _no_snapshots(_: str) -> None:
+    return None
+
+
+def decide(
+    state: Sandbox | None,
+    request: rq.AnyRequest,
+    *,
+    defaults: Defaults = Defaults(),  # noqa: B008 - frozen, shared on purpose
+    find_snapshot: FindSnapshot = _no_snapshots,
+) -> list[ev.AnyEvent]:
     """Decide what a client request changes. `[]` = nothing new (already applied).
 
     Raises `Rejected` when the request cannot be honoured in this state. A new
     key on a request that changes nothing is still recorded (`RequestNoted`).
     """
     digest = rq.request_digest(request)
-    events = _decide(state, request, digest)
+    if isinstance(request, rq.CreateSandbox):
+        events = _create(state, request, digest, defaults, find_snapshot)
+    else:
+        events = _decide(state, request, digest)
     if not events and state is not None and request.key not in state.requests:
         return [ev.RequestNoted(request_key=request.key, request_digest=digest)]
     return events
 
 
+def _create(
+    state: Sandbox | None,
+    request: rq.CreateSandbox,
+    digest: str,
+    defaults: Defaults,
+    find_snapshot: FindSnapshot,
+) -> list[ev.AnyEvent]:
+    if state is not None:
+        _check_key(state, request.key, digest)
+        return []
+    source_sandbox_id = None
+    if request.from_snapshot is not None:
+        found = find_snapshot(request.from_snapshot)
+        if found is None or found[0].tenant != request.tenant or found[1].kind != "snapshot":
+            raise Rejected("snapshot_not_found", f"no snapshot {request.from_snapshot}")
+        owner, snapshot = found
+        if snapshot.state != "completed":
+            raise Rejected(
+                "snapshot_not_completed",
+                f"snapshot {snapshot.id} is {snapshot.state}; only a completed snapshot "
+                "can be a starting point",
+            )
+        source_sandbox_id = owner.id
+    return [
+        ev.SandboxCreated(
+            sandbox_id=rq.sandbox_id_for(request.tenant, request.key),
+            request_key=request.key,
+            request_digest=digest,
+            memory_limit_bytes=request.memory_limit_bytes,
+            tenant=request.tenant,
+            save_interval_s=request.save_interval_s or defaults.save_interval_s,
+            stop_deadline_s=request.stop_deadline_s or defaults.stop_deadline_s,
+            source_snapshot_id=request.from_snapshot,
+            source_sandbox_id=source_sandbox_id,
+        )
+    ]
+
+
 def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[ev.AnyEvent]:
     match request:
         case rq.CreateSandbox():
-            sandbox_id = rq.sandbox_id_for(request.tenant, request.key)
-            if state is not None:
-                _check_key(state, request.key, digest)
-                return []
-            return [
-                ev.SandboxCreated(
-                    sandbox_id=sandbox_id,
-                    request_key=request.key,
-                    request_digest=digest,
-                    memory_limit_bytes=request.memory_limit_bytes,
-                    tenant=request.tenant,
-                )
-            ]
+            raise AssertionError("decided by _create")
         case rq.StartSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
             if _check_key(state, request.key, digest):
@@ -251,7 +361,47 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
             if state.phase in ("stopping", "stopped", "failed"):
                 return []
-            return [ev.SandboxStopRequested(request_key=request.key, request_digest=digest)]
+            # A sandbox placed on a host has a workspace there: save it once stopped.
+            final = rq.save_id_for(state.id, f"final:{request.key}") if state.host else None
+            return [
+                ev.SandboxStopRequested(
+                    request_key=request.key, request_digest=digest, final_save_id=final
+                )
+            ]
+        case rq.SnapshotSandbox():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if _check_key(state, request.key, digest):
+                return []
+            # The decision point for the host-failure issue: a lost sandbox is refused here.
+            if state.phase != "running":
+                raise Rejected(
+                    "sandbox_not_running",
+                    f"sandbox {state.id} is {state.phase}; a Snapshot is taken of a running "
+                    "sandbox",
+                )
+            taken = {
+                s.snapshot_name
+                for s in state.saves.values()
+                if s.kind == "snapshot" and s.state not in ("failed", "expired")
+            }
+            if request.name in taken:
+                raise Rejected(
+                    "snapshot_name_taken",
+                    f"sandbox {state.id} already has a snapshot named {request.name!r}",
+                )
+            latest = state.last_completed_save
+            return [
+                ev.SaveRequested(
+                    save_id=rq.save_id_for(state.id, f"snapshot:{request.key}"),
+                    kind="snapshot",
+                    host=state.host,
+                    generation=state.generation,
+                    parent_id=latest.id if latest else None,
+                    snapshot_name=request.name,
+                    request_key=request.key,
+                    request_digest=digest,
+                )
+            ]
         case rq.DeleteSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
             if _check_key(state, request.key, digest) or state.delete_requested:
@@ -303,13 +453,15 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             assert_never(request)
 
 
-def result_of(state: Sandbox, request: rq.AnyRequest) -> Sandbox | Command:
+def result_of(state: Sandbox, request: rq.AnyRequest) -> Sandbox | Command | sv.SaveRecord:
     """What the caller gets back: the sandbox, or the command a run/cancel names."""
     match request:
         case rq.RunCommand():
             return state.commands[rq.command_id_for(state.id, request.key)]
         case rq.CancelCommand():
             return state.commands[request.command_id]
+        case rq.SnapshotSandbox():
+            return state.saves[rq.save_id_for(state.id, f"snapshot:{request.key}")]
         case _:
             return state
 

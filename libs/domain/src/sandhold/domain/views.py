@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
+from sandhold.domain import saves as sv
 from sandhold.domain.sandbox import Command, Sandbox
 
 
@@ -23,6 +26,23 @@ class CommandView(msgspec.Struct, kw_only=True):
     output_complete: bool = True
 
 
+class SaveView(msgspec.Struct, kw_only=True):
+    id: str
+    kind: str
+    state: str
+    sandbox_id: str
+    requested_at: float
+    completed_at: float | None = None
+    name: str | None = None
+    bytes: int = 0
+    files: int = 0
+    freeze_ms: float | None = None
+    freeze_method: str | None = None
+    uploaded_bytes: int = 0
+    stage: str = ""
+    reason: str = ""
+
+
 class SandboxView(msgspec.Struct, kw_only=True):
     id: str
     tenant: str
@@ -35,6 +55,16 @@ class SandboxView(msgspec.Struct, kw_only=True):
     delete_requested: bool = False
     capabilities: dict[str, str] = {}
     commands: dict[str, int] = {}  # command state -> how many
+    save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
+    stop_deadline_s: float = 60.0
+    last_completed_save: SaveView | None = None
+    save_health: sv.SaveHealth | None = None
+    rpo_s: float | None = None  # now - last completed save: what a failure now would lose
+    recoverable_from: str = ""  # what a host failure now would bring back
+    save_in_progress: SaveView | None = None
+    final_save: SaveView | None = None  # of the latest stop
+    snapshots: list[SaveView] = []
+    storage: dict[str, object] | None = None  # where saves live (filled by the reader)
 
 
 class ErrorBody(msgspec.Struct, kw_only=True):
@@ -48,6 +78,7 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     ok: bool
     sandbox: SandboxView | None = None
     command: CommandView | None = None
+    save: SaveView | None = None
     error: ErrorBody | None = None
 
 
@@ -70,10 +101,56 @@ def command_view(sandbox_id: str, c: Command) -> CommandView:
     )
 
 
-def sandbox_view(s: Sandbox) -> SandboxView:
+def save_view(sandbox_id: str, r: sv.SaveRecord) -> SaveView:
+    return SaveView(
+        id=r.id,
+        kind=r.kind,
+        state=r.state,
+        sandbox_id=sandbox_id,
+        requested_at=r.requested_at,
+        completed_at=r.completed_at,
+        name=r.snapshot_name,
+        bytes=r.total_bytes,
+        files=r.files,
+        freeze_ms=r.freeze_ms,
+        freeze_method=r.freeze_method,
+        uploaded_bytes=r.uploaded_bytes,
+        stage=r.stage,
+        reason=r.reason,
+    )
+
+
+def _recoverable_from(s: Sandbox) -> str:
+    latest = s.last_completed_save
+    if latest is not None:
+        return f"save {latest.id} (completed {_ago(latest.completed_at)})"
+    if s.source_snapshot_id is not None:
+        return (
+            f"only the snapshot {s.source_snapshot_id} it was created from: "
+            "no save has completed yet"
+        )
+    return "only the base image: no save has completed yet"
+
+
+def _ago(at: float | None) -> str:
+    return (
+        "at an unknown time" if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    )
+
+
+def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
+    now = time.time() if now is None else now
     counts: dict[str, int] = {}
     for c in s.commands.values():
         counts[c.state] = counts.get(c.state, 0) + 1
+    latest = s.last_completed_save
+    in_flight = sv.in_flight(s.saves)
+    final = s.saves.get(s.final_save_id) if s.final_save_id else None
+    health = None
+    if s.phase == "running" or in_flight or sv.consecutive_failures(s.saves):
+        health = sv.health(
+            s.saves, interval_s=s.save_interval_s, running_since=s.running_since, now=now
+        )
     return SandboxView(
         id=s.id,
         tenant=s.tenant,
@@ -86,10 +163,25 @@ def sandbox_view(s: Sandbox) -> SandboxView:
         delete_requested=s.delete_requested,
         capabilities=s.capabilities,
         commands=counts,
+        save_interval_s=s.save_interval_s,
+        stop_deadline_s=s.stop_deadline_s,
+        last_completed_save=save_view(s.id, latest) if latest else None,
+        save_health=health,
+        rpo_s=(now - latest.completed_at) if latest and latest.completed_at else None,
+        recoverable_from=_recoverable_from(s),
+        save_in_progress=save_view(s.id, in_flight[-1]) if in_flight else None,
+        final_save=save_view(s.id, final) if final else None,
+        snapshots=[
+            save_view(s.id, r)
+            for r in s.saves.values()
+            if r.kind == "snapshot" and r.state != "failed"
+        ],
     )
 
 
-def reply_for(record: Sandbox | Command, sandbox_id: str) -> Reply:
+def reply_for(record: Sandbox | Command | sv.SaveRecord, sandbox_id: str) -> Reply:
     if isinstance(record, Sandbox):
         return Reply(ok=True, sandbox=sandbox_view(record))
+    if isinstance(record, sv.SaveRecord):
+        return Reply(ok=True, save=save_view(sandbox_id, record))
     return Reply(ok=True, command=command_view(sandbox_id, record))

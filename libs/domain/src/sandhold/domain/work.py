@@ -22,6 +22,8 @@ class HostWork(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 class StartSandboxWork(HostWork, tag="start_sandbox"):
     memory_limit_bytes: int | None = None
+    # Materialise the workspace from this save when the host has none for the sandbox.
+    restore_save_id: str | None = None
 
 
 class RunCommandWork(HostWork, tag="run_command"):
@@ -46,7 +48,20 @@ class CancelCommandWork(HostWork, tag="cancel_command"):
 
 
 class StopSandboxWork(HostWork, tag="stop_sandbox"):
-    pass
+    final_save_id: str | None = None  # capture and upload once processes are stopped
+    parent_save_id: str | None = None
+    deadline_s: float = 60.0
+
+
+class SaveSandboxWork(HostWork, tag="save_sandbox"):
+    """Freeze, capture what changed since `parent_save_id`, thaw, upload."""
+
+    save_id: str
+    parent_save_id: str | None = None
+
+    @property
+    def msg_id(self) -> str:
+        return f"save_sandbox:{self.save_id}:{self.generation}"
 
 
 class DestroySandboxWork(HostWork, tag="destroy_sandbox"):
@@ -54,5 +69,10 @@ class DestroySandboxWork(HostWork, tag="destroy_sandbox"):
 
 
 AnyWork = (
-    StartSandboxWork | RunCommandWork | CancelCommandWork | StopSandboxWork | DestroySandboxWork
+    StartSandboxWork
+    | RunCommandWork
+    | CancelCommandWork
+    | StopSandboxWork
+    | DestroySandboxWork
+    | SaveSandboxWork
 )

@@ -1,0 +1,110 @@
+"""The saver's decisions: when to save, whether a save counts, what to keep.
+
+Pure functions of a sandbox's state (and the time, and what verification
+found), so that two savers, or one restarted midway, decide the same things.
+"""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain import saves as sv
+from sandhold.domain import work as wk
+from sandhold.domain.sandbox import Sandbox
+
+
+def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
+    """A scheduled save when the interval has passed since the last request."""
+    if state.phase != "running" or state.host is None or sv.in_flight(state.saves):
+        return []
+    requested = [s.requested_at for s in state.saves.values() if s.generation == state.generation]
+    since = max([*requested, state.running_since or now])
+    if now - since < state.save_interval_s:
+        return []
+    latest = state.last_completed_save
+    return [
+        ev.SaveRequested(
+            save_id=rq.save_id_for(state.id, cause),
+            kind="scheduled",
+            host=state.host,
+            generation=state.generation,
+            parent_id=latest.id if latest else None,
+        )
+    ]
+
+
+def save_work(state: Sandbox) -> list[tuple[str, wk.SaveSandboxWork]]:
+    """Work for requested saves of the current placement (final saves travel
+    with the stop instruction instead)."""
+    if state.phase != "running" or state.host is None:
+        return []
+    return [
+        (
+            state.host,
+            wk.SaveSandboxWork(
+                sandbox_id=state.id,
+                generation=state.generation,
+                save_id=s.id,
+                parent_save_id=s.parent_id,
+            ),
+        )
+        for s in state.saves.values()
+        if s.state == "requested" and s.kind != "final" and s.generation == state.generation
+    ]
+
+
+def awaiting_verification(state: Sandbox) -> list[sv.SaveRecord]:
+    return [s for s in state.saves.values() if s.state == "uploaded"]
+
+
+def verified(
+    state: Sandbox, save_id: str, problems: list[str], *, total_bytes: int, files: int
+) -> list[ev.AnyEvent]:
+    """`SaveCompleted` only when verification found nothing wrong."""
+    save = state.saves.get(save_id)
+    if save is None or save.state != "uploaded":
+        return []
+    if problems:
+        return [
+            ev.SaveFailed(
+                save_id=save_id,
+                stage="verify",
+                reason="; ".join(problems)[:2000],
+                host=save.host,
+                generation=save.generation,
+            )
+        ]
+    return [ev.SaveCompleted(save_id=save_id, total_bytes=total_bytes, files=files)]
+
+
+def timed_out(state: Sandbox, *, now: float, timeout_s: float) -> list[ev.AnyEvent]:
+    """Saves under way for too long fail: they never become the save that counts."""
+    return [
+        ev.SaveFailed(
+            save_id=s.id,
+            stage="timeout",
+            reason=f"not completed within {timeout_s:.0f}s (stopped at {s.state})",
+            host=s.host,
+            generation=s.generation,
+        )
+        for s in sv.in_flight(state.saves)
+        if now - s.requested_at > timeout_s
+    ]
+
+
+def expired(state: Sandbox, *, keep_last: int) -> list[ev.AnyEvent]:
+    """Keep the last `keep_last` completed saves and every Snapshot."""
+    completed = sorted(
+        (s for s in state.saves.values() if s.state == "completed" and s.kind != "snapshot"),
+        key=lambda s: s.completed_at or 0.0,
+    )
+    old = [s.id for s in completed[:-keep_last]] if keep_last > 0 else [s.id for s in completed]
+    return [ev.SavesExpired(save_ids=old)] if old else []
+
+
+def retained(state: Sandbox) -> list[str]:
+    """Saves whose manifests and chunks must stay in the store: the completed ones,
+    and the parents of saves under way (they reuse the parent's chunks unsent)."""
+    keep = {s.id for s in state.saves.values() if s.state == "completed"}
+    keep |= {s.parent_id for s in sv.in_flight(state.saves) if s.parent_id}
+    return sorted(keep)

@@ -1,0 +1,177 @@
+"""Saves, Snapshots and the final save of a stop: the pure rules."""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain import saver as policy
+from sandhold.domain import saves as sv
+from sandhold.domain import work as wk
+from sandhold.domain.reconcile import plan
+from sandhold.domain.reports import decide_report
+from sandhold.domain.sandbox import decide
+from sandhold.domain.views import sandbox_view
+
+from .history import HOST_A, RUNNING, SID, T0, TENANT, apply, given, given_sandbox, stop, when
+from .history import then_rejected as refused
+
+
+def snapshot(name: str = "milestone", key: str = "snap-1") -> rq.SnapshotSandbox:
+    return rq.SnapshotSandbox(key=key, sandbox_id=SID, name=name)
+
+
+def snap_id(key: str = "snap-1") -> str:
+    return rq.save_id_for(SID, f"snapshot:{key}")
+
+
+def captured(save_id: str) -> ev.SaveCaptured:
+    return ev.SaveCaptured(save_id=save_id, host=HOST_A, generation=1, freeze_ms=3.0,
+                           freeze_method="cgroup")
+
+
+def uploaded(save_id: str) -> ev.SaveUploaded:
+    return ev.SaveUploaded(save_id=save_id, host=HOST_A, generation=1, total_bytes=10, files=2,
+                           uploaded_bytes=10, uploaded_chunks=1, manifest_bytes=100,
+                           duration_ms=5.0)
+
+
+def completed(save_id: str) -> ev.SaveCompleted:
+    return ev.SaveCompleted(save_id=save_id, total_bytes=10, files=2)
+
+
+def failed(save_id: str, stage: str = "upload") -> ev.SaveFailed:
+    return ev.SaveFailed(save_id=save_id, stage=stage, reason="store unavailable", host=HOST_A,
+                         generation=1)
+
+
+def test_a_snapshot_of_a_running_sandbox_is_a_requested_save() -> None:
+    [event] = when(given(*RUNNING), snapshot())
+    assert isinstance(event, ev.SaveRequested)
+    assert (event.save_id, event.kind, event.snapshot_name) == (snap_id(), "snapshot", "milestone")
+    assert (event.host, event.generation, event.parent_id) == (HOST_A, 1, None)
+
+
+def test_a_snapshot_is_refused_unless_the_sandbox_runs() -> None:
+    refused(when(given(*RUNNING, stop()), snapshot()), "sandbox_not_running")
+
+
+def test_a_snapshot_name_is_taken_once_and_its_key_is_idempotent() -> None:
+    refused(when(given(*RUNNING, snapshot()), snapshot(key="snap-2")), "snapshot_name_taken")
+    assert when(given(*RUNNING, snapshot()), snapshot()) == []
+    refused(when(given(*RUNNING, snapshot()), snapshot(name="other")), "idempotency_conflict")
+
+
+def test_only_a_completed_save_counts_and_a_later_failure_never_replaces_it() -> None:
+    state = given_sandbox(*RUNNING, snapshot())
+    first = snap_id()
+    state = apply(state, [captured(first), uploaded(first)])
+    assert state.last_completed_save is None  # uploaded is not completed
+    state = apply(state, [completed(first)], time=T0 + 2000)
+    assert state.last_completed_save is not None and state.last_completed_save.id == first
+    [later] = policy.due_save(state, now=T0 + 10_000, cause="later")
+    state = apply(state, [later, captured(later.save_id), failed(later.save_id)])
+    assert state.last_completed_save.id == first
+    assert state.restore_point() == first
+
+
+def test_reports_of_a_save_are_news_once_and_never_after_it_ended() -> None:
+    state = given_sandbox(*RUNNING, snapshot())
+    assert decide_report(state, captured(snap_id())) == [captured(snap_id())]
+    state = apply(state, [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    assert decide_report(state, captured(snap_id())) == []
+    assert decide_report(state, failed(snap_id())) == []
+
+
+def test_verification_decides_completed_or_failed() -> None:
+    state = apply(given_sandbox(*RUNNING, snapshot()), [captured(snap_id()), uploaded(snap_id())])
+    assert policy.verified(state, snap_id(), [], total_bytes=10, files=2) == [completed(snap_id())]
+    [fail] = policy.verified(state, snap_id(), ["chunk ab missing"], total_bytes=0, files=0)
+    assert isinstance(fail, ev.SaveFailed) and fail.stage == "verify"
+    assert "chunk ab missing" in fail.reason
+    done = apply(state, [completed(snap_id())])
+    assert policy.verified(done, snap_id(), [], total_bytes=10, files=2) == []
+
+
+def test_a_scheduled_save_is_due_after_the_interval_and_one_at_a_time() -> None:
+    state = given_sandbox(*RUNNING)
+    assert state.running_since is not None
+    assert policy.due_save(state, now=state.running_since + 29, cause="a") == []
+    [due] = policy.due_save(state, now=state.running_since + 31, cause="a")
+    assert isinstance(due, ev.SaveRequested) and due.kind == "scheduled"
+    state = apply(state, [due], time=state.running_since + 31)
+    assert policy.due_save(state, now=state.running_since + 1000, cause="b") == []
+    assert policy.save_work(state) == [
+        (HOST_A, wk.SaveSandboxWork(sandbox_id=SID, generation=1, save_id=due.save_id))]
+
+
+def test_saves_under_way_too_long_fail() -> None:
+    state = given_sandbox(*RUNNING, snapshot())
+    [timeout] = policy.timed_out(state, now=T0 + 10_000, timeout_s=60)
+    assert isinstance(timeout, ev.SaveFailed) and timeout.stage == "timeout"
+    assert policy.timed_out(state, now=T0 + 10, timeout_s=60) == []
+
+
+def test_retention_keeps_the_last_saves_every_snapshot_and_parents_in_flight() -> None:
+    state = given_sandbox(*RUNNING, snapshot())
+    state = apply(state, [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    ids = []
+    for n in range(4):
+        [due] = policy.due_save(state, now=T0 + 100_000 * (n + 1), cause=f"s{n}")
+        state = apply(state, [due], time=T0 + 100_000 * (n + 1))
+        state = apply(state, [completed(due.save_id)], time=T0 + 100_000 * (n + 1) + 1)
+        ids.append(due.save_id)
+    [expired] = policy.expired(state, keep_last=2)
+    assert expired == ev.SavesExpired(save_ids=ids[:2])
+    state = apply(state, [expired])
+    assert set(policy.retained(state)) == {snap_id(), *ids[2:]}
+    [due] = policy.due_save(state, now=T0 + 10**7, cause="next")
+    assert due.parent_id == ids[-1]
+
+
+def test_stop_takes_a_final_save_of_the_stopped_processes() -> None:
+    state = given_sandbox(*RUNNING, stop())
+    final = state.saves[state.final_save_id]
+    assert (final.kind, final.state) == ("final", "requested")
+    [(host, work)] = plan(state, lambda s: None).work
+    assert host == HOST_A and isinstance(work, wk.StopSandboxWork)
+    assert work.final_save_id == final.id and work.deadline_s == state.stop_deadline_s
+
+
+def test_create_from_a_completed_snapshot_only() -> None:
+    owner = apply(given_sandbox(*RUNNING, snapshot()),
+                  [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    request = rq.CreateSandbox(key="copy", from_snapshot=snap_id())
+    [created] = decide(None, request, find_snapshot=lambda sid: (owner, owner.saves[sid]))
+    assert isinstance(created, ev.SandboxCreated)
+    assert (created.source_snapshot_id, created.source_sandbox_id) == (snap_id(), SID)
+    refused(when(None, request), "snapshot_not_found")
+    pending = given_sandbox(*RUNNING, snapshot())
+    try:
+        decide(None, request, find_snapshot=lambda sid: (pending, pending.saves[sid]))
+    except Exception as err:
+        assert getattr(err, "code", "") == "snapshot_not_completed"
+    else:
+        raise AssertionError("a snapshot under way is no starting point")
+    other = rq.CreateSandbox(key="copy", tenant="other", from_snapshot=snap_id())
+    try:
+        decide(None, other, find_snapshot=lambda sid: (owner, owner.saves[sid]))
+    except Exception as err:
+        assert getattr(err, "code", "") == "snapshot_not_found"
+    else:
+        raise AssertionError("another tenant's snapshot is not found")
+
+
+def test_status_says_what_is_recoverable_and_how_healthy_saving_is() -> None:
+    state = given_sandbox(*RUNNING)
+    view = sandbox_view(state, now=state.running_since + 1)
+    assert view.recoverable_from.startswith("only the base image")
+    assert view.save_health == sv.SaveHealth(state="ok") and view.rpo_s is None
+    late = sandbox_view(state, now=state.running_since + 61)
+    assert late.save_health is not None and late.save_health.state == "delayed"
+    for n in range(3):
+        [due] = policy.due_save(state, now=T0 + 1000 * (n + 1), cause=f"f{n}")
+        state = apply(state, [due, failed(due.save_id)], time=T0 + 1000 * (n + 1))
+    failing = sandbox_view(state, now=T0 + 3500)
+    assert failing.save_health is not None and failing.save_health.state == "failing"
+    assert "store unavailable" in failing.save_health.reason
+    assert TENANT == "default"

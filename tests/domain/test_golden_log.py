@@ -84,7 +84,13 @@ def test_v2_request_noted_takes_its_key() -> None:
     lines = (GOLDEN.parent / "sandbox_v2.jsonl").read_bytes().splitlines()
     state = fold(evolve, (msgspec.json.decode(x, type=Envelope) for x in lines), None)
     assert state is not None and state.phase == "running"
-    assert "start-again" in state.requests
+    assert "start-again" in state.requests and "snap-1" in state.requests
+    assert (state.save_interval_s, state.stop_deadline_s) == (10.0, 30.0)
+    states = {s.kind: s.state for s in state.saves.values() if s.state != "expired"}
+    assert states == {"snapshot": "completed", "scheduled": "failed"}
+    latest = state.last_completed_save
+    assert latest is not None and latest.snapshot_name == "milestone"
+    assert sorted(s.state for s in state.saves.values()) == ["completed", "expired", "failed"]
 
 
 def test_the_envelopes_decode_with_their_metadata(envelopes: list[Envelope]) -> None:

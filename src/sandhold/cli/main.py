@@ -14,6 +14,8 @@ import msgspec
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
+from sandhold.cli.progress import progress
+
 # How `exec` exits when the command did not simply exit: shell conventions where
 # one exists (124 timeout(1), 127 not found, 130 interrupted, 137 killed).
 EXIT_CODES = {
@@ -85,10 +87,18 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
     match args.action:
         case "create":
             memory = args.memory_mb * 1024 * 1024 if args.memory_mb else None
-            view = await client.create_sandbox(memory_limit_bytes=memory, key=args.key)
-            if args.wait:
-                view = await client.wait_for_phase(view.id, {"running", "failed"}, timeout=60)
+            view = await client.create_sandbox(
+                memory_limit_bytes=memory,
+                key=args.key,
+                from_snapshot=args.from_snapshot,
+                save_interval_s=args.save_interval,
+                stop_deadline_s=args.stop_deadline,
+            )
+            if args.wait or args.from_snapshot:
+                async with progress(client, view.id):
+                    view = await client.wait_for_phase(view.id, {"running", "failed"}, timeout=600)
             _print_sandbox(view, args.json)
+            return 0 if view.phase != "failed" else 1
         case "ls":
             views = await client.list_sandboxes(include_deleted=args.all)
             if args.json:
@@ -97,20 +107,73 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 for view in views:
                     _print_sandbox(view, False)
         case "show":
-            _print_sandbox(await client.show_sandbox(args.id), args.json)
+            view = await client.show_sandbox(args.id)
+            view.storage = await client.storage()
+            _print_sandbox(view, args.json)
         case "start":
             _print_sandbox(await client.start_sandbox(args.id, key=args.key), args.json)
         case "stop":
-            view = await client.stop_sandbox(args.id, key=args.key)
-            if args.wait:
-                view = await client.wait_for_phase(args.id, {"stopped", "failed"}, timeout=120)
-            _print_sandbox(view, args.json)
+            return await _stop(args, client)
         case "rm":
             view = await client.delete_sandbox(args.id, key=args.key)
             if args.wait:
                 view = await client.wait_for_phase(args.id, {"deleted"}, timeout=120)
             _print_sandbox(view, args.json)
     return 0
+
+
+async def _stop(args: argparse.Namespace, client: Client) -> int:
+    """Stop, then report the stop and, separately, the final save's outcome."""
+    view = await client.stop_sandbox(args.id, key=args.key)
+    if args.no_wait:
+        _print_sandbox(view, args.json)
+        return 0
+    async with progress(client, args.id):
+        view = await client.wait_for_phase(
+            args.id, {"stopped", "failed", "deleted"}, timeout=view.stop_deadline_s + 60
+        )
+        final = view.final_save
+        if final is not None:
+            final = await client.wait_for_save(args.id, final.id, timeout=view.stop_deadline_s + 60)
+    outcome: dict[str, object] = {"stopped": view.phase == "stopped", "phase": view.phase}
+    if final is not None:
+        outcome["final_save"] = {
+            "state": final.state,
+            "id": final.id,
+            "reason": final.reason,
+            "bytes": final.bytes,
+            "files": final.files,
+        }
+    else:
+        outcome["final_save"] = None
+    if args.json:
+        _print_json(outcome)
+    else:
+        print(f"{args.id} {view.phase}")
+        if final is None:
+            print("final save: none (the sandbox never ran on a host)")
+        elif final.state == "completed":
+            print(f"final save: completed {final.id} ({final.files} files, {final.bytes} bytes)")
+        else:
+            print(
+                f"final save: FAILED {final.id}: {final.reason} - the next start uses the "
+                "save before it",
+                file=sys.stderr,
+            )
+    return 0 if final is None or final.state == "completed" else 1
+
+
+async def _snapshot(args: argparse.Namespace, client: Client) -> int:
+    save = await client.snapshot(args.id, args.name, key=args.key)
+    async with progress(client, args.id):
+        save = await client.wait_for_save(args.id, save.id, timeout=args.timeout)
+    if args.json:
+        _print_json(save)
+    elif save.state == "completed":
+        print(f"snapshot {save.id} ({save.name}): {save.files} files, {save.bytes} bytes")
+    else:
+        print(f"sandhold: snapshot {save.id} {save.state}: {save.reason}", file=sys.stderr)
+    return 0 if save.state == "completed" else 1
 
 
 # --- exec --------------------------------------------------------------------
@@ -193,9 +256,27 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run NATS and every service here (the embedded default)")
     up.add_argument("--hosts", type=int, default=1, help="how many local host-agents")
+    up.add_argument(
+        "--save-interval",
+        type=float,
+        default=30.0,
+        help="seconds between saves of each running sandbox (default 30)",
+    )
+    up.add_argument(
+        "--stop-deadline",
+        type=float,
+        default=60.0,
+        help="seconds a stop may take, final save included (default 60)",
+    )
+    up.add_argument(
+        "--save-timeout",
+        type=float,
+        default=600.0,
+        help="a save not completed within this many seconds fails (default 600)",
+    )
 
     run = sub.add_parser("run", help="run one service alone against --nats URL")
-    run.add_argument("service", choices=["scheduler", "host-agent"])
+    run.add_argument("service", choices=["scheduler", "host-agent", "saver"])
     run.add_argument("service_args", nargs=argparse.REMAINDER)
 
     sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
@@ -207,9 +288,29 @@ def _parser() -> argparse.ArgumentParser:
             a.add_argument("id")
         if name in ("create", "start", "stop", "rm"):
             a.add_argument("--key", help="idempotency key (default: a new one)")
-        if name in ("create", "stop", "rm"):
+        if name in ("create", "rm"):
             a.add_argument("--wait", action="store_true", help="wait for the phase to settle")
-    actions.choices["create"].add_argument("--memory-mb", type=int, help="memory limit")
+    create = actions.choices["create"]
+    create.add_argument("--memory-mb", type=int, help="memory limit")
+    create.add_argument(
+        "--from-snapshot",
+        metavar="SNAPSHOT_ID",
+        help="start from a Snapshot's files (waits for the restore)",
+    )
+    create.add_argument("--save-interval", type=float, help="seconds between saves")
+    create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")
+    actions.choices["stop"].add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return once the stop is accepted, without waiting for the final save",
+    )
+
+    snap = sub.add_parser("snapshot", help="take a named, retained save of a running sandbox")
+    snap.add_argument("id")
+    snap.add_argument("--name", required=True)
+    snap.add_argument("--key", help="idempotency key (default: a new one)")
+    snap.add_argument("--timeout", type=float, default=600.0)
+    snap.add_argument("--json", action="store_true")
     actions.choices["ls"].add_argument("--all", action="store_true", help="include deleted")
 
     ex = sub.add_parser("exec", help="run a command in a sandbox and wait for its end state")
@@ -246,11 +347,20 @@ def main(argv: list[str] | None = None) -> None:
         from sandhold.cli.up import up
 
         prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or "sh"
-        raise SystemExit(up(Path(args.data_dir), prefix, args.hosts))
+        service_args = {
+            "scheduler": [
+                "--save-interval",
+                str(args.save_interval),
+                "--stop-deadline",
+                str(args.stop_deadline),
+            ],
+            "saver": ["--save-timeout", str(args.save_timeout)],
+        }
+        raise SystemExit(up(Path(args.data_dir), prefix, args.hosts, service_args))
     if args.group == "run":
         _run_service(args)
         return
-    handlers = {"sandbox": _sandbox, "exec": _exec, "command": _command}
+    handlers = {"sandbox": _sandbox, "exec": _exec, "command": _command, "snapshot": _snapshot}
     handler = handlers[args.group]
     import uvloop
 
@@ -267,6 +377,8 @@ def _run_service(args: argparse.Namespace) -> None:
             service_args += ["--prefix", prefix]
     if args.service == "scheduler":
         from sandhold.scheduler.__main__ import main as service_main
+    elif args.service == "saver":
+        from sandhold.saver.__main__ import main as service_main
     else:
         from sandhold.hostagent.__main__ import main as service_main
     service_main(service_args)

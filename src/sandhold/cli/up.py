@@ -66,11 +66,18 @@ class Child:
 
 
 class Runtime:
-    def __init__(self, data_dir: Path, prefix: str, hosts: int, *, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        prefix: str,
+        hosts: int,
+        *,
+        service_args: dict[str, list[str]] | None = None,
+    ) -> None:
         self.data_dir = data_dir.resolve()
         self.names = Names(prefix)
         self.hosts = hosts
-        self.quiet = quiet
+        self.service_args = service_args or {}
         self.server = NatsServer(self.data_dir / "nats")
         self.children: list[Child] = []
         self._stop = asyncio.Event()
@@ -83,13 +90,20 @@ class Runtime:
         base = [sys.executable, "-m"]
         common = ["--nats", url, "--prefix", self.names.prefix]
         logs = self.data_dir / "logs"
+        extra = self.service_args
         children = [
             Child(
                 "scheduler",
-                [*base, "sandhold.scheduler", *common],
+                [*base, "sandhold.scheduler", *common, *extra.get("scheduler", [])],
                 logs / "scheduler.log",
                 "scheduler",
-            )
+            ),
+            Child(
+                "saver",
+                [*base, "sandhold.saver", *common, *extra.get("saver", [])],
+                logs / "saver.log",
+                "saver",
+            ),
         ]
         host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
         for host_id in host_ids:
@@ -216,7 +230,9 @@ async def _wait_exit(child: Child, timeout: float) -> None:
         child.process.wait()
 
 
-def up(data_dir: Path, prefix: str, hosts: int) -> int:
+def up(
+    data_dir: Path, prefix: str, hosts: int, service_args: dict[str, list[str]] | None = None
+) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     lock = (data_dir / "up.lock").open("w")
     try:
@@ -226,4 +242,4 @@ def up(data_dir: Path, prefix: str, hosts: int) -> int:
         return 1
     import uvloop
 
-    return uvloop.run(Runtime(data_dir, prefix, hosts).run())
+    return uvloop.run(Runtime(data_dir, prefix, hosts, service_args=service_args).run())

@@ -23,7 +23,15 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.commands import END_STATES as _END_STATES
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
-from sandhold.domain.views import CommandView, Reply, SandboxView, command_view, sandbox_view
+from sandhold.domain.views import (
+    CommandView,
+    Reply,
+    SandboxView,
+    SaveView,
+    command_view,
+    sandbox_view,
+    save_view,
+)
 
 _reply_decoder = msgspec.json.Decoder(Reply)
 
@@ -100,11 +108,22 @@ class Client:
         return key or uuid.uuid4().hex
 
     async def create_sandbox(
-        self, *, memory_limit_bytes: int | None = None, key: str | None = None
+        self,
+        *,
+        memory_limit_bytes: int | None = None,
+        key: str | None = None,
+        from_snapshot: str | None = None,
+        save_interval_s: float | None = None,
+        stop_deadline_s: float | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
-                key=self._key(key), tenant=self.tenant, memory_limit_bytes=memory_limit_bytes
+                key=self._key(key),
+                tenant=self.tenant,
+                memory_limit_bytes=memory_limit_bytes,
+                from_snapshot=from_snapshot,
+                save_interval_s=save_interval_s,
+                stop_deadline_s=stop_deadline_s,
             )
         )
         assert reply.sandbox is not None
@@ -130,6 +149,40 @@ class Client:
         )
         assert reply.sandbox is not None
         return reply.sandbox
+
+    async def snapshot(self, sandbox_id: str, name: str, *, key: str | None = None) -> SaveView:
+        """Ask for a Snapshot; returns its record as accepted (state `requested`)."""
+        reply = await self.send(
+            rq.SnapshotSandbox(
+                key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id, name=name
+            )
+        )
+        assert reply.save is not None
+        return reply.save
+
+    async def wait_for_save(
+        self, sandbox_id: str, save_id: str, *, timeout: float = 600.0
+    ) -> SaveView:
+        """The save's record once it completed or failed."""
+
+        def settled(state: sb.Sandbox) -> SaveView | None:
+            record = state.saves.get(save_id)
+            if record is not None and record.state in ("completed", "failed", "expired"):
+                return save_view(sandbox_id, record)
+            return None
+
+        return await self.wait_for(
+            sandbox_id, settled, timeout=timeout, what=f"save {save_id} to settle"
+        )
+
+    async def storage(self) -> dict[str, object]:
+        """Where saves live: the save store's kind and replica count."""
+        info = await self.js.stream_info(self.names.saves_stream)
+        return {
+            "kind": "jetstream",
+            "stream": self.names.saves_stream,
+            "replicas": info.config.num_replicas or 1,
+        }
 
     async def cancel_command(
         self, sandbox_id: str, command_id: str, *, key: str | None = None
@@ -322,15 +375,41 @@ class Client:
     async def wait_for_phase(
         self, sandbox_id: str, phases: set[str], *, timeout: float = 30.0
     ) -> SandboxView:
-        """Poll the folded state until the sandbox reaches one of `phases`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            view = await self.show_sandbox(sandbox_id)
-            if view.phase in phases:
-                return view
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{sandbox_id} still {view.phase} after {timeout}s")
-            await asyncio.sleep(0.05)
+        """Wait until the sandbox reaches one of `phases`."""
+        return await self.wait_for(
+            sandbox_id,
+            lambda s: sandbox_view(s) if s.phase in phases else None,
+            timeout=timeout,
+            what=f"phase {sorted(phases)}",
+        )
+
+    async def wait_for(self, sandbox_id: str, check, *, timeout: float, what: str):
+        """Re-fold the sandbox whenever one of its events arrives (and every
+        second regardless) until `check(state)` returns something."""
+        changed = asyncio.Event()
+
+        async def on_event(msg: Msg) -> None:
+            changed.set()
+
+        sub = await self.nc.subscribe(self.names.events("sandbox", sandbox_id), cb=on_event)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                changed.clear()
+                state = await self.sandbox_state(sandbox_id)
+                if state is None:
+                    raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+                found = check(state)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{sandbox_id}: waited {timeout}s for {what}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(1.0, left))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
 
 class _OutputPrinter:

@@ -1,0 +1,53 @@
+"""The save store: capture a workspace, upload its chunks, verify, restore, collect garbage."""
+
+from sandhold.saves.capture import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_EXCLUDE,
+    Capture,
+    capture,
+    clear_spool,
+)
+from sandhold.saves.errors import (
+    CaptureError,
+    CorruptChunk,
+    CorruptManifest,
+    GcAborted,
+    ManifestConflict,
+    MissingChunk,
+    MissingManifest,
+    RestoreError,
+    SaveStoreError,
+)
+from sandhold.saves.gc import GcStats, collect_garbage, collectable
+from sandhold.saves.manifest import Entry, Manifest, decode_manifest, encode_manifest
+from sandhold.saves.restore import RestoreStats, restore
+from sandhold.saves.store import Progress, SaveStore, UploadStats
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_EXCLUDE",
+    "Capture",
+    "CaptureError",
+    "CorruptChunk",
+    "CorruptManifest",
+    "Entry",
+    "GcAborted",
+    "GcStats",
+    "Manifest",
+    "ManifestConflict",
+    "MissingChunk",
+    "MissingManifest",
+    "Progress",
+    "RestoreError",
+    "RestoreStats",
+    "SaveStore",
+    "SaveStoreError",
+    "UploadStats",
+    "capture",
+    "clear_spool",
+    "collect_garbage",
+    "collectable",
+    "decode_manifest",
+    "encode_manifest",
+    "restore",
+]

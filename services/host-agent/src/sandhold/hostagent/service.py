@@ -32,9 +32,11 @@ from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
 from sandhold.domain import work as wk
-from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.errors import InfraError, Rejected, SandholdError
 from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
+from sandhold.hostagent.saving import HostSaves
+from sandhold.saves import SaveStore
 
 log = logging.getLogger("sandhold.host-agent")
 
@@ -68,6 +70,7 @@ class HostAgent:
         self._stopping = asyncio.Event()
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
+        self._jobs: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
     # --- lifecycle ------------------------------------------------------------
@@ -87,6 +90,13 @@ class HostAgent:
             )
             await self.sandboxes.start()
             await self.hosts.start()
+            self.saving = HostSaves(
+                nc, self._names, self.driver, SaveStore(js, self._names), self._root, self.host_id
+            )
+            for sandbox_id in self.driver.layout.sandbox_ids():
+                # A previous agent may have died between freeze and thaw.
+                with contextlib.suppress(Exception):
+                    await self.driver.thaw(sandbox_id)
             self._kv = await leases.lease_bucket(js, self._names)
             await self._register()
             for handle in self.driver.adopt_all():
@@ -110,6 +120,8 @@ class HostAgent:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            for job in list(self._jobs):
+                job.cancel()
             if self._interrupt_on_exit:
                 await self._interrupt_everything()
             for task in list(self._watchers.values()):
@@ -207,8 +219,10 @@ class HostAgent:
                 await self._current(work)
                 await self._report(sid, ev.SandboxStarting(host=me, generation=gen), work.msg_id)
                 try:
+                    if work.restore_save_id is not None:
+                        await self.saving.restore_workspace(sid, work.restore_save_id)
                     await self.driver.create_sandbox(sid, work.memory_limit_bytes)
-                except OSError as err:
+                except (OSError, SandholdError) as err:
                     failed = ev.SandboxStartFailed(host=me, generation=gen, reason=str(err))
                     await self._report(sid, failed, work.msg_id)
                     return
@@ -224,16 +238,69 @@ class HostAgent:
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.StopSandboxWork():
-                await self._current(work)
+                state = await self._current(work)
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
+                final = state.saves.get(work.final_save_id) if work.final_save_id else None
+                if final is not None and final.state == "requested":
+                    await self._final_save(work)
                 await self._report(sid, ev.SandboxStopped(host=me, generation=gen), work.msg_id)
+            case wk.SaveSandboxWork():
+                state = await self._current(work)
+                save = state.saves.get(work.save_id)
+                if save is None or save.state != "requested":
+                    return
+                # In the background: other work for this host must not wait for an
+                # upload. The instruction is acked now; if this agent dies midway the
+                # saver's timeout fails the save (it never counts half-done).
+                self._background(
+                    self.saving.save(
+                        sid,
+                        gen,
+                        work.save_id,
+                        work.parent_save_id,
+                        freeze=True,
+                        report=lambda e: self._report(sid, e, work.msg_id),
+                    )
+                )
             case wk.DestroySandboxWork():
                 await self._current(work)
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
                 await self.driver.destroy_sandbox(sid)
                 await self._report(sid, ev.SandboxDeleted(host=me, generation=gen), work.msg_id)
+
+    def _background(self, job) -> None:
+        task = asyncio.create_task(job)
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _final_save(self, work: wk.StopSandboxWork) -> None:
+        """The save taken once processes are stopped, bounded by the stop deadline."""
+        assert work.final_save_id is not None
+        sid, gen = work.sandbox_id, work.generation
+
+        async def report(event: ev.AnyEvent) -> None:
+            await self._report(sid, event, work.msg_id)
+
+        try:
+            await asyncio.wait_for(
+                self.saving.save(
+                    sid, gen, work.final_save_id, work.parent_save_id, freeze=False, report=report
+                ),
+                work.deadline_s,
+            )
+        except TimeoutError:
+            await report(
+                ev.SaveFailed(
+                    save_id=work.final_save_id,
+                    stage="timeout",
+                    host=self.host_id,
+                    generation=gen,
+                    reason=f"the stop deadline of {work.deadline_s:.0f}s passed "
+                    "during the final save",
+                )
+            )
 
     async def _settle(self, sandbox_id: str) -> None:
         """Wait until every command of the sandbox has reported its end."""
@@ -365,5 +432,5 @@ class HostAgent:
 
 
 def _report_key(report: HostReport) -> str:
-    command_id = getattr(report, "command_id", None)
-    return f"{command_id}:{report.generation}" if command_id else str(report.generation)
+    subject = getattr(report, "command_id", None) or getattr(report, "save_id", None)
+    return f"{subject}:{report.generation}" if subject else str(report.generation)

@@ -6,6 +6,7 @@ import argparse
 
 from sandhold.bus.names import Names
 from sandhold.bus.service import common_arguments, run_service
+from sandhold.domain.sandbox import Defaults
 from sandhold.scheduler.service import Scheduler
 
 
@@ -13,12 +14,30 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sandhold run scheduler")
     common_arguments(p)
     p.add_argument("--lease-ttl", type=float, default=5.0)
+    p.add_argument(
+        "--save-interval",
+        type=float,
+        default=30.0,
+        help="seconds between saves of a running sandbox, unless it sets its own",
+    )
+    p.add_argument(
+        "--stop-deadline",
+        type=float,
+        default=60.0,
+        help="seconds a stop may take, final save included, unless a sandbox sets one",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     run_service(
-        lambda a: Scheduler(a.nats, Names(a.prefix), replicas=a.replicas, lease_ttl=a.lease_ttl),
+        lambda a: Scheduler(
+            a.nats,
+            Names(a.prefix),
+            replicas=a.replicas,
+            lease_ttl=a.lease_ttl,
+            defaults=Defaults(save_interval_s=a.save_interval, stop_deadline_s=a.stop_deadline),
+        ),
         parser(),
         argv,
     )

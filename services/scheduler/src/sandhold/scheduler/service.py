@@ -29,6 +29,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.placement import HostInfo, choose_host
 from sandhold.domain.reconcile import plan
+from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
 from sandhold.domain.work import AnyWork
 
@@ -48,12 +49,14 @@ class Scheduler:
         *,
         replicas: int = 1,
         lease_ttl: float = 5.0,
+        defaults: sb.Defaults = sb.Defaults(),  # noqa: B008 - frozen
         durable: str = "scheduler",
     ) -> None:
         self._url = nats_url
         self._names = names
         self._replicas = replicas
         self._lease_ttl = lease_ttl
+        self._defaults = defaults
         self._durable = durable
         self._stopping = asyncio.Event()
         self._dirty: set[str] = set()
@@ -140,7 +143,9 @@ class Scheduler:
         try:
             executed = await self.sandboxes.execute(
                 sandbox_id,
-                lambda state: sb.decide(state, request),
+                lambda state: sb.decide(
+                    state, request, defaults=self._defaults, find_snapshot=self._find_snapshot
+                ),
                 id_base=f"req:{request.key}",
                 causation_id=request.key,
                 correlation_id=request.key,
@@ -162,6 +167,13 @@ class Scheduler:
     async def _reply(self, reply_to: str | None, reply: Reply) -> None:
         if reply_to:
             await self._js._nc.publish(reply_to, _reply_encoder.encode(reply))
+
+    def _find_snapshot(self, save_id: str) -> tuple[sb.Sandbox, SaveRecord] | None:
+        for sandbox_id in self.sandboxes.ids():
+            state, _ = self.sandboxes.get(sandbox_id)
+            if state is not None and save_id in state.saves:
+                return state, state.saves[save_id]
+        return None
 
     # --- reconciling ----------------------------------------------------------
 

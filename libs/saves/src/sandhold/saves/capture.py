@@ -1,0 +1,323 @@
+"""Capturing a workspace into a manifest and a local spool of chunks.
+
+Runs while the sandbox's processes are frozen, so it is synchronous (the
+caller puts it in a thread) and does as little as it can: it stats every
+name but reads only files whose stat differs from the previous manifest's
+entry. Every chunk it reads is copied into the spool before it returns; after
+the thaw the spool, not the live workspace, is what gets uploaded — that is
+what makes the save crash-consistent.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import msgspec
+from sandhold.saves.errors import CaptureError
+from sandhold.saves.manifest import Entry, EntryKind, Manifest
+
+DEFAULT_CHUNK_SIZE = 256 * 1024
+# Temporary mounts and delivered credentials are never saved (top-level names).
+DEFAULT_EXCLUDE: frozenset[bytes] = frozenset({b"tmp", b"run", b".sandhold-credentials"})
+# A file whose ctime is this close to (or after) the previous capture may have
+# been written again within the same timestamp tick after it: read it again
+# rather than trust an unchanged stat (git's "racy clean" problem).
+RACY_WINDOW_S = 1.0
+
+_SPOOL_TMP_SUFFIX = ".part"
+
+
+class Capture(msgspec.Struct, frozen=True, kw_only=True):
+    """A captured save: its manifest and the chunks read this time (in the spool)."""
+
+    manifest: Manifest
+    new_chunks: dict[str, Path]  # digest -> spool file, for every chunk read this time
+    scanned_files: int  # regular files seen
+    changed_files: int  # regular files read (their stat differed from the previous save)
+    changed_bytes: int  # bytes read
+
+
+def capture(
+    workspace: Path,
+    *,
+    save_id: str,
+    sandbox_id: str,
+    previous: Manifest | None,
+    spool: Path,
+    now: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    exclude: frozenset[bytes] = DEFAULT_EXCLUDE,
+) -> Capture:
+    """Walk `workspace` (never following symlinks) into a manifest.
+
+    Args:
+        workspace: the directory to save.
+        save_id: id of this save; `previous.save_id` becomes its parent.
+        sandbox_id: the sandbox the workspace belongs to.
+        previous: the last save whose chunks are all stored (the last completed
+            one). Unchanged files reuse its chunk lists without being read.
+        spool: a local directory outside the workspace; chunks read are
+            written there as `<digest>` (skipped when already present).
+        now: this host's wall-clock time of the capture (processes frozen).
+        chunk_size: bytes per chunk; a previous save with another size is ignored.
+        exclude: top-level names never saved.
+
+    Raises:
+        CaptureError: a file or directory could not be read, or the spool is
+            inside the workspace.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    root = os.fsencode(os.path.abspath(workspace))
+    spool_path = Path(os.path.abspath(spool))
+    if (os.fsencode(spool_path) + b"/").startswith(root + b"/"):
+        raise CaptureError(f"spool {spool_path} is inside the workspace {workspace}")
+    spool_path.mkdir(parents=True, exist_ok=True)
+    walker = _Walker(root, spool_path, chunk_size, exclude, previous)
+    root_entry = walker.root_entry()
+    walker.walk()
+    manifest = Manifest(
+        save_id=save_id,
+        sandbox_id=sandbox_id,
+        parent_id=previous.save_id if previous else None,
+        created_at=now,
+        chunk_size=chunk_size,
+        entries=walker.entries,
+        root=root_entry,
+    )
+    return Capture(
+        manifest=manifest,
+        new_chunks=walker.new_chunks,
+        scanned_files=walker.scanned_files,
+        changed_files=walker.changed_files,
+        changed_bytes=walker.changed_bytes,
+    )
+
+
+def clear_spool(spool: Path, keep: set[str]) -> int:
+    """Remove every spool file except the chunks in `keep`; returns how many were removed.
+
+    Call it once the chunks of a save are stored (keep nothing) or to drop a
+    failed save's leftovers (keep what a retry will upload).
+    """
+    removed = 0
+    try:
+        names = os.listdir(spool)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if name in keep:
+            continue
+        try:
+            os.unlink(os.path.join(spool, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _same_stat(old: Entry, st: os.stat_result, racy_before_ns: int) -> bool:
+    return (
+        old.kind == "file"
+        and old.size == st.st_size
+        and old.mtime_ns == st.st_mtime_ns
+        and old.ctime_ns == st.st_ctime_ns
+        and old.ino == st.st_ino
+        and old.mode == stat.S_IMODE(st.st_mode)
+        and old.ctime_ns < racy_before_ns
+    )
+
+
+class _Walker:
+    def __init__(
+        self,
+        root: bytes,
+        spool: Path,
+        chunk_size: int,
+        exclude: frozenset[bytes],
+        previous: Manifest | None,
+    ) -> None:
+        self.root = root
+        self.spool = spool
+        self.spool_b = os.fsencode(spool)
+        self.chunk_size = chunk_size
+        self.exclude = exclude
+        usable = previous is not None and previous.chunk_size == chunk_size
+        self.previous = {e.path: e for e in previous.entries} if usable and previous else {}
+        self.racy_before_ns = (
+            int((previous.created_at - RACY_WINDOW_S) * 1e9) if usable and previous else 0
+        )
+        self.entries: list[Entry] = []
+        self.new_chunks: dict[str, Path] = {}
+        self.scanned_files = 0
+        self.changed_files = 0
+        self.changed_bytes = 0
+        self._buffer = bytearray(chunk_size)
+
+    def root_entry(self) -> Entry:
+        try:
+            st = os.stat(self.root)
+        except OSError as err:
+            raise CaptureError(
+                f"cannot read the workspace {os.fsdecode(self.root)}: {err}"
+            ) from err
+        if not stat.S_ISDIR(st.st_mode):
+            raise CaptureError(f"workspace {os.fsdecode(self.root)} is not a directory")
+        return _entry(b"", "dir", st)
+
+    def walk(self) -> None:
+        # Depth first, names sorted: parents come before their children and
+        # equal trees give equal manifests.
+        stack: list[bytes] = [b""]
+        while stack:
+            rel_dir = stack.pop()
+            children = self._scan(rel_dir)
+            subdirs: list[bytes] = []
+            for name, st in children:
+                rel = rel_dir + b"/" + name if rel_dir else name
+                mode = st.st_mode
+                if stat.S_ISDIR(mode):
+                    self.entries.append(_entry(rel, "dir", st))
+                    subdirs.append(rel)
+                elif stat.S_ISREG(mode):
+                    self._file(rel, st)
+                elif stat.S_ISLNK(mode):
+                    self._symlink(rel, st)
+                # sockets, fifos and devices are not content: skipped
+            stack.extend(reversed(subdirs))
+
+    def _abs(self, rel: bytes) -> bytes:
+        return self.root + b"/" + rel if rel else self.root
+
+    def _scan(self, rel_dir: bytes) -> list[tuple[bytes, os.stat_result]]:
+        found: list[tuple[bytes, os.stat_result]] = []
+        try:
+            with os.scandir(self._abs(rel_dir)) as it:
+                for dirent in it:
+                    if not rel_dir and dirent.name in self.exclude:
+                        continue
+                    try:
+                        found.append((dirent.name, dirent.stat(follow_symlinks=False)))
+                    except FileNotFoundError:
+                        continue  # gone since the listing
+        except FileNotFoundError:
+            return []
+        except OSError as err:
+            raise CaptureError(f"cannot list {os.fsdecode(self._abs(rel_dir))}: {err}") from err
+        found.sort(key=lambda pair: pair[0])
+        return found
+
+    def _symlink(self, rel: bytes, st: os.stat_result) -> None:
+        try:
+            target = os.readlink(self._abs(rel))
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            raise CaptureError(
+                f"cannot read the link {os.fsdecode(self._abs(rel))}: {err}"
+            ) from err
+        self.entries.append(_entry(rel, "symlink", st, target=target))
+
+    def _file(self, rel: bytes, st: os.stat_result) -> None:
+        self.scanned_files += 1
+        old = self.previous.get(rel)
+        if old is not None and _same_stat(old, st, self.racy_before_ns):
+            self.entries.append(old)
+            return
+        read = self._read(rel)
+        if read is None:
+            return
+        chunks, size, st = read
+        self.changed_files += 1
+        self.changed_bytes += size
+        self.entries.append(_entry(rel, "file", st, size=size, chunks=chunks))
+
+    def _read(self, rel: bytes) -> tuple[list[str], int, os.stat_result] | None:
+        path = self._abs(rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ELOOP):
+                return None  # gone or replaced by a symlink since the listing
+            raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
+        try:
+            st = os.fstat(fd)
+            chunks: list[str] = []
+            size = 0
+            view = memoryview(self._buffer)
+            while True:
+                length = _read_full(fd, view)
+                if length == 0:
+                    break
+                piece = view[:length]
+                digest = hashlib.sha256(piece).hexdigest()
+                chunks.append(digest)
+                size += length
+                if digest not in self.new_chunks:
+                    self.new_chunks[digest] = self._spool(digest, piece)
+                if length < self.chunk_size:
+                    break
+            return chunks, size, st
+        except OSError as err:
+            raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
+        finally:
+            os.close(fd)
+
+    def _spool(self, digest: str, piece: memoryview) -> Path:
+        final = self.spool / digest
+        final_b = self.spool_b + b"/" + digest.encode()
+        if os.path.exists(final_b):
+            return final
+        # Written aside and renamed, so `<digest>` in the spool is always whole.
+        part = final_b + _SPOOL_TMP_SUFFIX.encode()
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = piece
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(part, final_b)
+        except OSError as err:
+            raise CaptureError(f"cannot write the spool {self.spool}: {err}") from err
+        return final
+
+
+def _read_full(fd: int, view: memoryview) -> int:
+    """Fill `view` unless the file ends first; returns the bytes read."""
+    filled = 0
+    while filled < len(view):
+        n = os.readv(fd, [view[filled:]])
+        if n == 0:
+            break
+        filled += n
+    return filled
+
+
+def _entry(
+    rel: bytes,
+    kind: EntryKind,
+    st: os.stat_result,
+    *,
+    size: int = 0,
+    chunks: list[str] | None = None,
+    target: bytes = b"",
+) -> Entry:
+    return Entry(
+        path=rel,
+        kind=kind,
+        mode=stat.S_IMODE(st.st_mode),
+        size=size,
+        mtime_ns=st.st_mtime_ns,
+        ino=st.st_ino,
+        target=target,
+        chunks=chunks or [],
+        ctime_ns=st.st_ctime_ns,
+        uid=st.st_uid,
+        gid=st.st_gid,
+    )

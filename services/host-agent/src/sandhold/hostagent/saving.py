@@ -1,0 +1,195 @@
+"""Saves on the host: freeze, capture what changed into the spool, thaw, upload.
+
+The freeze window covers only the capture (a walk of the workspace plus a copy
+of the files that changed since the parent save); uploading happens after the
+thaw, from the spool. Each save is attempted once: a marker in the spool says
+an attempt began, so a host-agent that restarts mid-save reports it failed
+instead of quietly producing a different save under the same id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+from nats.aio.client import Client as NATS
+from sandhold.bus.names import Names
+from sandhold.domain import events as ev
+from sandhold.domain.errors import SandholdError
+from sandhold.hostagent.driver import ProcessDriver
+from sandhold.saves import Manifest, SaveStore, capture, decode_manifest, encode_manifest, restore
+
+log = logging.getLogger("sandhold.host-agent.saving")
+
+Report = Callable[[ev.AnyEvent], Awaitable[None]]
+
+
+class Progress(msgspec.Struct):
+    """Published (core NATS, not kept) while a long save or restore runs."""
+
+    operation: str  # "upload" | "restore"
+    done_bytes: int
+    total_bytes: int
+
+
+class HostSaves:
+    def __init__(
+        self,
+        nc: NATS,
+        names: Names,
+        driver: ProcessDriver,
+        store: SaveStore,
+        root: Path,
+        host_id: str,
+    ) -> None:
+        self._nc = nc
+        self._names = names
+        self._driver = driver
+        self._store = store
+        self._root = root
+        self._host_id = host_id
+
+    def _spool(self, sandbox_id: str) -> Path:
+        return self._root / "spool" / sandbox_id
+
+    async def save(
+        self,
+        sandbox_id: str,
+        generation: int,
+        save_id: str,
+        parent_id: str | None,
+        *,
+        freeze: bool,
+        report: Report,
+    ) -> None:
+        """One attempt at a save; every outcome is reported, none raises."""
+        spool = self._spool(sandbox_id)
+        spool.mkdir(parents=True, exist_ok=True)
+        marker = spool / f"{save_id}.started"
+        me = {"host": self._host_id, "generation": generation}
+        if marker.exists():
+            await report(
+                ev.SaveFailed(
+                    save_id=save_id,
+                    stage="interrupted",
+                    **me,
+                    reason="the host-agent restarted during this save",
+                )
+            )
+            return
+        marker.touch()
+        try:
+            previous = await self._manifest(sandbox_id, parent_id)
+            method = self._driver.capabilities()["freeze"] if freeze else "none"
+            started = time.monotonic()
+            if freeze:
+                await self._driver.freeze(sandbox_id)
+            try:
+                captured = await asyncio.to_thread(
+                    capture,
+                    self._driver.workspace(sandbox_id),
+                    save_id=save_id,
+                    sandbox_id=sandbox_id,
+                    previous=previous,
+                    spool=spool / save_id,
+                    now=time.time(),
+                )
+            finally:
+                if freeze:
+                    await self._driver.thaw(sandbox_id)
+            freeze_ms = (time.monotonic() - started) * 1000
+        except (OSError, SandholdError) as err:
+            await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
+            return
+        await report(
+            ev.SaveCaptured(
+                save_id=save_id,
+                freeze_ms=round(freeze_ms, 2),
+                freeze_method=str(method),
+                scanned_files=captured.scanned_files,
+                changed_files=captured.changed_files,
+                changed_bytes=captured.changed_bytes,
+                **me,
+            )
+        )
+        started = time.monotonic()
+        try:
+            progress = self._progress(sandbox_id, save_id, "upload")
+            uploaded = await self._store.upload(captured.new_chunks, progress=progress)
+            manifest_bytes = await self._store.put_manifest(captured.manifest)
+        except (OSError, SandholdError, TimeoutError) as err:
+            await report(ev.SaveFailed(save_id=save_id, stage="upload", reason=str(err), **me))
+            return
+        finally:
+            shutil.rmtree(spool / save_id, ignore_errors=True)
+        self._remember(sandbox_id, captured.manifest)
+        await report(
+            ev.SaveUploaded(
+                save_id=save_id,
+                total_bytes=captured.manifest.total_bytes,
+                files=captured.manifest.files,
+                uploaded_bytes=uploaded.uploaded_bytes,
+                uploaded_chunks=uploaded.uploaded_chunks,
+                manifest_bytes=manifest_bytes,
+                duration_ms=round((time.monotonic() - started) * 1000, 2),
+                **me,
+            )
+        )
+
+    async def restore_workspace(self, sandbox_id: str, save_id: str) -> bool:
+        """Materialise the workspace from a save when this host has none; True if it did."""
+        workspace = self._driver.workspace(sandbox_id)
+        if workspace.exists() and any(workspace.iterdir()):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            workspace.rmdir()
+        workspace.parent.mkdir(parents=True, exist_ok=True)
+        manifest = await self._store.get_manifest(save_id)
+        await restore(
+            self._store,
+            manifest,
+            workspace,
+            progress=self._progress(sandbox_id, save_id, "restore"),
+        )
+        self._remember(sandbox_id, manifest)
+        return True
+
+    async def _manifest(self, sandbox_id: str, save_id: str | None) -> Manifest | None:
+        """The parent manifest: from the local copy, else the store, else none
+        (then every file counts as changed, and the store still de-duplicates)."""
+        if save_id is None:
+            return None
+        local = self._spool(sandbox_id) / "manifests" / save_id
+        with contextlib.suppress(OSError, msgspec.DecodeError, ValueError):
+            return decode_manifest(local.read_bytes())
+        with contextlib.suppress(SandholdError):
+            return await self._store.get_manifest(save_id)
+        return None
+
+    def _remember(self, sandbox_id: str, manifest: Manifest) -> None:
+        folder = self._spool(sandbox_id) / "manifests"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{manifest.save_id}.tmp"
+        tmp.write_bytes(encode_manifest(manifest))
+        tmp.replace(folder / manifest.save_id)
+
+    def _progress(self, sandbox_id: str, save_id: str, operation: str):
+        subject = f"{self._names.prefix}.progress.{sandbox_id}.{save_id}"
+        last = 0.0
+
+        def publish(done: int, total: int) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last < 0.25 and done < total:
+                return
+            last = now
+            body = msgspec.json.encode(Progress(operation, done, total))
+            asyncio.ensure_future(self._nc.publish(subject, body))
+
+        return publish

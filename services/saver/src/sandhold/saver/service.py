@@ -1,0 +1,229 @@
+"""The saver: asks for saves on schedule, and makes a save count only once verified.
+
+It follows every sandbox's events. Each second it requests the saves that are
+due; whenever a sandbox changes it sends the save work its state calls for,
+verifies uploaded saves against the save store (manifest and every chunk it
+names) before appending `SaveCompleted`, fails saves that took too long, and
+applies retention. Now and then it collects chunks no retained save needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from nats.js.api import Header
+from sandhold.bus.names import Names
+from sandhold.bus.service import announce_ready, close_quickly, connect
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.domain import sandbox as sb
+from sandhold.domain import saver as policy
+from sandhold.domain.errors import SandholdError
+from sandhold.domain.work import SaveSandboxWork
+from sandhold.saves import SaveStore, collect_garbage
+
+log = logging.getLogger("sandhold.saver")
+
+_work_encoder = msgspec.json.Encoder()
+
+
+class Saver:
+    name = "saver"
+
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        replicas: int = 1,
+        tick_s: float = 1.0,
+        save_timeout_s: float = 600.0,
+        keep_last: int = 5,
+        gc_interval_s: float = 600.0,
+        gc_grace_s: float = 3600.0,
+    ) -> None:
+        self._url = nats_url
+        self._names = names
+        self._replicas = replicas
+        self._tick_s = tick_s
+        self._save_timeout_s = save_timeout_s
+        self._keep_last = keep_last
+        self._gc_interval_s = gc_interval_s
+        self._gc_grace_s = gc_grace_s
+        self._stopping = asyncio.Event()
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+
+    async def run(self) -> None:
+        nc = await connect(self._url, name="sandhold-saver")
+        try:
+            js = self._js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            self.store = SaveStore(js, self._names)
+            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="saver")
+            self.sandboxes.listen(self._mark_dirty)
+            await self.sandboxes.start()
+            for sandbox_id in self.sandboxes.ids():
+                self._mark_dirty(sandbox_id)
+            tasks = [
+                asyncio.create_task(self._schedule()),
+                asyncio.create_task(self._reconciler()),
+                asyncio.create_task(self._collector()),
+            ]
+            await announce_ready(nc, self._names, self.name)
+            log.info("saver ready")
+            await self._stopping.wait()
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        finally:
+            await close_quickly(nc, getattr(self, "sandboxes", None))
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    def _mark_dirty(self, sandbox_id: str) -> None:
+        self._dirty.add(sandbox_id)
+        self._wake.set()
+
+    # --- the schedule -----------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            now = time.time()
+            for sandbox_id in self.sandboxes.ids():
+                state, seq = self.sandboxes.get(sandbox_id)
+                if state is None:
+                    continue
+                try:
+                    if policy.due_save(state, now=now, cause=f"scheduled@{seq}"):
+                        await self._decide(
+                            sandbox_id,
+                            lambda s, seq=seq, now=now: (
+                                policy.due_save(s, now=now, cause=f"scheduled@{seq}") if s else []
+                            ),
+                            "schedule",
+                        )
+                    if policy.timed_out(state, now=now, timeout_s=self._save_timeout_s):
+                        await self._decide(
+                            sandbox_id,
+                            lambda s, now=now: (
+                                policy.timed_out(s, now=now, timeout_s=self._save_timeout_s)
+                                if s
+                                else []
+                            ),
+                            "timeout",
+                        )
+                except SandholdError as err:
+                    log.warning("scheduling a save of %s: %s", sandbox_id, err)
+            await asyncio.sleep(self._tick_s)
+
+    async def _decide(self, sandbox_id: str, decide, why: str) -> None:
+        _, seq = self.sandboxes.get(sandbox_id)
+        await self.sandboxes.execute(
+            sandbox_id,
+            decide,
+            id_base=f"saver:{why}",
+            causation_id=f"{sandbox_id}@{seq}",
+            correlation_id=f"{sandbox_id}@{seq}",
+        )
+
+    # --- reacting to changes ----------------------------------------------------
+
+    async def _reconciler(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty:
+                sandbox_id = self._dirty.pop()
+                try:
+                    await self._reconcile(sandbox_id)
+                except Exception:
+                    log.exception("reconciling saves of %s failed; will retry", sandbox_id)
+                    await asyncio.sleep(0.5)
+                    self._mark_dirty(sandbox_id)
+
+    async def _reconcile(self, sandbox_id: str) -> None:
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is None:
+            return
+        for host, work in policy.save_work(state):
+            await self._send(host, work)
+        for save in policy.awaiting_verification(state):
+            await self._verify(sandbox_id, save.id)
+        if policy.expired(state, keep_last=self._keep_last):
+            await self._decide(
+                sandbox_id,
+                lambda s: policy.expired(s, keep_last=self._keep_last) if s else [],
+                "retention",
+            )
+
+    async def _verify(self, sandbox_id: str, save_id: str) -> None:
+        state, _ = self.sandboxes.get(sandbox_id)
+        assert state is not None
+        save = state.saves[save_id]
+        problems: list[str] = []
+        total_bytes = files = 0
+        try:
+            manifest = await self.store.get_manifest(save_id)
+        except SandholdError as err:
+            problems.append(f"manifest: {err}")
+        else:
+            total_bytes, files = manifest.total_bytes, manifest.files
+            # Chunks new in this save are read back and re-hashed; the rest were
+            # verified with the parent and only need to be present.
+            known: set[str] = set()
+            if save.parent_id:
+                with contextlib.suppress(SandholdError):
+                    known = (await self.store.get_manifest(save.parent_id)).digests
+            problems += await self.store.verify(manifest, recheck=manifest.digests - known)
+        await self._decide(
+            sandbox_id,
+            lambda s: (
+                policy.verified(s, save_id, problems, total_bytes=total_bytes, files=files)
+                if s
+                else []
+            ),
+            f"verify:{save_id}",
+        )
+        log.info(
+            "save %s of %s %s",
+            save_id,
+            sandbox_id,
+            "failed verification: " + "; ".join(problems) if problems else "completed",
+        )
+
+    async def _send(self, host: str, work: SaveSandboxWork) -> None:
+        await self._js.publish(
+            self._names.work(host),
+            _work_encoder.encode(work),
+            stream=self._names.hostwork_stream,
+            headers={Header.MSG_ID: work.msg_id},
+        )
+
+    # --- garbage collection -----------------------------------------------------
+
+    async def _collector(self) -> None:
+        while True:
+            await asyncio.sleep(self._gc_interval_s)
+            try:
+                await self.collect_garbage()
+            except Exception:
+                log.exception("garbage collection failed; will try again")
+
+    async def collect_garbage(self) -> object:
+        retained: list[str] = []
+        for sandbox_id in self.sandboxes.ids():
+            state, _ = self.sandboxes.get(sandbox_id)
+            if state is not None:
+                retained += policy.retained(state)
+        stats = await collect_garbage(
+            self.store, retained, now=time.time(), grace_s=self._gc_grace_s
+        )
+        log.info("garbage collection: %s", stats)
+        return stats

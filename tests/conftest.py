@@ -75,6 +75,7 @@ async def nc(nats_url: str, names: Names) -> AsyncIterator[nats.NATS]:
             names.output_stream,
             names.requests_stream,
             names.hostwork_stream,
+            names.saves_stream,
             f"KV_{names.lease_bucket}",
         ):
             with contextlib.suppress(Exception):

@@ -258,8 +258,7 @@ def test_a_command_dispatched_before_a_stop_still_ends() -> None:
 def test_a_stopping_sandbox_is_stopped_by_its_host_with_a_final_save() -> None:
     state = given_sandbox(*STOPPING)
     assert state.final_save_id is not None
-    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1,
-                                   final_save_id=state.final_save_id)
+    stop_work = wk.StopSandboxWork(sandbox_id=SID, generation=1, final_save_id=state.final_save_id)
     assert plan(state, must_not_choose) == Plan([], [(HOST_A, stop_work)])
     assert stop_work.msg_id == f"stop_sandbox:{SID}:1"
 

@@ -25,14 +25,23 @@ def snap_id(key: str = "snap-1") -> str:
 
 
 def captured(save_id: str) -> ev.SaveCaptured:
-    return ev.SaveCaptured(save_id=save_id, host=HOST_A, generation=1, freeze_ms=3.0,
-                           freeze_method="cgroup")
+    return ev.SaveCaptured(
+        save_id=save_id, host=HOST_A, generation=1, freeze_ms=3.0, freeze_method="cgroup"
+    )
 
 
 def uploaded(save_id: str) -> ev.SaveUploaded:
-    return ev.SaveUploaded(save_id=save_id, host=HOST_A, generation=1, total_bytes=10, files=2,
-                           uploaded_bytes=10, uploaded_chunks=1, manifest_bytes=100,
-                           duration_ms=5.0)
+    return ev.SaveUploaded(
+        save_id=save_id,
+        host=HOST_A,
+        generation=1,
+        total_bytes=10,
+        files=2,
+        uploaded_bytes=10,
+        uploaded_chunks=1,
+        manifest_bytes=100,
+        duration_ms=5.0,
+    )
 
 
 def completed(save_id: str) -> ev.SaveCompleted:
@@ -40,8 +49,9 @@ def completed(save_id: str) -> ev.SaveCompleted:
 
 
 def failed(save_id: str, stage: str = "upload") -> ev.SaveFailed:
-    return ev.SaveFailed(save_id=save_id, stage=stage, reason="store unavailable", host=HOST_A,
-                         generation=1)
+    return ev.SaveFailed(
+        save_id=save_id, stage=stage, reason="store unavailable", host=HOST_A, generation=1
+    )
 
 
 def test_a_snapshot_of_a_running_sandbox_is_a_requested_save() -> None:
@@ -101,7 +111,8 @@ def test_a_scheduled_save_is_due_after_the_interval_and_one_at_a_time() -> None:
     state = apply(state, [due], time=state.running_since + 31)
     assert policy.due_save(state, now=state.running_since + 1000, cause="b") == []
     assert policy.save_work(state) == [
-        (HOST_A, wk.SaveSandboxWork(sandbox_id=SID, generation=1, save_id=due.save_id))]
+        (HOST_A, wk.SaveSandboxWork(sandbox_id=SID, generation=1, save_id=due.save_id))
+    ]
 
 
 def test_saves_under_way_too_long_fail() -> None:
@@ -138,8 +149,10 @@ def test_stop_takes_a_final_save_of_the_stopped_processes() -> None:
 
 
 def test_create_from_a_completed_snapshot_only() -> None:
-    owner = apply(given_sandbox(*RUNNING, snapshot()),
-                  [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    owner = apply(
+        given_sandbox(*RUNNING, snapshot()),
+        [captured(snap_id()), uploaded(snap_id()), completed(snap_id())],
+    )
     request = rq.CreateSandbox(key="copy", from_snapshot=snap_id())
     [created] = decide(None, request, find_snapshot=lambda sid: (owner, owner.saves[sid]))
     assert isinstance(created, ev.SandboxCreated)

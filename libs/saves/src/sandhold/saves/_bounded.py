@@ -1,12 +1,16 @@
-"""Run an async function over many items with at most `concurrency` in flight."""
+"""Run an async function over many items with a bounded number in flight."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# Small chunks cost a round trip each, not memory: they get more in flight.
+SMALL_BYTES = 64 * 1024
+SMALL_FACTOR = 8
 
 
 async def for_each(
@@ -18,15 +22,34 @@ async def for_each(
     an ExceptionGroup), so callers can catch `MissingChunk` and friends.
     Workers share one iterator, so a million items never become a million tasks.
     """
-    if concurrency < 1:
-        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
-    pending = iter(items)
+    await _run([(iter(items), concurrency)], fn)
 
-    async def worker() -> None:
+
+async def for_each_sized(
+    items: Iterable[tuple[T, int]],
+    fn: Callable[[T], Awaitable[object]],
+    *,
+    concurrency: int,
+) -> None:
+    """`for_each` over (item, size) pairs: `concurrency` items of `SMALL_BYTES` or
+    more in flight (that bounds memory) and, beside them, `concurrency *
+    SMALL_FACTOR` smaller ones, so many small files do not wait on round trips."""
+    large: list[T] = []
+    small: list[T] = []
+    for item, size in items:
+        (small if size < SMALL_BYTES else large).append(item)
+    await _run([(iter(large), concurrency), (iter(small), concurrency * SMALL_FACTOR)], fn)
+
+
+async def _run(groups: list[tuple[Iterator[T], int]], fn: Callable[[T], Awaitable[object]]) -> None:
+    if any(count < 1 for _, count in groups):
+        raise ValueError("concurrency must be at least 1")
+
+    async def worker(pending: Iterator[T]) -> None:
         for item in pending:
             await fn(item)
 
-    workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    workers = [asyncio.ensure_future(worker(it)) for it, count in groups for _ in range(count)]
     try:
         await asyncio.gather(*workers)
     except BaseException:

@@ -15,11 +15,13 @@ import os
 import secrets
 import shutil
 import stat
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import msgspec
-from sandhold.saves._bounded import for_each
+from sandhold.saves._bounded import for_each_sized
+from sandhold.saves.capture import RACY_WINDOW_S
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
 from sandhold.saves.manifest import Entry, Manifest, chunk_lengths, entry_problems
 from sandhold.saves.store import Progress, SaveStore
@@ -34,12 +36,22 @@ class RestoreStats(msgspec.Struct, frozen=True, kw_only=True):
     restored_bytes: int  # sum of file sizes
     fetched_chunks: int  # distinct chunks fetched
     fetched_bytes: int
+    # The save as it now sits on this host (new inodes and ctimes). Pass it as
+    # `previous` to the first capture after the restore, so that capture reads
+    # only what changed since, not the whole workspace again. Local: never store it.
+    local_manifest: Manifest
 
 
 class _Target(msgspec.Struct, frozen=True):
     path: bytes
     offset: int
     length: int
+
+
+# Below this a chunk is written on the event loop: a thread hop costs more.
+_INLINE_WRITE_BYTES = 64 * 1024
+# File timestamps come from a coarse clock (one tick is at most 10 ms on Linux).
+_TIMESTAMP_TICK_NS = 25_000_000
 
 
 async def restore(
@@ -53,12 +65,13 @@ async def restore(
     """Write the save's tree to `dest`: directories, files, symlinks, modes, times.
 
     Owners are restored too when running as root and the manifest knows them.
+    Hard links come back as separate files.
 
     Args:
         store: where the chunks are.
         manifest: the save to restore.
         dest: must not exist, or be an empty directory.
-        concurrency: chunks in flight.
+        concurrency: chunks in flight (chunks under 64 KiB: eight times as many).
         progress: called as `progress(done_bytes, total_bytes)` after each chunk written.
 
     Raises:
@@ -74,40 +87,60 @@ async def restore(
         raise CorruptManifest(f"save {manifest.save_id} cannot be restored: {problems[0]}")
     staging = dest.parent / f".{dest.name}.restoring-{secrets.token_hex(4)}"
     os.mkdir(staging, 0o700)
+    root = os.fsencode(staging)
+    # Whole-tree file system work runs in a thread: a caller's event loop keeps
+    # renewing leases and answering while a big workspace is laid out.
     try:
-        stats = await _restore_into(store, manifest, os.fsencode(staging), concurrency, progress)
+        targets = await asyncio.to_thread(_create_tree, root, manifest)
+        total = manifest.total_bytes
+        fetched_bytes = await _fill(store, root, targets, total, concurrency, progress)
+        await asyncio.to_thread(_finish_tree, root, manifest)
+        local = await asyncio.to_thread(_local_manifest, root, manifest)
         _check_dest(dest)  # still absent or empty: rename replaces an empty directory only
         os.rename(staging, dest)
     except BaseException:
         _remove_tree(staging)
         raise
-    return stats
+    await _after_last_timestamp(local)
+    return RestoreStats(
+        files=local.files,
+        dirs=sum(1 for e in manifest.entries if e.kind == "dir"),
+        symlinks=sum(1 for e in manifest.entries if e.kind == "symlink"),
+        restored_bytes=manifest.total_bytes,
+        fetched_chunks=len(targets),
+        fetched_bytes=fetched_bytes,
+        local_manifest=local,
+    )
 
 
-async def _restore_into(
-    store: SaveStore,
-    manifest: Manifest,
-    root: bytes,
-    concurrency: int,
-    progress: Progress | None,
-) -> RestoreStats:
-    by_kind: dict[str, list[Entry]] = defaultdict(list)
-    for entry in manifest.entries:
-        by_kind[entry.kind].append(entry)
-    dirs = sorted(by_kind["dir"], key=lambda e: e.path.count(b"/"))
-    for entry in dirs:
+def _create_tree(root: bytes, manifest: Manifest) -> dict[str, list[_Target]]:
+    """Directories and empty files (private modes for now); where each chunk goes."""
+    dirs = [e for e in manifest.entries if e.kind == "dir"]
+    for entry in sorted(dirs, key=lambda e: e.path.count(b"/")):
         os.mkdir(_join(root, entry.path), 0o700)
     targets: dict[str, list[_Target]] = defaultdict(list)
-    for entry in by_kind["file"]:
-        fd = os.open(_join(root, entry.path), _CREATE, 0o600)
-        os.close(fd)
+    for entry in manifest.entries:
+        if entry.kind != "file":
+            continue
+        os.close(os.open(_join(root, entry.path), _CREATE, 0o600))
         offset = 0
         for digest, length in zip(
             entry.chunks, chunk_lengths(entry, manifest.chunk_size), strict=True
         ):
             targets[digest].append(_Target(entry.path, offset, length))
             offset += length
-    total = manifest.total_bytes
+    return targets
+
+
+async def _fill(
+    store: SaveStore,
+    root: bytes,
+    targets: dict[str, list[_Target]],
+    total: int,
+    concurrency: int,
+    progress: Progress | None,
+) -> int:
+    """Fetch each distinct chunk once (hash-checked by the store) and write it everywhere."""
     done = fetched_bytes = 0
 
     async def fill(digest: str) -> None:
@@ -117,34 +150,63 @@ async def _restore_into(
         if len(data) != wanted:
             raise CorruptChunk(digest, f"{len(data)} bytes where the manifest needs {wanted}")
         fetched_bytes += len(data)
-        # Writing is blocking file I/O: off the event loop, which keeps fetching.
-        await asyncio.to_thread(_write_all, root, data, targets[digest])
+        if len(data) * len(targets[digest]) <= _INLINE_WRITE_BYTES:
+            _write_all(root, data, targets[digest])
+        else:  # blocking file I/O: off the event loop, which keeps fetching
+            await asyncio.to_thread(_write_all, root, data, targets[digest])
         done += len(data) * len(targets[digest])
         if progress is not None:
             progress(done, total)
 
-    await for_each(list(targets), fill, concurrency=concurrency)
-    for entry in by_kind["symlink"]:
-        os.symlink(entry.target, _join(root, entry.path))
+    sized = [(digest, places[0].length) for digest, places in targets.items()]
+    await for_each_sized(sized, fill, concurrency=concurrency)
+    return fetched_bytes
+
+
+def _finish_tree(root: bytes, manifest: Manifest) -> None:
+    """Symlinks, then owners, modes and times, deepest directories first."""
+    for entry in manifest.entries:
+        if entry.kind == "symlink":
+            os.symlink(entry.target, _join(root, entry.path))
     is_root = os.geteuid() == 0
-    for entry in by_kind["file"] + by_kind["symlink"]:
-        _set_attributes(_join(root, entry.path), entry, is_root)
-    # Deepest directories last-written first: setting a child's times changes nothing
-    # in its parent, and a read-only directory is made so only after its contents.
-    for entry in reversed(dirs):
+    for entry in manifest.entries:
+        if entry.kind != "dir":
+            _set_attributes(_join(root, entry.path), entry, is_root)
+    # Directories last (their contents no longer change, so their mtimes hold),
+    # children before parents (a read-only parent is made so after its children).
+    dirs = [e for e in manifest.entries if e.kind == "dir"]
+    for entry in sorted(dirs, key=lambda e: e.path.count(b"/"), reverse=True):
         _set_attributes(_join(root, entry.path), entry, is_root)
     if manifest.root is not None:
         _set_attributes(root, manifest.root, is_root)
     else:
         os.chmod(root, 0o755)
-    return RestoreStats(
-        files=len(by_kind["file"]),
-        dirs=len(dirs),
-        symlinks=len(by_kind["symlink"]),
-        restored_bytes=total,
-        fetched_chunks=len(targets),
-        fetched_bytes=fetched_bytes,
-    )
+
+
+def _local_manifest(root: bytes, manifest: Manifest) -> Manifest:
+    entries = []
+    newest = 0
+    for entry in manifest.entries:
+        st = os.lstat(_join(root, entry.path))
+        newest = max(newest, st.st_ctime_ns)
+        entries.append(
+            msgspec.structs.replace(
+                entry, ino=st.st_ino, ctime_ns=st.st_ctime_ns, uid=st.st_uid, gid=st.st_gid
+            )
+        )
+    # `created_at` is what capture's racy-file rule compares ctimes with: set it
+    # so that no restored file counts as racy. That is sound because nothing
+    # writes to the tree before `restore` returns, and it returns only once the
+    # timestamp clock has moved past every ctime recorded here.
+    created_at = (newest + _TIMESTAMP_TICK_NS) / 1e9 + RACY_WINDOW_S
+    return msgspec.structs.replace(manifest, entries=entries, created_at=created_at)
+
+
+async def _after_last_timestamp(local: Manifest) -> None:
+    newest = max((e.ctime_ns for e in local.entries), default=0)
+    while time.time_ns() <= newest + _TIMESTAMP_TICK_NS:
+        # Waiting for the clock itself (at most a tick or two), not for a state.
+        await asyncio.sleep((newest + _TIMESTAMP_TICK_NS - time.time_ns()) / 1e9 + 0.001)
 
 
 def _join(root: bytes, rel: bytes) -> bytes:

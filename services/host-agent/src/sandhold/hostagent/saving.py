@@ -151,13 +151,15 @@ class HostSaves:
             workspace.rmdir()
         workspace.parent.mkdir(parents=True, exist_ok=True)
         manifest = await self._store.get_manifest(save_id)
-        await restore(
+        stats = await restore(
             self._store,
             manifest,
             workspace,
             progress=self._progress(sandbox_id, save_id, "restore"),
         )
-        self._remember(sandbox_id, manifest)
+        # The restored tree has new inodes and times: remembering them as they are on
+        # disk lets the next save read only what changed since, not everything.
+        self._remember(sandbox_id, stats.local_manifest)
         return True
 
     async def _manifest(self, sandbox_id: str, save_id: str | None) -> Manifest | None:

@@ -56,6 +56,9 @@ class Saver:
         self._gc_grace_s = gc_grace_s
         self._stopping = asyncio.Event()
         self._dirty: set[str] = set()
+        # Verification and garbage collection take turns, so GC never judges the
+        # store while a save is between "all chunks present" and SaveCompleted.
+        self._store_lock = asyncio.Lock()
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -155,7 +158,8 @@ class Saver:
         for host, work in policy.save_work(state):
             await self._send(host, work)
         for save in policy.awaiting_verification(state):
-            await self._verify(sandbox_id, save.id)
+            async with self._store_lock:
+                await self._verify(sandbox_id, save.id)
         if policy.expired(state, keep_last=self._keep_last):
             await self._decide(
                 sandbox_id,
@@ -217,6 +221,10 @@ class Saver:
                 log.exception("garbage collection failed; will try again")
 
     async def collect_garbage(self) -> object:
+        async with self._store_lock:
+            return await self._collect()
+
+    async def _collect(self) -> object:
         retained: list[str] = []
         for sandbox_id in self.sandboxes.ids():
             state, _ = self.sandboxes.get(sandbox_id)

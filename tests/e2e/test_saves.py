@@ -1,0 +1,269 @@
+"""Saves through a real `sandhold up`: crash consistency, interrupted saves,
+incremental uploads, a failing final save, and recovery of files from a save."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.js.api import DiscardPolicy
+from sandhold.client import Client, connect
+from sandhold.domain import sandbox as sb
+from sandhold.saves import SaveStore, restore
+
+from tests.conftest import wait_until
+from tests.e2e.conftest import running_sandbox
+from tests.e2e.harness import Up
+
+MiB = 1024 * 1024
+
+# Writes a counter into f000 ... f099 in order, over and over. At any instant the
+# files read n+1 up to some index and n after it, so a save that froze the writer
+# holds values differing by at most one, in that shape. A copy taken file by file
+# while the writer runs would see the counter move on between files.
+FILES = 100
+WRITER = r"""
+import os
+n = 0
+while True:
+    n += 1
+    for i in range(100):
+        with open(f"f{i:03d}.tmp", "w") as f:
+            f.write(str(n))
+        os.replace(f"f{i:03d}.tmp", f"f{i:03d}")
+"""
+
+
+@pytest.fixture(scope="module")
+def saving_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    running = Up(
+        tmp_path_factory.mktemp("saves") / "data", "--save-interval", "1", "--save-timeout", "8"
+    ).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+async def client(saving_up: Up) -> AsyncIterator[Client]:
+    c = await connect(saving_up.url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+def _completed(state: sb.Sandbox) -> list[str]:
+    return [s.id for s in state.saves.values() if s.state == "completed"]
+
+
+async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
+    manifest = await store.get_manifest(save_id)
+    [entry] = [e for e in manifest.entries if e.path == name]
+    return b"".join([await store.get_chunk(d) for d in entry.chunks])
+
+
+async def test_every_completed_save_is_crash_consistent(client: Client):
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+    writer = asyncio.create_task(
+        client.exec(sandbox_id, [sys.executable, "-c", WRITER], key="writer")
+    )
+    try:
+        state = await client.wait_for(
+            sandbox_id,
+            lambda s: s if len(_completed(s)) >= 6 else None,
+            timeout=90,
+            what="six completed saves",
+        )
+    finally:
+        writer.cancel()
+    store = SaveStore(client.js, client.names)
+    checked = 0
+    for save_id in _completed(state):
+        values = [
+            int(await _file_in_save(store, save_id, f"f{i:03d}".encode())) for i in range(FILES)
+        ]
+        newest = max(values)
+        consistent = min(values) >= newest - 1 and values == sorted(values, reverse=True)
+        assert consistent, f"save {save_id} is not crash-consistent: {values}"
+        checked += 1
+    assert checked >= 6
+    froze = [s.freeze_ms for s in state.saves.values() if s.state == "completed"]
+    assert all(f is not None and f > 0 for f in froze)  # the freeze window is reported
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_unchanged_files_are_not_uploaded_again(client: Client, saving_up: Up):
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    script = "for i in 1 2 3 4 5 6 7 8; do head -c 4194304 /dev/urandom > f$i; done"
+    assert (await client.exec(sandbox_id, ["sh", "-c", script])).command.exit_code == 0
+
+    async def snap(name: str):
+        save = await client.snapshot(sandbox_id, name)
+        return await client.wait_for_save(sandbox_id, save.id, timeout=60)
+
+    first = await snap("one")
+    assert first.state == "completed" and first.bytes == 32 * MiB
+    assert first.uploaded_bytes >= 32 * MiB
+    second = await snap("two")
+    assert second.state == "completed" and second.uploaded_bytes == 0
+    await client.exec(sandbox_id, ["sh", "-c", "head -c 1048576 /dev/urandom > f3"])
+    third = await snap("three")
+    assert third.state == "completed"
+    assert 1 * MiB <= third.uploaded_bytes <= 1 * MiB + 256 * 1024
+    await client.stop_sandbox(sandbox_id)
+
+
+async def _big_change(client: Client, sandbox_id: str, name: str) -> None:
+    """Enough new bytes that capture and upload each take a while."""
+    result = await client.exec(sandbox_id, ["sh", "-c", f"head -c 314572800 /dev/urandom > {name}"])
+    assert result.command.exit_code == 0
+
+
+@pytest.mark.parametrize("stage", ["capture", "upload"])
+async def test_host_agent_killed_during_a_save_never_completes_it(
+    saving_up: Up, client: Client, stage: str
+):
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo one > note"])
+    base = await client.wait_for_save(
+        sandbox_id, (await client.snapshot(sandbox_id, "base")).id, timeout=60
+    )
+    assert base.state == "completed"
+    await _big_change(client, sandbox_id, "blob")
+
+    agent = saving_up.service_pid("host-agent:local")
+    save = await client.snapshot(sandbox_id, f"interrupted-{stage}")
+    if stage == "upload":
+        await client.wait_for(
+            sandbox_id,
+            lambda s: s if s.saves[save.id].state != "requested" else None,
+            timeout=30,
+            what="capture to end",
+        )
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and state.saves[save.id].state in (
+        {"capture": "requested", "upload": "captured"}[stage],
+    )
+    os.kill(agent, signal.SIGKILL)
+
+    ended = await client.wait_for_save(sandbox_id, save.id, timeout=60)
+    assert ended.state == "failed", ended
+    view = await client.show_sandbox(sandbox_id)
+    assert view.last_completed_save is not None and view.last_completed_save.id == base.id
+    # the restarted agent thawed the sandbox: it still runs commands
+    await wait_until(lambda: saving_up.service_pid("host-agent:local") != agent, what="restart")
+    after = await client.exec(sandbox_id, ["cat", "note"], wait_timeout=60)
+    assert after.stdout == b"one\n"
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(
+    saving_up: Up, client: Client
+):
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    base = await client.wait_for_save(
+        sandbox_id, (await client.snapshot(sandbox_id, "base")).id, timeout=60
+    )
+    await _big_change(client, sandbox_id, "blob")
+    saver = saving_up.service_pid("saver")
+    save = await client.snapshot(sandbox_id, "unverified")
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.saves[save.id].state != "requested" else None,
+        timeout=30,
+        what="the host to take the work",
+    )
+    os.kill(saver, signal.SIGSTOP)  # no verification from here on
+    try:
+        state = await client.wait_for(
+            sandbox_id,
+            lambda s: s if s.saves[save.id].state in ("uploaded", "failed") else None,
+            timeout=60,
+            what="the upload",
+        )
+        assert state.saves[save.id].state == "uploaded"
+        view = await client.show_sandbox(sandbox_id)
+        assert view.last_completed_save is not None and view.last_completed_save.id == base.id
+    finally:
+        os.kill(saver, signal.SIGKILL)
+        os.kill(saver, signal.SIGCONT)
+    # the restarted saver verifies it, and only then it counts
+    done = await client.wait_for_save(sandbox_id, save.id, timeout=60)
+    assert done.state == "completed"
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_failing_final_save_is_reported_apart_from_the_stop(saving_up: Up, client: Client):
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo saved > note"])
+    base = await client.wait_for_save(
+        sandbox_id, (await client.snapshot(sandbox_id, "base")).id, timeout=60
+    )
+    await client.exec(sandbox_id, ["sh", "-c", "echo lost > note"])
+
+    # The save store fills up: new chunks and manifests are refused, reads still work.
+    js = client.js
+    info = await js.stream_info(client.names.saves_stream)
+    config = info.config
+    config.max_bytes = info.state.bytes
+    config.discard = DiscardPolicy.NEW
+    await js.update_stream(config)
+    try:
+        done = saving_up.cli("sandbox", "stop", sandbox_id, "--json")
+    finally:
+        config.max_bytes = -1
+        config.discard = DiscardPolicy.OLD
+        await js.update_stream(config)
+    outcome = msgspec.json.decode(done.stdout)
+    assert outcome["stopped"] is True
+    assert outcome["final_save"]["state"] == "failed" and outcome["final_save"]["reason"]
+    assert done.returncode == 1  # a stop whose final save failed is not a clean stop
+    assert "maximum bytes exceeded" in outcome["final_save"]["reason"]
+    view = await client.show_sandbox(sandbox_id)
+    assert view.last_completed_save is not None and view.last_completed_save.id == base.id
+    assert base.id in view.recoverable_from
+
+    # The host's copy is gone (as after a host loss): the next start restores the
+    # last completed save, which holds "saved", not the lost change.
+    shutil.rmtree(saving_up.workspace(sandbox_id))
+    await client.start_sandbox(sandbox_id)
+    await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    assert (await client.exec(sandbox_id, ["cat", "note"])).stdout == b"saved\n"
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, tmp_path: Path):
+    source = await running_sandbox(client, save_interval_s=3600)
+    script = (
+        "mkdir -p dir/empty && echo hello > dir/file && ln -s dir/file link && "
+        "chmod 750 dir && printf '' > zero && head -c 3000000 /dev/urandom > big"
+    )
+    assert (await client.exec(source, ["sh", "-c", script])).command.exit_code == 0
+    snap = await client.wait_for_save(source, (await client.snapshot(source, "m1")).id, timeout=60)
+    assert snap.state == "completed"
+    copy = await client.create_sandbox(from_snapshot=snap.id)
+    await client.wait_for_phase(copy.id, {"running"}, timeout=60)
+    check = "cat dir/file && readlink link && stat -c %a dir && wc -c < zero && test -d dir/empty"
+    result = await client.exec(copy.id, ["sh", "-c", check])
+    assert result.stdout == b"hello\ndir/file\n750\n0\n", result
+    theirs = await client.exec(copy.id, ["sha256sum", "big"])
+    ours = await client.exec(source, ["sha256sum", "big"])
+    assert theirs.stdout == ours.stdout
+    view = await client.show_sandbox(copy.id)
+    assert view.recoverable_from.startswith(f"only the snapshot {snap.id}")
+    # and the store can restore that snapshot anywhere, verified
+    store = SaveStore(client.js, client.names)
+    stats = await restore(store, await store.get_manifest(snap.id), tmp_path / "restored")
+    assert (tmp_path / "restored" / "dir" / "file").read_bytes() == b"hello\n"
+    assert stats is not None
+    for sandbox_id in (source, copy.id):
+        await client.stop_sandbox(sandbox_id)

@@ -267,3 +267,93 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     assert stats is not None
     for sandbox_id in (source, copy.id):
         await client.stop_sandbox(sandbox_id)
+
+
+async def _store_full(client: Client, full: bool) -> None:
+    """Make the save store refuse new messages (as a full disk would), or undo it."""
+    info = await client.js.stream_info(client.names.saves_stream)
+    config = info.config
+    config.max_bytes = info.state.bytes if full else -1
+    config.discard = DiscardPolicy.NEW if full else DiscardPolicy.OLD
+    await client.js.update_stream(config)
+
+
+async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_completes(
+    client: Client,
+):
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+    await client.wait_for(
+        sandbox_id, lambda s: s if _completed(s) else None, timeout=30, what="a first save"
+    )
+    await _store_full(client, True)
+    try:
+        view = await client.wait_for(
+            sandbox_id,
+            lambda s: v if (v := sb_view(s)).save_health.state == "failing" else None,
+            timeout=60,
+            what="status failing",
+        )
+        assert "maximum bytes" in view.save_health.reason
+        assert view.last_completed_save is not None  # the earlier save still counts
+    finally:
+        await _store_full(client, False)
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if sb_view(s).save_health.state == "ok" else None,
+        timeout=60,
+        what="status ok again",
+    )
+    await client.stop_sandbox(sandbox_id)
+
+
+def sb_view(state: sb.Sandbox):
+    from sandhold.domain.views import sandbox_view
+
+    return sandbox_view(state)
+
+
+async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(
+    saving_up: Up, client: Client
+):
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+    churn = "while true; do head -c 300000 /dev/urandom > data; sleep 0.3; done"
+    writer = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", churn], key="churn"))
+    try:
+        await client.wait_for(
+            sandbox_id,
+            lambda s: s if any(r.state == "expired" for r in s.saves.values()) else None,
+            timeout=90,
+            what="retention to expire a save",
+        )
+    finally:
+        writer.cancel()
+    await client.stop_sandbox(sandbox_id)
+    # Settled: stopped, nothing in flight, and retention has caught up (keeps 5).
+    state = await client.wait_for(
+        sandbox_id,
+        lambda s: (
+            s
+            if s.phase == "stopped"
+            and len(_completed(s)) == 5
+            and not [
+                r for r in s.saves.values() if r.state in ("requested", "captured", "uploaded")
+            ]
+            else None
+        ),
+        timeout=60,
+        what="no save in flight",
+    )
+    done = saving_up.cli("admin", "gc", "--grace", "0")
+    assert done.returncode == 0, done.stderr
+    result = msgspec.json.decode(done.stdout)
+    assert result["ok"] and result["deleted_chunks"] > 0 and result["deleted_manifests"] > 0
+    store = SaveStore(client.js, client.names)
+    kept = [r.id for r in state.saves.values() if r.state == "completed"]
+    assert len(kept) == 5
+    for save_id in kept:
+        manifest = await store.get_manifest(save_id)
+        assert await store.verify(manifest, recheck=manifest.digests) == []
+    gone = [r.id for r in state.saves.values() if r.state == "expired"]
+    for save_id in gone:
+        with pytest.raises(Exception, match="manifest"):
+            await store.get_manifest(save_id)

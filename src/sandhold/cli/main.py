@@ -163,6 +163,16 @@ async def _stop(args: argparse.Namespace, client: Client) -> int:
     return 0 if final is None or final.state == "completed" else 1
 
 
+async def _admin(args: argparse.Namespace, client: Client) -> int:
+    body = {} if args.grace is None else {"grace_s": args.grace}
+    reply = await client.nc.request(
+        f"{client.names.prefix}.admin.gc", msgspec.json.encode(body), timeout=300
+    )
+    result = msgspec.json.decode(reply.data)
+    _print_json(result)
+    return 0 if result.get("ok") else 1
+
+
 async def _snapshot(args: argparse.Namespace, client: Client) -> int:
     save = await client.snapshot(args.id, args.name, key=args.key)
     async with progress(client, args.id):
@@ -305,6 +315,16 @@ def _parser() -> argparse.ArgumentParser:
         help="return once the stop is accepted, without waiting for the final save",
     )
 
+    admin = sub.add_parser("admin", help="operator tasks")
+    admin_actions = admin.add_subparsers(dest="action", required=True)
+    gc = admin_actions.add_parser("gc", help="collect save-store chunks no retained save needs")
+    gc.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="only chunks older than this many seconds (default: the saver's)",
+    )
+
     snap = sub.add_parser("snapshot", help="take a named, retained save of a running sandbox")
     snap.add_argument("id")
     snap.add_argument("--name", required=True)
@@ -360,7 +380,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.group == "run":
         _run_service(args)
         return
-    handlers = {"sandbox": _sandbox, "exec": _exec, "command": _command, "snapshot": _snapshot}
+    handlers = {
+        "sandbox": _sandbox,
+        "exec": _exec,
+        "command": _command,
+        "snapshot": _snapshot,
+        "admin": _admin,
+    }
     handler = handlers[args.group]
     import uvloop
 

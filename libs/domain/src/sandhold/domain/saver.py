@@ -110,3 +110,9 @@ def retained(state: Sandbox) -> list[str]:
     keep = {s.id for s in state.saves.values() if s.state == "completed"}
     keep |= {s.parent_id for s in sv.in_flight(state.saves) if s.parent_id}
     return sorted(keep)
+
+
+def dropped(state: Sandbox) -> list[str]:
+    """Saves that no longer count (expired by retention, or failed): their
+    manifests can go; their chunks go once no retained save names them."""
+    return [s.id for s in state.saves.values() if s.state in ("expired", "failed")]

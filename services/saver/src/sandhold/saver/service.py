@@ -77,6 +77,7 @@ class Saver:
                 asyncio.create_task(self._reconciler()),
                 asyncio.create_task(self._collector()),
             ]
+            await nc.subscribe(f"{self._names.prefix}.admin.gc", cb=self._on_gc_request)
             await announce_ready(nc, self._names, self.name)
             log.info("saver ready")
             await self._stopping.wait()
@@ -220,18 +221,34 @@ class Saver:
             except Exception:
                 log.exception("garbage collection failed; will try again")
 
-    async def collect_garbage(self) -> object:
+    async def collect_garbage(self, grace_s: float | None = None) -> dict[str, object]:
         async with self._store_lock:
-            return await self._collect()
+            return await self._collect(self._gc_grace_s if grace_s is None else grace_s)
 
-    async def _collect(self) -> object:
+    async def _collect(self, grace_s: float) -> dict[str, object]:
         retained: list[str] = []
+        dropped: list[str] = []
         for sandbox_id in self.sandboxes.ids():
             state, _ = self.sandboxes.get(sandbox_id)
             if state is not None:
                 retained += policy.retained(state)
-        stats = await collect_garbage(
-            self.store, retained, now=time.time(), grace_s=self._gc_grace_s
-        )
-        log.info("garbage collection: %s", stats)
-        return stats
+                dropped += policy.dropped(state)
+        # Manifests of expired and failed saves go first; then every chunk that
+        # no retained manifest names (and that is older than the grace) goes too.
+        manifests = 0
+        for save_id in sorted(set(dropped) - set(retained)):
+            if await self.store.delete_manifest(save_id):
+                manifests += 1
+        stats = await collect_garbage(self.store, retained, now=time.time(), grace_s=grace_s)
+        result = {**msgspec.structs.asdict(stats), "deleted_manifests": manifests}
+        log.info("garbage collection: %s", result)
+        return result
+
+    async def _on_gc_request(self, msg) -> None:
+        """`<prefix>.admin.gc` (core request/reply): collect now, answer with the counts."""
+        try:
+            body = msgspec.json.decode(msg.data) if msg.data else {}
+            result = {"ok": True, **await self.collect_garbage(body.get("grace_s"))}
+        except Exception as err:  # the caller gets the reason; the saver carries on
+            result = {"ok": False, "error": str(err)}
+        await msg.respond(msgspec.json.encode(result))

@@ -163,6 +163,21 @@ async def _stop(args: argparse.Namespace, client: Client) -> int:
     return 0 if final is None or final.state == "completed" else 1
 
 
+async def _host(args: argparse.Namespace, client: Client) -> int:
+    hosts = await client.list_hosts()
+    if args.json:
+        _print_json(hosts)
+    else:
+        for h in hosts["hosts"]:
+            age = h["last_renewal_age_s"]
+            print(
+                f"{h['host']}  {h['status']}  epoch={h['epoch']}  "
+                f"renewed={'-' if age is None else f'{age:.1f}s ago'}  "
+                f"sandboxes={h['sandboxes']}"
+            )
+    return 0
+
+
 async def _admin(args: argparse.Namespace, client: Client) -> int:
     body = {} if args.grace is None else {"grace_s": args.grace}
     reply = await client.nc.request(
@@ -279,6 +294,18 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a stop may take, final save included (default 60)",
     )
     up.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="seconds without a lease renewal before a host is lost (default 5)",
+    )
+    up.add_argument(
+        "--fence-margin",
+        type=float,
+        default=2.0,
+        help="extra seconds before a lost host counts as fenced (default 2)",
+    )
+    up.add_argument(
         "--save-timeout",
         type=float,
         default=600.0,
@@ -286,7 +313,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     run = sub.add_parser("run", help="run one service alone against --nats URL")
-    run.add_argument("service", choices=["scheduler", "host-agent", "saver"])
+    run.add_argument("service", choices=["scheduler", "host-agent", "saver", "recovery"])
     run.add_argument("service_args", nargs=argparse.REMAINDER)
 
     sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
@@ -314,6 +341,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="return once the stop is accepted, without waiting for the final save",
     )
+
+    host = sub.add_parser("host", help="hosts, their leases and the lease settings")
+    host_actions = host.add_subparsers(dest="action", required=True)
+    host_ls = host_actions.add_parser("ls")
+    host_ls.add_argument("--json", action="store_true")
 
     admin = sub.add_parser("admin", help="operator tasks")
     admin_actions = admin.add_subparsers(dest="action", required=True)
@@ -375,7 +407,15 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.stop_deadline),
             ],
             "saver": ["--save-timeout", str(args.save_timeout)],
+            "recovery": [
+                "--lease-ttl",
+                str(args.lease_ttl),
+                "--fence-margin",
+                str(args.fence_margin),
+            ],
+            "host-agent": ["--lease-ttl", str(args.lease_ttl)],
         }
+        service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]
         raise SystemExit(up(Path(args.data_dir), prefix, args.hosts, service_args))
     if args.group == "run":
         _run_service(args)
@@ -386,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": _command,
         "snapshot": _snapshot,
         "admin": _admin,
+        "host": _host,
     }
     handler = handlers[args.group]
     import uvloop
@@ -405,6 +446,8 @@ def _run_service(args: argparse.Namespace) -> None:
         from sandhold.scheduler.__main__ import main as service_main
     elif args.service == "saver":
         from sandhold.saver.__main__ import main as service_main
+    elif args.service == "recovery":
+        from sandhold.recovery.__main__ import main as service_main
     else:
         from sandhold.hostagent.__main__ import main as service_main
     service_main(service_args)

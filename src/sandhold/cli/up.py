@@ -104,8 +104,15 @@ class Runtime:
                 logs / "saver.log",
                 "saver",
             ),
+            Child(
+                "recovery",
+                [*base, "sandhold.recovery", *common, *extra.get("recovery", [])],
+                logs / "recovery.log",
+                "recovery",
+            ),
         ]
         host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
+        # --hosts 0: host-agents run elsewhere (`sandhold run host-agent`)
         for host_id in host_ids:
             root = self.data_dir / "hosts" / host_id
             children.append(
@@ -121,6 +128,7 @@ class Runtime:
                         str(root),
                         "--on-exit",
                         "interrupt",
+                        *extra.get("host-agent", []),
                     ],
                     logs / f"host-agent-{host_id}.log",
                     f"host-agent:{host_id}",

@@ -18,6 +18,17 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     epoch: int
     renewed_at: float  # the host's wall clock, for people reading the bucket
+    interval_s: float = 1.0  # how often the host renews (published with `host ls`)
+
+
+class RecoverySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Published by the recovery service in the lease bucket (key `_recovery`)."""
+
+    lease_ttl_s: float
+    fence_margin_s: float
+
+
+SETTINGS_KEY = "_recovery"
 
 
 _decode = msgspec.json.Decoder(Lease).decode
@@ -81,3 +92,14 @@ class LeaseWatcher:
 
     def live_hosts(self) -> list[str]:
         return [h for h in self._seen if self.is_live(h)]
+
+    def last_renewal(self, host: str, *, epoch: int | None = None) -> float | None:
+        """The wall time of the host's last renewal seen (of `epoch`, if given)."""
+        seen = self._seen.get(host)
+        if seen is None or (epoch is not None and seen[1].epoch != epoch):
+            return None
+        return time.time() - (time.monotonic() - seen[0])
+
+    def lease(self, host: str) -> Lease | None:
+        seen = self._seen.get(host)
+        return seen[1] if seen is not None else None

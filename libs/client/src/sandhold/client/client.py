@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.leases import SETTINGS_KEY
 from sandhold.bus.names import Names
 from sandhold.bus.read import read_subject, read_subjects
 from sandhold.bus.service import close_quickly
@@ -23,6 +24,8 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.commands import END_STATES as _END_STATES
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
+from sandhold.domain.host import Host
+from sandhold.domain.host import evolve as evolve_host
 from sandhold.domain.views import (
     CommandView,
     Reply,
@@ -174,6 +177,63 @@ class Client:
         return await self.wait_for(
             sandbox_id, settled, timeout=timeout, what=f"save {save_id} to settle"
         )
+
+    async def list_hosts(self) -> dict[str, object]:
+        """Hosts with their status (live / suspect / lost / fenced / down), lease
+        ages, and the lease settings the services use."""
+        states: dict[str, Host | None] = {}
+        for record in await read_subjects(
+            self.js, self.names.events_stream, self.names.events("host", "*")
+        ):
+            aggregate = record.envelope.aggregate_id
+            states[aggregate] = evolve_host(states.get(aggregate), record.envelope)
+        kv = await self.js.key_value(self.names.lease_bucket)
+        settings: dict[str, object] = {}
+        with contextlib.suppress(Exception):
+            entry = await kv.get(SETTINGS_KEY)
+            settings = msgspec.json.decode(entry.value or b"{}")
+        ttl = float(settings.get("lease_ttl_s", 5.0))
+        placed: dict[str, int] = {}
+        for view in await self.list_sandboxes():
+            if view.host and view.phase in sb.ACTIVE_PHASES:
+                placed[view.host] = placed.get(view.host, 0) + 1
+        hosts = []
+        for host_id, state in sorted(states.items()):
+            if state is None:
+                continue
+            lease, age = None, None
+            with contextlib.suppress(Exception):
+                entry = await kv.get(host_id)
+                lease = msgspec.json.decode(entry.value or b"{}")
+                # the host's clock; on one machine (or with NTP) good enough for a listing
+                age = max(0.0, time.time() - float(lease["renewed_at"]))
+            interval = float((lease or {}).get("interval_s", 1.0))
+            if state.status != "registered":
+                status = state.status
+            elif age is None or age > ttl:
+                status = "down"
+            elif age > 2 * interval:
+                status = "suspect"
+            else:
+                status = "live"
+            hosts.append(
+                {
+                    "host": host_id,
+                    "status": status,
+                    "epoch": state.epoch,
+                    "last_renewal_age_s": age,
+                    "lease_interval_s": interval,
+                    "capacity_sandboxes": state.capacity_sandboxes,
+                    "sandboxes": placed.get(host_id, 0),
+                    "capabilities": state.capabilities,
+                    "fence_at": state.fence_at,
+                }
+            )
+        return {
+            "hosts": hosts,
+            "lease_ttl_s": ttl,
+            "fence_margin_s": settings.get("fence_margin_s", 2.0),
+        }
 
     async def storage(self) -> dict[str, object]:
         """Where saves live: the save store's kind and replica count."""

@@ -31,6 +31,7 @@ class SandboxCreated(Event, tag="sandbox.created"):
     stop_deadline_s: float = 60.0  # how long a stop may take, final save included
     source_snapshot_id: str | None = None  # created from this Snapshot (a save id)
     source_sandbox_id: str | None = None  # ...which belongs to this sandbox
+    recovery: Literal["lazy", "eager"] = "lazy"  # after a host failure: wait to be used, or not
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):
@@ -201,6 +202,45 @@ class SavesExpired(Event, tag="save.expired"):
     save_ids: list[str]
 
 
+# --- host failure ------------------------------------------------------------
+
+
+class SandboxLost(Event, tag="sandbox.lost"):
+    """The sandbox's host stopped renewing its lease (appended by recovery)."""
+
+    host: str
+    generation: int
+    last_renewal_at: float  # the last lease renewal recovery saw from that host
+    fence_at: float  # from then on the host can no longer write (lease_ttl + fence_margin)
+
+
+class SandboxFenced(Event, tag="sandbox.fenced"):
+    """The lost host's fence time passed: recovery elsewhere is now safe."""
+
+    host: str
+    generation: int
+
+
+class SandboxRecoveryRequested(Event, tag="sandbox.recovery_requested"):
+    """A start or a command reached a lost sandbox (or it asked for eager recovery)."""
+
+    cause: str  # "start" | "command" | "eager"
+    request_key: str | None = None
+    request_digest: str | None = None
+
+
+class HostLost(Event, tag="host.lost"):
+    host: str
+    epoch: int
+    last_renewal_at: float
+    fence_at: float
+
+
+class HostFenced(Event, tag="host.fenced"):
+    host: str
+    epoch: int
+
+
 # --- hosts -------------------------------------------------------------------
 
 
@@ -246,6 +286,11 @@ AnyEvent = (
     | SaveCompleted
     | SaveFailed
     | SavesExpired
+    | SandboxLost
+    | SandboxFenced
+    | SandboxRecoveryRequested
+    | HostLost
+    | HostFenced
     | HostRegistered
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope
@@ -14,6 +16,9 @@ class Host(msgspec.Struct, frozen=True, kw_only=True):
     memory_bytes: int
     registered_at: float
     capabilities: dict[str, str] = {}
+    status: Literal["registered", "lost", "fenced"] = "registered"
+    last_renewal_at: float | None = None  # as recovery saw it when it declared the loss
+    fence_at: float | None = None
 
 
 def evolve(state: Host | None, envelope: Envelope) -> Host | None:
@@ -27,6 +32,12 @@ def evolve(state: Host | None, envelope: Envelope) -> Host | None:
                 registered_at=envelope.time,
                 capabilities=e.capabilities,
             )
+        case ev.HostLost() as e if state is not None and e.epoch == state.epoch:
+            return msgspec.structs.replace(
+                state, status="lost", last_renewal_at=e.last_renewal_at, fence_at=e.fence_at
+            )
+        case ev.HostFenced() as e if state is not None and e.epoch == state.epoch:
+            return msgspec.structs.replace(state, status="fenced")
         case _:
             return state
 
@@ -36,3 +47,22 @@ def decide_register(state: Host | None, registration: ev.HostRegistered) -> list
     if state is not None and registration.epoch <= state.epoch:
         return []
     return [registration]
+
+
+def decide_lost(
+    state: Host | None, *, epoch: int, last_renewal_at: float, fence_at: float
+) -> list[ev.AnyEvent]:
+    """Recovery declares a host lost once per epoch; a newer epoch is a new life."""
+    if state is None or state.epoch != epoch or state.status != "registered":
+        return []
+    return [
+        ev.HostLost(
+            host=state.host, epoch=epoch, last_renewal_at=last_renewal_at, fence_at=fence_at
+        )
+    ]
+
+
+def decide_fenced(state: Host | None, *, epoch: int) -> list[ev.AnyEvent]:
+    if state is None or state.epoch != epoch or state.status != "lost":
+        return []
+    return [ev.HostFenced(host=state.host, epoch=epoch)]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import work as wk
-from sandhold.domain.sandbox import Sandbox
+from sandhold.domain.sandbox import LAUNCHABLE_PHASES, Sandbox
 
 ChooseHost = Callable[[Sandbox], str | None]
 
@@ -27,7 +27,7 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
     events: list[ev.AnyEvent] = []
     work: list[tuple[str, wk.AnyWork]] = []
     sid, gen, host = state.id, state.generation, state.host
-    can_launch = state.phase in ("pending", "placed", "starting", "running")
+    can_launch = state.phase in LAUNCHABLE_PHASES
 
     for command in state.queued_commands():
         if command.cancel_requested:
@@ -55,10 +55,15 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
                     )
                 )
 
-    if state.phase == "pending" and not state.delete_requested:
+    # After a host failure nothing is placed until the failed host can no longer
+    # write (the fence): then a start, a command, or the eager policy brings it back.
+    fenced = state.lost is None or state.lost.fenced
+    if state.phase in ("pending", "recovering") and not state.delete_requested and fenced:
         chosen = choose_host(state)
         if chosen is not None:
             events.append(ev.SandboxPlaced(host=chosen, generation=gen + 1))
+    elif state.phase == "lost" and fenced and state.recovery_policy == "eager":
+        events.append(ev.SandboxRecoveryRequested(cause="eager"))
     elif state.phase == "placed" and host is not None:
         start = wk.StartSandboxWork(
             sandbox_id=sid,
@@ -78,6 +83,9 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
         )
         work.append((host, stop))
 
+    if state.delete_requested and state.phase in ("lost", "recovering"):
+        # The failed host holds the only copy; it destroys stale copies itself.
+        events.append(ev.SandboxDeleted(host=None, generation=gen))
     if state.delete_requested and state.phase in ("pending", "stopped", "failed"):
         if host is None:
             events.append(ev.SandboxDeleted(host=None, generation=gen))

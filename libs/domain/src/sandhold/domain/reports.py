@@ -36,6 +36,9 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
             f"report from {report.host} generation {report.generation}, but sandbox "
             f"{state.id} is at {state.host} generation {state.generation}",
         )
+    if state.phase in ("lost", "recovering"):
+        # Declared lost: nothing its host says about that placement counts any more.
+        raise Rejected("sandbox_lost", f"sandbox {state.id} was declared lost on {state.host}")
     match report:
         case ev.SandboxStarting():
             news = state.phase == "placed"

@@ -7,7 +7,7 @@ field is validated on decode, so a malformed request never reaches a decider.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -46,6 +46,7 @@ class CreateSandbox(Request, tag="sandbox.create"):
     from_snapshot: SaveId | None = None  # a Snapshot's id: its files are the starting point
     save_interval_s: Interval | None = None  # default: the scheduler's (30 s)
     stop_deadline_s: Deadline | None = None  # default: the scheduler's (60 s)
+    recovery: Literal["lazy", "eager"] | None = None  # after a host failure (default lazy)
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -110,7 +111,7 @@ def request_tag(request: AnyRequest) -> str:
 
 # Fields added after the first release are left out of the digest while unset,
 # so a request retried across an upgrade keeps its digest (and its key stays its own).
-_LATER_FIELDS = frozenset({"from_snapshot", "save_interval_s", "stop_deadline_s"})
+_LATER_FIELDS = frozenset({"from_snapshot", "save_interval_s", "stop_deadline_s", "recovery"})
 
 
 def request_digest(request: AnyRequest) -> str:

@@ -27,11 +27,36 @@ Phase = Literal[
     "stopped",
     "failed",  # the host could not start it
     "deleted",
-    # with host failure handling: "lost", "recovering"
+    "lost",  # its host failed; files are as of the last completed save
+    "recovering",  # asked to come back: waits for the fence, then a new placement
 ]
+
+# Phases in which a command is accepted (it waits in the queue until the sandbox runs).
+LAUNCHABLE_PHASES: frozenset[str] = frozenset(
+    {"pending", "placed", "starting", "running", "lost", "recovering"}
+)
 
 # Phases in which the sandbox holds a place on a host.
 ACTIVE_PHASES: frozenset[str] = frozenset({"placed", "starting", "running", "stopping"})
+
+
+class LostInfo(msgspec.Struct, frozen=True, kw_only=True):
+    host: str
+    generation: int
+    last_renewal_at: float
+    fence_at: float
+    fenced: bool = False
+
+
+class RecoveredFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """Which files a recovery brought back, and how far they were behind the failure."""
+
+    source: Literal["save", "snapshot", "base image"]
+    save_id: str | None = None
+    completed_at: float | None = None
+    behind_failure_s: float | None = None
+    lost_host: str = ""
+    lost_generation: int = 0
 
 
 class Command(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +104,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     running_since: float | None = None
     final_save_id: str | None = None  # the final save of the latest stop
     saves: dict[str, sv.SaveRecord] = {}
+    recovery_policy: Literal["lazy", "eager"] = "lazy"
+    lost: LostInfo | None = None  # set from the loss until a recovery has started it
+    recovered_from: RecoveredFrom | None = None  # of the latest recovery
     commands: dict[str, Command] = {}
     # idempotency key -> digest of the request body that used it
     requests: dict[str, str] = {}
@@ -121,6 +149,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             stop_deadline_s=event.stop_deadline_s,
             source_snapshot_id=event.source_snapshot_id,
             source_sandbox_id=event.source_sandbox_id,
+            recovery_policy=event.recovery,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -130,9 +159,30 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.SandboxStarting():
             return replace(state, phase="starting")
         case ev.SandboxStarted(capabilities=capabilities):
+            recovered = _recovered_from(state) if state.lost is not None else state.recovered_from
             return replace(
-                state, phase="running", capabilities=capabilities, running_since=envelope_time
+                state,
+                phase="running",
+                capabilities=capabilities,
+                running_since=envelope_time,
+                lost=None,
+                recovered_from=recovered,
             )
+        case ev.SandboxLost():
+            lost = LostInfo(
+                host=event.host,
+                generation=event.generation,
+                last_renewal_at=event.last_renewal_at,
+                fence_at=event.fence_at,
+            )
+            return replace(state, phase="lost", lost=lost, running_since=None)
+        case ev.SandboxFenced() if state.lost is not None:
+            return replace(state, lost=replace(state.lost, fenced=True))
+        case ev.SandboxFenced():
+            return state
+        case ev.SandboxRecoveryRequested(request_key=key, request_digest=digest):
+            requests = _remember(state, key, digest) if key and digest else state.requests
+            return replace(state, phase="recovering", requests=requests)
         case ev.SandboxStartFailed(reason=reason):
             return replace(state, phase="failed", reason=reason)
         case ev.SandboxStartRequested(request_key=key, request_digest=digest):
@@ -227,6 +277,24 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return state
         case _:
             assert_never(event)
+
+
+def _recovered_from(state: Sandbox) -> RecoveredFrom:
+    assert state.lost is not None
+    latest = state.last_completed_save
+    where = {"lost_host": state.lost.host, "lost_generation": state.lost.generation}
+    if latest is not None:
+        behind = state.lost.last_renewal_at - latest.completed_at if latest.completed_at else None
+        return RecoveredFrom(
+            source="save",
+            save_id=latest.id,
+            completed_at=latest.completed_at,
+            behind_failure_s=behind,
+            **where,
+        )
+    if state.source_snapshot_id is not None:
+        return RecoveredFrom(source="snapshot", save_id=state.source_snapshot_id, **where)
+    return RecoveredFrom(source="base image", **where)
 
 
 def _update_command(sandbox: Sandbox, command_id: str, /, **changes: object) -> Sandbox:
@@ -352,7 +420,14 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                 )
             if state.phase in ("stopped", "failed"):
                 return [ev.SandboxStartRequested(request_key=request.key, request_digest=digest)]
-            return []  # already pending, placed, starting or running
+            if state.phase == "lost":
+                # Nothing restarts by itself: this start is what brings it back.
+                return [
+                    ev.SandboxRecoveryRequested(
+                        cause="start", request_key=request.key, request_digest=digest
+                    )
+                ]
+            return []  # already pending, placed, starting, running or recovering
         case rq.StopSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
             if _check_key(state, request.key, digest):
@@ -373,6 +448,12 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             if _check_key(state, request.key, digest):
                 return []
             # The decision point for the host-failure issue: a lost sandbox is refused here.
+            if state.phase in ("lost", "recovering"):
+                raise Rejected(
+                    "sandbox_lost",
+                    f"sandbox {state.id} is {state.phase}: its host failed, so there is "
+                    "nothing current to snapshot; start it (or run a command) to recover it first",
+                )
             if state.phase != "running":
                 raise Rejected(
                     "sandbox_not_running",
@@ -411,17 +492,16 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             state = _require(state, request.sandbox_id, request.tenant)
             if _check_key(state, request.key, digest):
                 return []
-            if state.delete_requested or state.phase not in (
-                "pending",
-                "placed",
-                "starting",
-                "running",
-            ):
+            if state.delete_requested or state.phase not in LAUNCHABLE_PHASES:
                 raise Rejected(
                     "sandbox_not_running",
                     f"sandbox {state.id} is {state.phase}; start it before running commands",
                 )
-            return [
+            # A command sent to a lost sandbox brings it back, and then runs there.
+            recover = (
+                [ev.SandboxRecoveryRequested(cause="command")] if state.phase == "lost" else []
+            )
+            return recover + [
                 ev.CommandQueued(
                     command_id=rq.command_id_for(state.id, request.key),
                     request_key=request.key,

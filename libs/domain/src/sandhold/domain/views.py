@@ -6,7 +6,7 @@ import time
 
 import msgspec
 from sandhold.domain import saves as sv
-from sandhold.domain.sandbox import Command, Sandbox
+from sandhold.domain.sandbox import Command, RecoveredFrom, Sandbox
 
 
 class CommandView(msgspec.Struct, kw_only=True):
@@ -65,6 +65,9 @@ class SandboxView(msgspec.Struct, kw_only=True):
     final_save: SaveView | None = None  # of the latest stop
     snapshots: list[SaveView] = []
     storage: dict[str, object] | None = None  # where saves live (filled by the reader)
+    lost_host: str | None = None  # the host that failed under it
+    recovery: dict[str, object] | None = None  # while lost: waiting_for_fence / fenced / ...
+    recovered_from: RecoveredFrom | None = None  # the latest recovery's source
 
 
 class ErrorBody(msgspec.Struct, kw_only=True):
@@ -138,6 +141,25 @@ def _ago(at: float | None) -> str:
     )
 
 
+def _recovery(s: Sandbox) -> dict[str, object] | None:
+    if s.lost is None:
+        return None
+    if not s.lost.fenced:
+        state = "waiting_for_fence"
+    elif s.phase == "lost":
+        state = "fenced"  # safe to recover; waits for a start or a command
+    else:
+        state = "recovering"
+    return {
+        "state": state,
+        "fence_at": s.lost.fence_at,
+        "last_renewal_at": s.lost.last_renewal_at,
+        "lost_host": s.lost.host,
+        "lost_generation": s.lost.generation,
+        "policy": s.recovery_policy,
+    }
+
+
 def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
     now = time.time() if now is None else now
     counts: dict[str, int] = {}
@@ -171,6 +193,9 @@ def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
         recoverable_from=_recoverable_from(s),
         save_in_progress=save_view(s.id, in_flight[-1]) if in_flight else None,
         final_save=save_view(s.id, final) if final else None,
+        lost_host=s.lost.host if s.lost else None,
+        recovery=_recovery(s),
+        recovered_from=s.recovered_from,
         snapshots=[
             save_view(s.id, r)
             for r in s.saves.values()

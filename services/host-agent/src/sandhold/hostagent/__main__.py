@@ -26,7 +26,24 @@ def parser() -> argparse.ArgumentParser:
         help="where sandboxes live (default ./.sandhold/hosts/<host-id>)",
     )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
-    p.add_argument("--lease-interval", type=float, default=1.0)
+    p.add_argument(
+        "--lease-interval",
+        type=float,
+        default=1.0,
+        help="seconds between lease renewals (default 1)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="fence itself after this many seconds without a renewal (default 5)",
+    )
+    p.add_argument(
+        "--stale-copies",
+        choices=["destroy", "quarantine"],
+        default="destroy",
+        help="what to do with copies of sandboxes recovered elsewhere",
+    )
     p.add_argument(
         "--on-exit",
         choices=["keep", "interrupt"],
@@ -46,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             replicas=a.replicas,
             capacity_sandboxes=a.capacity,
             lease_interval=a.lease_interval,
+            lease_ttl=a.lease_ttl,
+            stale_copies=a.stale_copies,
             interrupt_on_exit=a.on_exit == "interrupt",
         )
 

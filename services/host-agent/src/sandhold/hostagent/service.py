@@ -57,6 +57,8 @@ class HostAgent:
         replicas: int = 1,
         capacity_sandboxes: int = 64,
         lease_interval: float = 1.0,
+        lease_ttl: float = 5.0,
+        stale_copies: str = "destroy",
         interrupt_on_exit: bool = False,
     ) -> None:
         self._url = nats_url
@@ -66,6 +68,10 @@ class HostAgent:
         self._replicas = replicas
         self._capacity = capacity_sandboxes
         self._lease_interval = lease_interval
+        self._lease_ttl = lease_ttl
+        self._stale_copies = stale_copies  # "destroy" | "quarantine"
+        self._last_renewed: float | None = None  # monotonic time of the last renewal
+        self._fenced = False
         self._interrupt_on_exit = interrupt_on_exit
         self._stopping = asyncio.Event()
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
@@ -99,8 +105,10 @@ class HostAgent:
                     await self.driver.thaw(sandbox_id)
             self._kv = await leases.lease_bucket(js, self._names)
             await self._register()
+            await self._drop_stale_copies()
             for handle in self.driver.adopt_all():
-                self._watch(handle)
+                if self._is_current(handle.sandbox_id):
+                    self._watch(handle)
             sub = await js.pull_subscribe(
                 self._names.work(self.host_id),
                 durable=f"host-{self.host_id}",
@@ -161,17 +169,91 @@ class HostAgent:
         await self._put_lease()
 
     async def _put_lease(self) -> None:
-        await leases.renew(
-            self._kv, leases.Lease(host=self.host_id, epoch=self.epoch, renewed_at=time.time())
+        lease = leases.Lease(
+            host=self.host_id,
+            epoch=self.epoch,
+            renewed_at=time.time(),
+            interval_s=self._lease_interval,
+        )
+        await leases.renew(self._kv, lease)
+        self._last_renewed = time.monotonic()
+
+    def _lease_expired(self) -> bool:
+        return (
+            self._last_renewed is not None
+            and time.monotonic() - self._last_renewed > self._lease_ttl
         )
 
     async def _renew_lease(self) -> None:
         while True:
+            # Checked before renewing: a process that was paused (SIGSTOP) must
+            # notice the gap before its first renewal makes it look alive again.
+            if not self._fenced and self._lease_expired():
+                await self._fence_self()
             try:
-                await self._put_lease()
+                if self._fenced:
+                    await self._come_back()
+                else:
+                    await self._put_lease()
             except Exception as err:  # a missed renewal is the recovery service's business
                 log.warning("lease renewal failed: %s", err)
             await asyncio.sleep(self._lease_interval)
+
+    async def _fence_self(self) -> None:
+        """No renewal for lease_ttl: others may already run our sandboxes elsewhere.
+        Kill every sandbox process here and write nothing more about them."""
+        self._fenced = True
+        log.error(
+            "host-agent %s could not renew its lease for %.1fs: fencing itself",
+            self.host_id,
+            self._lease_ttl,
+        )
+        for sandbox_id in self.driver.layout.sandbox_ids():
+            with contextlib.suppress(Exception):
+                await self.driver.stop_sandbox(sandbox_id, grace=0.0)
+
+    async def _come_back(self) -> None:
+        """Reachable again: a new epoch, then drop the copies that now belong to
+        another placement, silently (their sandboxes' logs moved on without us)."""
+        await self._register()
+        await self._drop_stale_copies()
+        self._fenced = False
+        log.warning("host-agent %s is back with epoch %d", self.host_id, self.epoch)
+
+    def _generation_file(self, sandbox_id: str) -> Path:
+        return self.driver.layout.sandbox_dir(sandbox_id) / "generation"
+
+    def _local_generation(self, sandbox_id: str) -> int | None:
+        try:
+            return int(self._generation_file(sandbox_id).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _is_current(self, sandbox_id: str) -> bool:
+        state, _ = self.sandboxes.get(sandbox_id)
+        return (
+            state is not None
+            and state.host == self.host_id
+            and state.generation == self._local_generation(sandbox_id)
+            and state.phase not in ("lost", "recovering", "deleted")
+        )
+
+    async def _drop_stale_copies(self) -> None:
+        for sandbox_id in self.driver.layout.sandbox_ids():
+            with contextlib.suppress(Exception):
+                await self.sandboxes.sync(sandbox_id)
+            if self._is_current(sandbox_id):
+                continue
+            log.warning("dropping stale copy of %s (%s)", sandbox_id, self._stale_copies)
+            if self._stale_copies == "quarantine":
+                await self.driver.stop_sandbox(sandbox_id, grace=0.0)
+                target = self._root / "quarantine" / f"{sandbox_id}-{int(time.time())}"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.driver.layout.sandbox_dir(sandbox_id).rename(target)
+                with contextlib.suppress(Exception):
+                    await self.driver.destroy_sandbox(sandbox_id)
+            else:
+                await self.driver.destroy_sandbox(sandbox_id)
 
     # --- work -----------------------------------------------------------------
 
@@ -190,6 +272,9 @@ class HostAgent:
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             log.error("undecodable work on %s: %s", msg.subject, err)
             await msg.term()
+            return
+        if self._fenced:
+            await msg.nak(delay=1)  # nothing is done while fenced; decided again once back
             return
         try:
             await self._do(work)
@@ -210,6 +295,8 @@ class HostAgent:
             state, _ = await self.sandboxes.sync(work.sandbox_id)
         if state is None or state.generation != work.generation or state.host != self.host_id:
             raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
+        if state.phase in ("lost", "recovering"):
+            raise Rejected("sandbox_lost", f"{work.sandbox_id} was declared lost on this host")
         return state
 
     async def _do(self, work: wk.AnyWork) -> None:
@@ -222,6 +309,7 @@ class HostAgent:
                     if work.restore_save_id is not None:
                         await self.saving.restore_workspace(sid, work.restore_save_id)
                     await self.driver.create_sandbox(sid, work.memory_limit_bytes)
+                    self._generation_file(sid).write_text(str(gen))
                 except (OSError, SandholdError) as err:
                     failed = ev.SandboxStartFailed(host=me, generation=gen, reason=str(err))
                     await self._report(sid, failed, work.msg_id)
@@ -311,6 +399,10 @@ class HostAgent:
             await asyncio.gather(*watchers, return_exceptions=True)
 
     async def _report(self, sandbox_id: str, report: HostReport, cause: str) -> None:
+        if not self._fenced and self._lease_expired():
+            await self._fence_self()
+        if self._fenced:
+            raise Rejected("self_fenced", f"{self.host_id} is fenced: it reports nothing")
         await self.sandboxes.execute(
             sandbox_id,
             lambda state: decide_report(state, report),

@@ -187,7 +187,7 @@ class Scheduler:
         # A host came (back) to life: sandboxes waiting for one may fit now.
         for sandbox_id in self.sandboxes.ids():
             state, _ = self.sandboxes.get(sandbox_id)
-            if state is not None and state.phase == "pending":
+            if state is not None and state.phase in ("pending", "recovering"):
                 self._mark_dirty(sandbox_id)
 
     async def _reconciler(self) -> None:
@@ -234,7 +234,8 @@ class Scheduler:
                         host=registered.host,
                         capacity_sandboxes=registered.capacity_sandboxes,
                         memory_bytes=registered.memory_bytes,
-                        live=self.leases.is_live(registered.host),
+                        live=self.leases.is_live(registered.host)
+                        and registered.status == "registered",
                     )
                 )
         return choose_host(

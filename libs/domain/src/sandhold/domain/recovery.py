@@ -1,0 +1,79 @@
+"""The recovery service's decisions: a host is lost, its sandboxes with it.
+
+A lost host's running commands end `infrastructure_lost` (it may have done
+anything); commands dispatched but never confirmed as launched end `unknown`;
+queued commands stay queued for the recovery; saves the host had not finished
+fail and never count. Nothing reruns.
+"""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox
+
+
+def declare_lost(
+    state: Sandbox | None, *, host: str, last_renewal_at: float, fence_at: float
+) -> list[ev.AnyEvent]:
+    """`sandbox.lost` for a sandbox placed on `host`, once."""
+    if state is None or state.host != host or state.phase not in ACTIVE_PHASES:
+        return []
+    return [
+        ev.SandboxLost(
+            host=host,
+            generation=state.generation,
+            last_renewal_at=last_renewal_at,
+            fence_at=fence_at,
+        )
+    ]
+
+
+def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
+    """The end states a loss implies (level-triggered: safe to decide again)."""
+    if state is None or state.lost is None or state.phase not in ("lost", "recovering"):
+        return []
+    lost = state.lost
+    where = {"host": lost.host, "generation": lost.generation}
+    events: list[ev.AnyEvent] = []
+    for command in state.commands.values():
+        if command.generation != lost.generation:
+            continue
+        if command.state == "running":
+            events.append(
+                ev.CommandEnded(
+                    command_id=command.id,
+                    state="infrastructure_lost",
+                    output_complete=False,
+                    reason=f"host {lost.host} failed while the command ran; its kept output is "
+                    "readable, newer output may be lost",
+                    **where,
+                )
+            )
+        elif command.state == "dispatched":
+            events.append(
+                ev.CommandEnded(
+                    command_id=command.id,
+                    state="unknown",
+                    output_complete=False,
+                    reason=f"host {lost.host} failed before confirming that the command "
+                    "started: treat it as possibly run",
+                    **where,
+                )
+            )
+    for save in state.saves.values():
+        if save.generation == lost.generation and save.state in ("requested", "captured"):
+            events.append(
+                ev.SaveFailed(
+                    save_id=save.id,
+                    stage="interrupted",
+                    reason=f"host {lost.host} failed during the save",
+                    **where,
+                )
+            )
+    return events
+
+
+def declare_fenced(state: Sandbox | None, *, host: str) -> list[ev.AnyEvent]:
+    if state is None or state.lost is None or state.lost.host != host or state.lost.fenced:
+        return []
+    return [ev.SandboxFenced(host=host, generation=state.lost.generation)]

@@ -1,0 +1,180 @@
+"""The recovery service: host liveness, and what a lost host means for its sandboxes.
+
+It watches the lease bucket. A host that has not renewed for `lease_ttl` is
+lost (`host.lost`); each sandbox placed there becomes `lost`, its running
+commands end `infrastructure_lost`, dispatched-but-unconfirmed ones `unknown`,
+unfinished saves fail. Only once `lease_ttl + fence_margin` have passed since
+the last renewal it saw does it declare the host `fenced` (and each sandbox):
+by then a host-agent that cannot renew has killed its processes and stopped
+writing. Nothing is restarted here: the next start or command does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from sandhold.bus import leases
+from sandhold.bus.names import Names
+from sandhold.bus.service import announce_ready, close_quickly, connect
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.domain import host as host_domain
+from sandhold.domain import recovery as policy
+from sandhold.domain import sandbox as sb
+from sandhold.domain.errors import SandholdError
+
+log = logging.getLogger("sandhold.recovery")
+
+
+class Recovery:
+    name = "recovery"
+
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        replicas: int = 1,
+        lease_ttl: float = 5.0,
+        fence_margin: float = 2.0,
+        tick_s: float = 0.2,
+    ) -> None:
+        self._url = nats_url
+        self._names = names
+        self._replicas = replicas
+        self._ttl = lease_ttl
+        self._margin = fence_margin
+        self._tick_s = tick_s
+        self._stopping = asyncio.Event()
+        self._started_at = time.time()
+
+    async def run(self) -> None:
+        nc = await connect(self._url, name="sandhold-recovery")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            kv = await leases.lease_bucket(js, self._names)
+            settings = leases.RecoverySettings(lease_ttl_s=self._ttl, fence_margin_s=self._margin)
+            await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
+            self.hosts = AggregateStore(
+                js, self._names, "host", host_domain.evolve, actor="recovery"
+            )
+            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="recovery")
+            self.leases = leases.LeaseWatcher(kv, ttl=self._ttl)
+            await self.hosts.start()
+            await self.sandboxes.start()
+            await self.leases.start()
+            task = asyncio.create_task(self._watch())
+            await announce_ready(nc, self._names, self.name)
+            log.info(
+                "recovery ready (lease_ttl %.1fs, fence_margin %.1fs)", self._ttl, self._margin
+            )
+            await self._stopping.wait()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self.leases.stop()
+        finally:
+            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self._check_hosts()
+                await self._check_sandboxes()
+            except SandholdError as err:
+                log.warning("recovery check failed, retrying: %s", err)
+            except Exception:
+                log.exception("recovery check failed, retrying")
+            await asyncio.sleep(self._tick_s)
+
+    async def _check_hosts(self) -> None:
+        now = time.time()
+        for host_id in self.hosts.ids():
+            host, _ = self.hosts.get(host_id)
+            if host is None:
+                continue
+            if host.status == "registered":
+                # Never renewed since this recovery service started: count from then.
+                last = self.leases.last_renewal(host_id, epoch=host.epoch)
+                last = last if last is not None else max(host.registered_at, self._started_at)
+                if now - last > self._ttl:
+                    fence_at = last + self._ttl + self._margin
+                    log.warning(
+                        "host %s lost (epoch %d): no renewal for %.1fs",
+                        host_id,
+                        host.epoch,
+                        now - last,
+                    )
+                    await self._decide_host(
+                        host_id,
+                        lambda h, e=host.epoch, seen=last, f=fence_at: host_domain.decide_lost(
+                            h, epoch=e, last_renewal_at=seen, fence_at=f
+                        ),
+                        "lost",
+                    )
+            elif host.status == "lost" and host.fence_at is not None and now >= host.fence_at:
+                log.warning("host %s fenced (epoch %d)", host_id, host.epoch)
+                await self._decide_host(
+                    host_id, lambda h, e=host.epoch: host_domain.decide_fenced(h, epoch=e), "fenced"
+                )
+
+    async def _check_sandboxes(self) -> None:
+        now = time.time()
+        for sandbox_id in self.sandboxes.ids():
+            state, _ = self.sandboxes.get(sandbox_id)
+            if state is None or state.host is None:
+                continue
+            host, _ = self.hosts.get(state.host)
+            if (
+                host is not None
+                and host.status in ("lost", "fenced")
+                and state.phase in sb.ACTIVE_PHASES
+                and host.last_renewal_at is not None
+                and host.fence_at is not None
+            ):
+                await self._decide(
+                    sandbox_id,
+                    lambda s, h=host: policy.declare_lost(
+                        s, host=h.host, last_renewal_at=h.last_renewal_at, fence_at=h.fence_at
+                    ),
+                    "lost",
+                )
+                state, _ = self.sandboxes.get(sandbox_id)
+            if state is None or state.lost is None:
+                continue
+            if policy.after_loss(state):
+                await self._decide(sandbox_id, policy.after_loss, "after-loss")
+            if not state.lost.fenced and now >= state.lost.fence_at:
+                await self._decide(
+                    sandbox_id,
+                    lambda s, h=state.lost.host: policy.declare_fenced(s, host=h),
+                    "fenced",
+                )
+
+    async def _decide(self, sandbox_id: str, decide, why: str) -> None:
+        _, seq = self.sandboxes.get(sandbox_id)
+        await self.sandboxes.execute(
+            sandbox_id,
+            decide,
+            id_base=f"recovery:{why}",
+            causation_id=f"{sandbox_id}@{seq}",
+            correlation_id=f"{sandbox_id}@{seq}",
+        )
+
+    async def _decide_host(self, host_id: str, decide, why: str) -> None:
+        _, seq = self.hosts.get(host_id)
+        await self.hosts.execute(
+            host_id,
+            decide,
+            id_base=f"recovery:{why}",
+            causation_id=f"{host_id}@{seq}",
+            correlation_id=f"{host_id}@{seq}",
+        )

@@ -54,6 +54,7 @@ class RecoveredFrom(msgspec.Struct, frozen=True, kw_only=True):
     source: Literal["save", "snapshot", "base image"]
     save_id: str | None = None
     completed_at: float | None = None
+    captured_at: float | None = None
     behind_failure_s: float | None = None
     lost_host: str = ""
     lost_generation: int = 0
@@ -284,11 +285,15 @@ def _recovered_from(state: Sandbox) -> RecoveredFrom:
     latest = state.last_completed_save
     where = {"lost_host": state.lost.host, "lost_generation": state.lost.generation}
     if latest is not None:
-        behind = state.lost.last_renewal_at - latest.completed_at if latest.completed_at else None
+        # The save holds the files as of its capture; the failure is dated by the
+        # last renewal recovery saw (a capture just after it counts as not behind).
+        taken = latest.captured_at or latest.completed_at
+        behind = max(0.0, state.lost.last_renewal_at - taken) if taken else None
         return RecoveredFrom(
             source="save",
             save_id=latest.id,
             completed_at=latest.completed_at,
+            captured_at=latest.captured_at,
             behind_failure_s=behind,
             **where,
         )

@@ -35,6 +35,7 @@ class SaveRecord(msgspec.Struct, frozen=True, kw_only=True):
     total_bytes: int = 0
     files: int = 0
     completed_at: float | None = None
+    captured_at: float | None = None  # when its files were copied: the state it holds
     failed_at: float | None = None
     stage: str = ""
     reason: str = ""
@@ -67,6 +68,7 @@ def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[s
         case ev.SaveCaptured(save_id=save_id):
             changes = {
                 "state": "captured",
+                "captured_at": at,
                 "freeze_ms": event.freeze_ms,
                 "freeze_method": event.freeze_method,
                 "changed_bytes": event.changed_bytes,

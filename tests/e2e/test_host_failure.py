@@ -1,0 +1,373 @@
+"""Host failure with real processes and real signals: two host-agents run as
+their own processes next to `sandhold up --hosts 0`; a host "fails" by kill -9
+of its agent and of every process of its sandboxes, as a machine loss would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from sandhold.client import Client, connect
+from sandhold.domain import sandbox as sb
+from sandhold.domain.errors import Rejected
+from sandhold.domain.requests import command_id_for
+
+from tests.conftest import wait_until
+from tests.e2e.harness import SANDHOLD, Up
+
+LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
+
+
+class Host:
+    """One host-agent process with its own workspace root, stopped by PID."""
+
+    def __init__(self, up: Up, host_id: str) -> None:
+        self.up, self.host_id = up, host_id
+        self.root = up.data_dir.parent / "hosts" / host_id
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Host:
+        with (self.up.data_dir.parent / f"{self.host_id}.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    SANDHOLD,
+                    "run",
+                    "host-agent",
+                    "--nats",
+                    self.up.url,
+                    "--host-id",
+                    self.host_id,
+                    "--root",
+                    str(self.root),
+                    "--lease-ttl",
+                    str(LEASE_TTL),
+                ],
+                stdout=log,
+                stderr=log,
+                process_group=0,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def sandbox_pids(self) -> list[int]:
+        """Supervisors and commands: every process working inside this host's root."""
+        marker, found = str(self.root.resolve()), []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if os.readlink(d / "cwd").startswith(marker):
+                        found.append(int(d.name))
+                except OSError:
+                    continue
+        return found
+
+    def fail(self) -> None:
+        """The machine is gone: the agent and its sandboxes' processes die at once."""
+        os.kill(self.pid, signal.SIGKILL)
+        for pid in self.sandbox_pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with _gone():
+                os.kill(self.pid, signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pid in self.sandbox_pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+
+
+class _gone:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, *_: object) -> bool:
+        return kind is ProcessLookupError
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Up, Host, Host]]:
+    up = Up(
+        tmp_path / "data",
+        "--hosts",
+        "0",
+        "--save-interval",
+        "1",
+        "--lease-ttl",
+        str(LEASE_TTL),
+        "--fence-margin",
+        str(FENCE_MARGIN),
+        "--save-timeout",
+        "10",
+    ).start()
+    hosts = [Host(up, "h1"), Host(up, "h2")]
+    try:
+        hosts[0].start()
+        yield up, hosts[0], hosts[1]
+    finally:
+        for host in hosts:
+            host.stop()
+        up.stop()
+
+
+@pytest.fixture
+async def client(cluster) -> AsyncIterator[Client]:
+    c = await connect(cluster[0].url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def _running_on_h1_with_h2_waiting(client: Client, cluster, **create) -> str:
+    """A sandbox on h1 (the only host when it is created); then h2 joins."""
+    up, h1, h2 = cluster
+    view = await client.create_sandbox(**create)
+    view = await client.wait_for_phase(view.id, {"running"}, timeout=30)
+    assert view.host == "h1"
+    h2.start()
+    await wait_until(lambda: _live(client, "h2"), timeout=30, what="h2 live")
+    return view.id
+
+
+async def _live(client: Client, host: str) -> bool:
+    hosts = (await client.list_hosts())["hosts"]
+    return any(h["host"] == host and h["status"] == "live" for h in hosts)
+
+
+async def _saved_after(client: Client, sandbox_id: str, at: float) -> sb.Sandbox:
+    return await client.wait_for(
+        sandbox_id,
+        lambda s: s if (c := s.last_completed_save) and (c.completed_at or 0) > at + 0.5 else None,
+        timeout=30,
+        what="a save completed after the write",
+    )
+
+
+async def _events(client: Client, sandbox_id: str) -> list:
+    from sandhold.bus.read import read_subject
+
+    return await read_subject(
+        client.js, client.names.events_stream, client.names.events("sandbox", sandbox_id)
+    )
+
+
+async def test_host_killed_during_a_long_command(cluster, client: Client):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
+    written = time.time()
+    await client.exec(sandbox_id, ["sh", "-c", "echo v1 > note"])
+    saved = await _saved_after(client, sandbox_id, written)
+    long = asyncio.create_task(
+        client.exec(
+            sandbox_id, ["sh", "-c", "echo started; echo ran >> runs; sleep 100"], key="long"
+        )
+    )
+    cid = command_id_for(sandbox_id, "long")
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if cid in s.commands and s.commands[cid].state == "running" else None,
+        timeout=30,
+        what="long running",
+    )
+    await wait_until(lambda: _kept(client, sandbox_id, cid), what="output kept")
+    h1.fail()
+
+    result = await asyncio.wait_for(long, 30)
+    assert result.command.state == "infrastructure_lost"
+    assert result.stdout == b"started\n"  # kept output stays readable
+    assert result.command.output_complete is False
+    view = await client.show_sandbox(sandbox_id)
+    assert view.phase == "lost" and view.lost_host == "h1"
+    assert view.recovery is not None and view.recovery["state"] in ("waiting_for_fence", "fenced")
+    with pytest.raises(Rejected) as refused:
+        await client.snapshot(sandbox_id, "while-lost")
+    assert refused.value.code == "sandbox_lost"
+    await client.wait_for(
+        sandbox_id, lambda s: s if s.lost and s.lost.fenced else None, timeout=30, what="fenced"
+    )
+    # Nothing reruns by itself.
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and state.phase == "lost" and state.generation == 1
+
+    await client.start_sandbox(sandbox_id)
+    view = await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    assert (view.host, view.generation) == ("h2", 2)
+    assert view.recovered_from is not None
+    assert view.recovered_from.source == "save"
+    assert view.recovered_from.save_id == saved.last_completed_save.id
+    assert view.recovered_from.behind_failure_s is not None
+    assert view.recovered_from.behind_failure_s >= 0
+    check = await client.exec(sandbox_id, ["sh", "-c", "cat note; cat runs 2>/dev/null || :"])
+    assert check.stdout.startswith(b"v1\n")
+    long_again = (await client.sandbox_state(sandbox_id)).commands[cid]
+    assert long_again.state == "infrastructure_lost"  # still the record; never relaunched
+    starts = [
+        r
+        for r in await _events(client, sandbox_id)
+        if r.envelope.type == "command.started" and r.envelope.event.command_id == cid
+    ]
+    assert len(starts) == 1
+
+
+async def _kept(client: Client, sandbox_id: str, command_id: str) -> bool:
+    output = await client.read_output(sandbox_id, command_id)
+    return output["stdout"] == b"started\n"
+
+
+async def test_a_command_dispatched_to_a_host_that_dies_before_confirming_ends_unknown(
+    cluster, client: Client
+):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
+    os.kill(h1.pid, signal.SIGSTOP)  # it will never confirm the launch
+    run = asyncio.create_task(client.exec(sandbox_id, ["true"], key="never-confirmed"))
+    cid = command_id_for(sandbox_id, "never-confirmed")
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if cid in s.commands and s.commands[cid].state == "dispatched" else None,
+        timeout=30,
+        what="dispatched",
+    )
+    h1.fail()
+    result = await asyncio.wait_for(run, 30)
+    assert result.command.state == "unknown"
+    assert "possibly run" in result.command.reason
+
+
+async def test_a_paused_host_resuming_after_recovery_changes_nothing(cluster, client: Client):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
+    written = time.time()
+    await client.exec(sandbox_id, ["sh", "-c", "echo 0 > counter"])
+    await _saved_after(client, sandbox_id, written)
+    ticker = "while true; do n=$(cat counter); echo $((n+1)) > counter; sleep 0.05; done"
+    asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", ticker], key="ticker"))
+    await client.wait_for(
+        sandbox_id,
+        lambda s: (
+            s
+            if s.commands.get(command_id_for(sandbox_id, "ticker"))
+            and s.commands[command_id_for(sandbox_id, "ticker")].state == "running"
+            else None
+        ),
+        timeout=30,
+        what="ticker",
+    )
+    os.kill(h1.pid, signal.SIGSTOP)  # cut off: its processes keep running, it cannot renew
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.lost and s.lost.fenced else None,
+        timeout=30,
+        what="lost and fenced",
+    )
+    await client.start_sandbox(sandbox_id)
+    await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    recovered = await client.exec(sandbox_id, ["cat", "counter"])
+    recovered_value = recovered.stdout
+    last_seq = (await _events(client, sandbox_id))[-1].seq
+
+    os.kill(h1.pid, signal.SIGCONT)  # the zombie wakes up
+    await wait_until(lambda: not h1.sandbox_pids(), timeout=30, what="zombie processes gone")
+    await wait_until(
+        lambda: not (h1.root / "sandboxes" / sandbox_id).exists(),
+        timeout=30,
+        what="stale copy dropped",
+    )
+    await client.exec(sandbox_id, ["true"])  # the sandbox keeps working on h2
+    after = [r for r in await _events(client, sandbox_id) if r.seq > last_seq]
+    assert after and all(r.envelope.actor != "host-agent:h1" for r in after)
+    again = await client.exec(sandbox_id, ["cat", "counter"])
+    assert again.stdout == recovered_value  # h1 never touched h2's files
+    view = await client.show_sandbox(sandbox_id)
+    assert (view.host, view.generation) == ("h2", 2)
+
+
+async def test_a_host_failing_during_a_save_recovers_from_the_previous_one(cluster, client: Client):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo before > note"])
+    previous = await client.wait_for_save(
+        sandbox_id, (await client.snapshot(sandbox_id, "previous")).id, timeout=60
+    )
+    assert previous.state == "completed"
+    await client.exec(
+        sandbox_id, ["sh", "-c", "echo after > note; head -c 314572800 /dev/urandom > blob"]
+    )
+    half = await client.snapshot(sandbox_id, "half")
+    h1.fail()
+    failed = await client.wait_for_save(sandbox_id, half.id, timeout=60)
+    assert failed.state == "failed"
+    await client.wait_for(
+        sandbox_id, lambda s: s if s.lost and s.lost.fenced else None, timeout=30, what="fenced"
+    )
+    result = await client.exec(sandbox_id, ["cat", "note"], wait_timeout=60)
+    assert result.stdout == b"before\n"
+    view = await client.show_sandbox(sandbox_id)
+    assert view.recovered_from is not None and view.recovered_from.save_id == previous.id
+
+
+async def test_a_sandbox_whose_first_save_never_completed_recovers_its_base_image(
+    cluster, client: Client
+):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo unsaved > note"])
+    view = await client.show_sandbox(sandbox_id)
+    assert view.recoverable_from.startswith("only the base image")
+    h1.fail()
+    await client.wait_for(
+        sandbox_id, lambda s: s if s.lost and s.lost.fenced else None, timeout=30, what="fenced"
+    )
+    result = await client.exec(sandbox_id, ["sh", "-c", "ls -A"], wait_timeout=60)
+    assert result.stdout == b""  # the base image: empty
+    view = await client.show_sandbox(sandbox_id)
+    assert view.recovered_from is not None and view.recovered_from.source == "base image"
+
+
+async def test_services_killed_during_a_recovery_recover_it_exactly_once(cluster, client: Client):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
+    h1.fail()
+    os.kill(up.service_pid("recovery"), signal.SIGKILL)  # before it even saw the loss
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.lost and s.lost.fenced else None,
+        timeout=60,
+        what="fenced, by the restarted recovery service",
+    )
+    scheduler = up.service_pid("scheduler")
+    start = asyncio.create_task(client.start_sandbox(sandbox_id))
+    await asyncio.sleep(0.05)
+    os.kill(scheduler, signal.SIGKILL)
+    os.kill(up.service_pid("saver"), signal.SIGKILL)
+    await asyncio.wait_for(start, 60)
+    await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    placements = [
+        r for r in await _events(client, sandbox_id) if r.envelope.type == "sandbox.placed"
+    ]
+    assert [r.envelope.event.generation for r in placements] == [1, 2]
+    assert (await client.exec(sandbox_id, ["true"])).command.state == "exited"
+    hosts = json.loads(up.cli("host", "ls", "--json").stdout)
+    assert hosts["lease_ttl_s"] == LEASE_TTL and hosts["fence_margin_s"] == FENCE_MARGIN
+    statuses = {h["host"]: h["status"] for h in hosts["hosts"]}
+    assert statuses["h1"] in ("lost", "fenced") and statuses["h2"] == "live"

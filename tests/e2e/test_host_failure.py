@@ -371,3 +371,52 @@ async def test_services_killed_during_a_recovery_recover_it_exactly_once(cluster
     assert hosts["lease_ttl_s"] == LEASE_TTL and hosts["fence_margin_s"] == FENCE_MARGIN
     statuses = {h["host"]: h["status"] for h in hosts["hosts"]}
     assert statuses["h1"] in ("lost", "fenced") and statuses["h2"] == "live"
+
+
+async def test_eager_recovery_brings_the_sandbox_back_once_fenced(cluster, client: Client):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster, recovery="eager")
+    h1.fail()
+    view = await client.wait_for(
+        sandbox_id,
+        lambda s: sb_view(s) if s.phase == "running" and s.generation == 2 else None,
+        timeout=60,
+        what="eager recovery without any request",
+    )
+    assert view.host == "h2" and view.recovered_from is not None
+
+
+async def test_agent_killed_alone_with_its_supervisor_gone_ends_the_command_unknown(
+    cluster, client: Client
+):
+    """Agent restart is not host failure: a command whose outcome the restarted
+    agent cannot establish (its supervisor vanished without an exit record) ends
+    `unknown`; nothing is declared lost."""
+    up, h1, h2 = cluster
+    view = await client.create_sandbox()
+    sandbox_id = (await client.wait_for_phase(view.id, {"running"}, timeout=30)).id
+    run = asyncio.create_task(client.exec(sandbox_id, ["sleep", "60"], key="orphan"))
+    cid = command_id_for(sandbox_id, "orphan")
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if cid in s.commands and s.commands[cid].state == "running" else None,
+        timeout=30,
+        what="running",
+    )
+    supervisor = json.loads(
+        (h1.root / "sandboxes" / sandbox_id / "commands" / cid / "supervisor.json").read_text()
+    )
+    os.kill(h1.pid, signal.SIGKILL)
+    h1.process.wait()
+    os.kill(supervisor["pid"], signal.SIGKILL)
+    h1.start()  # back well within the lease: re-adopts, not a host failure
+    result = await asyncio.wait_for(run, 60)
+    assert result.command.state == "unknown"
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and state.phase == "running" and state.generation == 1
+
+
+def sb_view(state: sb.Sandbox):
+    from sandhold.domain.views import sandbox_view
+
+    return sandbox_view(state)

@@ -93,6 +93,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 from_snapshot=args.from_snapshot,
                 save_interval_s=args.save_interval,
                 stop_deadline_s=args.stop_deadline,
+                recovery=args.recovery,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -336,6 +337,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")
+    create.add_argument(
+        "--recovery",
+        choices=["lazy", "eager"],
+        help="after a host failure: come back on the next start or command "
+        "(lazy, default), or as soon as the failed host is fenced (eager)",
+    )
     actions.choices["stop"].add_argument(
         "--no-wait",
         action="store_true",

@@ -118,6 +118,7 @@ class Client:
         from_snapshot: str | None = None,
         save_interval_s: float | None = None,
         stop_deadline_s: float | None = None,
+        recovery: str | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -127,6 +128,7 @@ class Client:
                 from_snapshot=from_snapshot,
                 save_interval_s=save_interval_s,
                 stop_deadline_s=stop_deadline_s,
+                recovery=recovery,
             )
         )
         assert reply.sandbox is not None

@@ -404,6 +404,7 @@ def _create(
             stop_deadline_s=request.stop_deadline_s or defaults.stop_deadline_s,
             source_snapshot_id=request.from_snapshot,
             source_sandbox_id=source_sandbox_id,
+            recovery=request.recovery or "lazy",
         )
     ]
 

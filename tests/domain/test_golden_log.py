@@ -282,3 +282,21 @@ def test_the_hosts_replay(envelopes: list[Envelope]) -> None:
     assert host_b == Host(
         host="host-b", epoch=3, capacity_sandboxes=4, memory_bytes=8 * GiB, registered_at=at(20)
     )
+
+
+def test_v3_a_host_failure_and_its_recovery_replay() -> None:
+    lines = (GOLDEN.parent / "sandbox_v3.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, (e for e in envelopes if e.aggregate_id.startswith("sb-")), None)
+    assert sandbox is not None
+    assert (sandbox.phase, sandbox.host, sandbox.generation) == ("running", "host-b", 2)
+    assert sandbox.lost is None
+    assert sandbox.recovered_from is not None
+    assert (sandbox.recovered_from.source, sandbox.recovered_from.lost_host) == (
+        "base image",
+        "host-a",
+    )
+    [command] = sandbox.commands.values()
+    assert (command.state, command.output_complete) == ("infrastructure_lost", False)
+    host = fold(evolve_host, (e for e in envelopes if e.aggregate_id == "host-a"), None)
+    assert host is not None and (host.status, host.fence_at) == ("fenced", 1700000207.0)

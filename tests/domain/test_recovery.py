@@ -1,0 +1,126 @@
+"""Host failure in the domain: lost, the end states it implies, the fence, recovery."""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain import recovery as policy
+from sandhold.domain import requests as rq
+from sandhold.domain.errors import Rejected
+from sandhold.domain.host import Host, decide_fenced, decide_lost
+from sandhold.domain.reconcile import plan
+from sandhold.domain.reports import decide_report
+
+from .history import (
+    HOST_A,
+    HOST_B,
+    RUNNING,
+    SID,
+    T0,
+    apply,
+    cmd,
+    command_ended,
+    command_started,
+    dispatched,
+    given_sandbox,
+    run,
+    start,
+    when,
+)
+from .history import then_rejected as refused
+
+
+def lost_sandbox(*extra):
+    state = given_sandbox(*RUNNING, *extra)
+    [lost] = policy.declare_lost(state, host=HOST_A, last_renewal_at=T0 + 50, fence_at=T0 + 57)
+    return apply(state, [lost])
+
+
+def test_a_sandbox_on_a_lost_host_is_lost_once() -> None:
+    state = given_sandbox(*RUNNING)
+    [lost] = policy.declare_lost(state, host=HOST_A, last_renewal_at=T0, fence_at=T0 + 7)
+    assert isinstance(lost, ev.SandboxLost) and lost.generation == 1
+    assert policy.declare_lost(state, host=HOST_B, last_renewal_at=T0, fence_at=T0 + 7) == []
+    state = apply(state, [lost])
+    assert state.phase == "lost"
+    assert policy.declare_lost(state, host=HOST_A, last_renewal_at=T0, fence_at=T0 + 7) == []
+
+
+def test_running_ends_infrastructure_lost_dispatched_unknown_queued_stays() -> None:
+    history = (
+        run("r1"),
+        dispatched("r1"),
+        command_started("r1"),
+        run("r2"),
+        dispatched("r2"),
+        run("r3"),
+        run("r4"),
+        dispatched("r4"),
+        command_started("r4"),
+        command_ended("r4"),
+    )
+    state = lost_sandbox(*history)
+    ends = {
+        e.command_id: e.state for e in policy.after_loss(state) if isinstance(e, ev.CommandEnded)
+    }
+    assert ends == {cmd("r1"): "infrastructure_lost", cmd("r2"): "unknown"}
+    state = apply(state, policy.after_loss(state))
+    assert state.commands[cmd("r3")].state == "queued"
+    assert policy.after_loss(state) == []  # decided once
+
+
+def test_reports_from_a_lost_placement_are_refused() -> None:
+    state = lost_sandbox(run("r1"), dispatched("r1"), command_started("r1"))
+    try:
+        decide_report(state, command_ended("r1"))
+    except Rejected as err:
+        assert err.code == "sandbox_lost"
+    else:
+        raise AssertionError("a lost placement's report must be refused")
+
+
+def test_nothing_is_placed_before_the_fence_and_nothing_without_a_request() -> None:
+    state = lost_sandbox()
+    assert plan(state, lambda s: HOST_B).events == []  # lazy: waits for a start/command
+    [recover] = when(state, start("again"))
+    assert isinstance(recover, ev.SandboxRecoveryRequested)
+    state = apply(state, [recover])
+    assert state.phase == "recovering"
+    assert plan(state, lambda s: HOST_B).events == []  # not fenced yet
+    [fenced] = policy.declare_fenced(state, host=HOST_A)
+    state = apply(state, [fenced])
+    assert plan(state, lambda s: HOST_B).events == [ev.SandboxPlaced(host=HOST_B, generation=2)]
+
+
+def test_a_command_to_a_lost_sandbox_asks_for_recovery_and_waits_queued() -> None:
+    state = lost_sandbox()
+    events = when(state, run("after"))
+    assert [type(e) for e in events] == [ev.SandboxRecoveryRequested, ev.CommandQueued]
+
+
+def test_a_snapshot_of_a_lost_sandbox_is_refused() -> None:
+    refused(
+        when(lost_sandbox(), rq.SnapshotSandbox(key="s", sandbox_id=SID, name="n")), "sandbox_lost"
+    )
+
+
+def test_eager_recovery_asks_by_itself_once_fenced() -> None:
+    state = lost_sandbox()
+    state = apply(state, policy.declare_fenced(state, host=HOST_A))
+    assert plan(state, lambda s: HOST_B).events == []
+    import msgspec
+
+    eager = msgspec.structs.replace(state, recovery_policy="eager")
+    [asked] = plan(eager, lambda s: HOST_B).events
+    assert isinstance(asked, ev.SandboxRecoveryRequested) and asked.cause == "eager"
+
+
+def test_a_host_is_lost_and_fenced_once_per_epoch() -> None:
+    host = Host(host=HOST_A, epoch=3, capacity_sandboxes=1, memory_bytes=1, registered_at=T0)
+    assert decide_lost(host, epoch=2, last_renewal_at=T0, fence_at=T0 + 7) == []
+    [lost] = decide_lost(host, epoch=3, last_renewal_at=T0, fence_at=T0 + 7)
+    assert decide_fenced(host, epoch=3) == []  # not lost yet
+    import msgspec
+
+    lost_host = msgspec.structs.replace(host, status="lost")
+    assert decide_fenced(lost_host, epoch=3) == [ev.HostFenced(host=HOST_A, epoch=3)]
+    assert lost.fence_at == T0 + 7

@@ -309,6 +309,12 @@ async def main() -> None:
     def delta(a: str, b: str) -> float:
         return at(b) - at(a)
 
+    refill = percentile(spawn, 50)
+    pool_note = (f"Here one exec every {ms(percentile(totals, 50))} ms (p50) takes supervisors "
+                 f"faster than one refill takes ({ms(refill)} ms), so the pool of two runs "
+                 "dry and `launch` waits for a refill in flight: part of the work → "
+                 "supervisor step." if percentile(totals, 50) < refill else
+                 "The pool keeps up with one exec at a time here (refill faster than an exec).")
     attach_gap = (f"{attach_rows[1][3]} ms p50 after a 50 ms pause vs {attach_rows[0][3]} ms "
                   "back to back" if attach_rows else "no cgroups here")
     cg_cost = driver_p50[0]["started"] - driver_p50[2]["started"]
@@ -381,7 +387,7 @@ needs {ms(idle["all"])} ms for `true`, {ms(cg_cost)} ms of it the cgroup attach 
 without cgroups), and the first `cgroup.procs` write after a pause is slow on this
 kernel ({attach_gap}); back to back it needs {ms(busy["all"])} ms, because every launch
 also starts a replacement supervisor ({ms(percentile(spawn, 50))} ms of Python start-up
-that competes for the same cores).
+that competes for the same cores). {pool_note}
 """
     emit(args, "exec_roundtrip", "(c) exec round trip", body)
 

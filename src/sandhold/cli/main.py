@@ -292,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
         "--stop-deadline",
         type=float,
         default=60.0,
-        help="seconds a stop may take, final save included (default 60)",
+        help="seconds a stop's final save may take (default 60)",
     )
     up.add_argument(
         "--lease-ttl",

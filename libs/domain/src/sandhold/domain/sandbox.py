@@ -443,7 +443,8 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             if state.phase in ("stopping", "stopped", "failed"):
                 return []
             # A sandbox placed on a host has a workspace there: save it once stopped.
-            final = rq.save_id_for(state.id, f"final:{request.key}") if state.host else None
+            holds_files = state.host is not None and state.phase in ACTIVE_PHASES
+            final = rq.save_id_for(state.id, f"final:{request.key}") if holds_files else None
             return [
                 ev.SandboxStopRequested(
                     request_key=request.key, request_digest=digest, final_save_id=final

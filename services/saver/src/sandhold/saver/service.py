@@ -15,20 +15,17 @@ import logging
 import time
 
 import msgspec
-from nats.js.api import Header
 from sandhold.bus.names import Names
+from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.domain.errors import SandholdError
-from sandhold.domain.work import SaveSandboxWork
 from sandhold.saves import SaveStore, collect_garbage
 
 log = logging.getLogger("sandhold.saver")
-
-_work_encoder = msgspec.json.Encoder()
 
 
 class Saver:
@@ -55,11 +52,10 @@ class Saver:
         self._gc_interval_s = gc_interval_s
         self._gc_grace_s = gc_grace_s
         self._stopping = asyncio.Event()
-        self._dirty: set[str] = set()
+        self._dirty_loop = DirtyLoop(self._reconcile, what="reconciling saves")
         # Verification and garbage collection take turns, so GC never judges the
         # store while a save is between "all chunks present" and SaveCompleted.
         self._store_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
 
     async def run(self) -> None:
         nc = await connect(self._url, name="sandhold-saver")
@@ -74,7 +70,7 @@ class Saver:
                 self._mark_dirty(sandbox_id)
             tasks = [
                 asyncio.create_task(self._schedule()),
-                asyncio.create_task(self._reconciler()),
+                asyncio.create_task(self._dirty_loop.run()),
                 asyncio.create_task(self._collector()),
             ]
             await nc.subscribe(f"{self._names.prefix}.admin.gc", cb=self._on_gc_request)
@@ -92,8 +88,7 @@ class Saver:
         self._stopping.set()
 
     def _mark_dirty(self, sandbox_id: str) -> None:
-        self._dirty.add(sandbox_id)
-        self._wake.set()
+        self._dirty_loop.mark(sandbox_id)
 
     # --- the schedule -----------------------------------------------------------
 
@@ -139,25 +134,12 @@ class Saver:
 
     # --- reacting to changes ----------------------------------------------------
 
-    async def _reconciler(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._dirty:
-                sandbox_id = self._dirty.pop()
-                try:
-                    await self._reconcile(sandbox_id)
-                except Exception:
-                    log.exception("reconciling saves of %s failed; will retry", sandbox_id)
-                    await asyncio.sleep(0.5)
-                    self._mark_dirty(sandbox_id)
-
     async def _reconcile(self, sandbox_id: str) -> None:
         state, _ = self.sandboxes.get(sandbox_id)
         if state is None:
             return
         for host, work in policy.save_work(state):
-            await self._send(host, work)
+            await send_work(self._js, self._names, host, work)
         for save in policy.awaiting_verification(state):
             async with self._store_lock:
                 await self._verify(sandbox_id, save.id)
@@ -201,14 +183,6 @@ class Saver:
             save_id,
             sandbox_id,
             "failed verification: " + "; ".join(problems) if problems else "completed",
-        )
-
-    async def _send(self, host: str, work: SaveSandboxWork) -> None:
-        await self._js.publish(
-            self._names.work(host),
-            _work_encoder.encode(work),
-            stream=self._names.hostwork_stream,
-            headers={Header.MSG_ID: work.msg_id},
         )
 
     # --- garbage collection -----------------------------------------------------

@@ -16,10 +16,11 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import AckPolicy, ConsumerConfig, Header
+from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import leases
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
+from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -31,12 +32,10 @@ from sandhold.domain.placement import HostInfo, choose_host
 from sandhold.domain.reconcile import plan
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
-from sandhold.domain.work import AnyWork
 
 log = logging.getLogger("sandhold.scheduler")
 
 _reply_encoder = msgspec.json.Encoder()
-_work_encoder = msgspec.json.Encoder()
 
 
 class Scheduler:
@@ -59,8 +58,7 @@ class Scheduler:
         self._defaults = defaults
         self._durable = durable
         self._stopping = asyncio.Event()
-        self._dirty: set[str] = set()
-        self._wake = asyncio.Event()
+        self._dirty_loop = DirtyLoop(self._reconcile, what="reconciling")
 
     async def run(self) -> None:
         nc = await connect(self._url, name="sandhold-scheduler")
@@ -94,7 +92,7 @@ class Scheduler:
             log.info("scheduler ready")
             tasks = [
                 asyncio.create_task(self._requests(sub)),
-                asyncio.create_task(self._reconciler()),
+                asyncio.create_task(self._dirty_loop.run()),
             ]
             await self._stopping.wait()
             for task in tasks:
@@ -178,8 +176,7 @@ class Scheduler:
     # --- reconciling ----------------------------------------------------------
 
     def _mark_dirty(self, sandbox_id: str) -> None:
-        self._dirty.add(sandbox_id)
-        self._wake.set()
+        self._dirty_loop.mark(sandbox_id)
 
     def _host_renewed(self, host: str, was_live: bool) -> None:
         if was_live:
@@ -189,19 +186,6 @@ class Scheduler:
             state, _ = self.sandboxes.get(sandbox_id)
             if state is not None and state.phase in ("pending", "recovering"):
                 self._mark_dirty(sandbox_id)
-
-    async def _reconciler(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._dirty:
-                sandbox_id = self._dirty.pop()
-                try:
-                    await self._reconcile(sandbox_id)
-                except Exception:
-                    log.exception("reconciling %s failed; will retry", sandbox_id)
-                    await asyncio.sleep(0.5)
-                    self._mark_dirty(sandbox_id)
 
     async def _reconcile(self, sandbox_id: str) -> None:
         state, seq = self.sandboxes.get(sandbox_id)
@@ -217,7 +201,7 @@ class Scheduler:
         if executed.appended:
             return  # our own events mark it dirty again; plan once more on the new state
         for host, work in plan(state, self._choose_host).work:
-            await self._send(host, work)
+            await send_work(self._js, self._names, host, work)
 
     def _choose_host(self, state: sb.Sandbox) -> str | None:
         load: dict[str, int] = {}
@@ -240,14 +224,6 @@ class Scheduler:
                 )
         return choose_host(
             hosts, load, memory_limit_bytes=state.memory_limit_bytes, prefer=state.host
-        )
-
-    async def _send(self, host: str, work: AnyWork) -> None:
-        await self._js.publish(
-            self._names.work(host),
-            _work_encoder.encode(work),
-            stream=self._names.hostwork_stream,
-            headers={Header.MSG_ID: work.msg_id},
         )
 
 

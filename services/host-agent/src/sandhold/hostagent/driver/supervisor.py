@@ -74,6 +74,22 @@ def _kill_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def _program_dirs(spec: CommandSpec) -> list[str]:
+    """The program's directory and the one above it (a venv or prefix: `bin/..`).
+
+    A private /tmp would hide a program that lives under the host's /tmp (say
+    a checkout there with its venv); these stay visible through it.
+    """
+    found = shutil.which(spec.argv[0], path=spec.env.get("PATH", os.defpath))
+    if found is None:
+        return []
+    program_dir = os.path.dirname(os.path.realpath(found))
+    unresolved_dir = os.path.dirname(os.path.abspath(found))
+    return sorted(
+        {program_dir, os.path.dirname(program_dir), unresolved_dir, os.path.dirname(unresolved_dir)}
+    )
+
+
 class Supervisor:
     def __init__(self, paths: CommandPaths, spec: CommandSpec, wakeup: int) -> None:
         self.paths = paths
@@ -146,7 +162,9 @@ class Supervisor:
         if isolation is None:
             os.write(status_w, b"Nprivate /tmp disabled")
             return
-        reason = isolation.isolate([*self.spec.keep_visible, self.spec.cwd])
+        reason = isolation.isolate(
+            [*self.spec.keep_visible, self.spec.cwd, *_program_dirs(self.spec)]
+        )
         os.write(status_w, b"T" if reason is None else f"N{reason}".encode())
 
     # --- relay and end ------------------------------------------------------

@@ -139,6 +139,19 @@ class AggregateStore(Generic[S]):
 
     # --- deciding -------------------------------------------------------------
 
+    async def follow_up(self, aggregate_id: str, decide: Decide[S], *, why: str) -> Executed[S]:
+        """A decision a service makes on its own (not for a request): it is caused
+        by the state it was decided on, so two instances deciding it agree on ids."""
+        _, seq = self.get(aggregate_id)
+        cause = f"{aggregate_id}@{seq}"
+        return await self.execute(
+            aggregate_id,
+            decide,
+            id_base=f"{self._actor}:{why}",
+            causation_id=cause,
+            correlation_id=cause,
+        )
+
     async def execute(
         self,
         aggregate_id: str,

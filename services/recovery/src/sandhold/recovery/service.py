@@ -113,7 +113,7 @@ class Recovery:
                         host.epoch,
                         now - last,
                     )
-                    await self._decide_host(
+                    await self._host_follow_up(
                         host_id,
                         lambda h, e=host.epoch, seen=last, f=fence_at: host_domain.decide_lost(
                             h, epoch=e, last_renewal_at=seen, fence_at=f
@@ -122,7 +122,7 @@ class Recovery:
                     )
             elif host.status == "lost" and host.fence_at is not None and now >= host.fence_at:
                 log.warning("host %s fenced (epoch %d)", host_id, host.epoch)
-                await self._decide_host(
+                await self._host_follow_up(
                     host_id, lambda h, e=host.epoch: host_domain.decide_fenced(h, epoch=e), "fenced"
                 )
 
@@ -140,7 +140,7 @@ class Recovery:
                 and host.last_renewal_at is not None
                 and host.fence_at is not None
             ):
-                await self._decide(
+                await self._follow_up(
                     sandbox_id,
                     lambda s, h=host: policy.declare_lost(
                         s, host=h.host, last_renewal_at=h.last_renewal_at, fence_at=h.fence_at
@@ -151,30 +151,16 @@ class Recovery:
             if state is None or state.lost is None:
                 continue
             if policy.after_loss(state):
-                await self._decide(sandbox_id, policy.after_loss, "after-loss")
+                await self._follow_up(sandbox_id, policy.after_loss, "after-loss")
             if not state.lost.fenced and now >= state.lost.fence_at:
-                await self._decide(
+                await self._follow_up(
                     sandbox_id,
                     lambda s, h=state.lost.host: policy.declare_fenced(s, host=h),
                     "fenced",
                 )
 
-    async def _decide(self, sandbox_id: str, decide, why: str) -> None:
-        _, seq = self.sandboxes.get(sandbox_id)
-        await self.sandboxes.execute(
-            sandbox_id,
-            decide,
-            id_base=f"recovery:{why}",
-            causation_id=f"{sandbox_id}@{seq}",
-            correlation_id=f"{sandbox_id}@{seq}",
-        )
+    async def _follow_up(self, sandbox_id: str, decide, why: str) -> None:
+        await self.sandboxes.follow_up(sandbox_id, decide, why=why)
 
-    async def _decide_host(self, host_id: str, decide, why: str) -> None:
-        _, seq = self.hosts.get(host_id)
-        await self.hosts.execute(
-            host_id,
-            decide,
-            id_base=f"recovery:{why}",
-            causation_id=f"{host_id}@{seq}",
-            correlation_id=f"{host_id}@{seq}",
-        )
+    async def _host_follow_up(self, host_id: str, decide, why: str) -> None:
+        await self.hosts.follow_up(host_id, decide, why=why)

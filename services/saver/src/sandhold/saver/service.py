@@ -101,7 +101,7 @@ class Saver:
                     continue
                 try:
                     if policy.due_save(state, now=now, cause=f"scheduled@{seq}"):
-                        await self._decide(
+                        await self._follow_up(
                             sandbox_id,
                             lambda s, seq=seq, now=now: (
                                 policy.due_save(s, now=now, cause=f"scheduled@{seq}") if s else []
@@ -109,7 +109,7 @@ class Saver:
                             "schedule",
                         )
                     if policy.timed_out(state, now=now, timeout_s=self._save_timeout_s):
-                        await self._decide(
+                        await self._follow_up(
                             sandbox_id,
                             lambda s, now=now: (
                                 policy.timed_out(s, now=now, timeout_s=self._save_timeout_s)
@@ -121,16 +121,6 @@ class Saver:
                 except SandholdError as err:
                     log.warning("scheduling a save of %s: %s", sandbox_id, err)
             await asyncio.sleep(self._tick_s)
-
-    async def _decide(self, sandbox_id: str, decide, why: str) -> None:
-        _, seq = self.sandboxes.get(sandbox_id)
-        await self.sandboxes.execute(
-            sandbox_id,
-            decide,
-            id_base=f"saver:{why}",
-            causation_id=f"{sandbox_id}@{seq}",
-            correlation_id=f"{sandbox_id}@{seq}",
-        )
 
     # --- reacting to changes ----------------------------------------------------
 
@@ -144,7 +134,7 @@ class Saver:
             async with self._store_lock:
                 await self._verify(sandbox_id, save.id)
         if policy.expired(state, keep_last=self._keep_last):
-            await self._decide(
+            await self._follow_up(
                 sandbox_id,
                 lambda s: policy.expired(s, keep_last=self._keep_last) if s else [],
                 "retention",
@@ -169,7 +159,7 @@ class Saver:
                 with contextlib.suppress(SandholdError):
                     known = (await self.store.get_manifest(save.parent_id)).digests
             problems += await self.store.verify(manifest, recheck=manifest.digests - known)
-        await self._decide(
+        await self._follow_up(
             sandbox_id,
             lambda s: (
                 policy.verified(s, save_id, problems, total_bytes=total_bytes, files=files)
@@ -226,3 +216,6 @@ class Saver:
         except Exception as err:  # the caller gets the reason; the saver carries on
             result = {"ok": False, "error": str(err)}
         await msg.respond(msgspec.json.encode(result))
+
+    async def _follow_up(self, sandbox_id: str, decide, why: str) -> None:
+        await self.sandboxes.follow_up(sandbox_id, decide, why=why)

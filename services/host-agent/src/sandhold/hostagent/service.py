@@ -450,7 +450,9 @@ class HostAgent:
     async def _follow(self, handle: CommandHandle, generation: int | None) -> None:
         """Stream a command's output to OUTPUT, then report how it ended."""
         sid, cid = handle.sandbox_id, handle.command_id
-        kept = await self._kept_offsets(sid, cid)
+        # Only a command this agent did not launch can have output in OUTPUT already.
+        fresh = not handle.adopted
+        kept = {"stdout": 0, "stderr": 0} if fresh else await self._kept_offsets(sid, cid)
         complete = True
         exit_record: CommandExit | None = None
         async for item in handle.watch(dict(kept)):

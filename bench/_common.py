@@ -49,8 +49,9 @@ with `uv run python bench/run_all.py`. Goals that are missed are reported as mis
 def arguments(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a short run (smaller counts)")
-    parser.add_argument("--write", action="store_true",
-                        help="update this benchmark's section of docs/benchmarks.md")
+    parser.add_argument(
+        "--write", action="store_true", help="update this benchmark's section of docs/benchmarks.md"
+    )
     args = parser.parse_args()
     _exit_on_sigterm()
     return args
@@ -98,8 +99,9 @@ def nats_server(tag: str) -> Iterator[NatsServer]:
 
 def nats_server_version() -> str:
     try:
-        out = subprocess.run([str(nats_server_binary()), "--version"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            [str(nats_server_binary()), "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
     return out.split()[-1] if out else "?"
@@ -137,10 +139,12 @@ def _fs_type(path: Path) -> str:
 
 def machine() -> str:
     tmp = Path(tempfile.gettempdir())
-    return (f"nproc {nproc()}, CPU `{cpu_model()}`, Linux {platform.release()}, "
-            f"temp dir on {_fs_type(tmp)}; Python {platform.python_version()}, "
-            f"nats-py {importlib.metadata.version('nats-py')}, "
-            f"nats-server {nats_server_version()}")
+    return (
+        f"nproc {nproc()}, CPU `{cpu_model()}`, Linux {platform.release()}, "
+        f"temp dir on {_fs_type(tmp)}; Python {platform.python_version()}, "
+        f"nats-py {importlib.metadata.version('nats-py')}, "
+        f"nats-server {nats_server_version()}"
+    )
 
 
 def load_average() -> str:
@@ -189,8 +193,12 @@ def code_version() -> str:
 
     where = Path(sandhold.bus.__file__).resolve().parent
     try:
-        done = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"],
-                              capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            ["git", "-C", str(where), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return f"code at {where}"
     return f"git {done.stdout.strip()}" if done.returncode == 0 else f"code at {where}"
@@ -250,12 +258,14 @@ def _markers(name: str) -> tuple[str, str]:
 
 def section(name: str, title: str, body: str) -> str:
     """A section with the command that produced it, the date and the machine."""
-    return (f"## {title}\n\n"
-            f"`{command_line()}` — {now_utc()} — sandhold {code_version()}  \n"
-            f"Machine: {machine()}. Load average {_START_LOAD} at the start, "
-            f"{load_average()} at the end; other processes on the machine used "
-            f"{other_load()} on average during the run (noise).\n\n"
-            f"{body.strip()}\n")
+    return (
+        f"## {title}\n\n"
+        f"`{command_line()}` — {now_utc()} — sandhold {code_version()}  \n"
+        f"Machine: {machine()}. Load average {_START_LOAD} at the start, "
+        f"{load_average()} at the end; other processes on the machine used "
+        f"{other_load()} on average during the run (noise).\n\n"
+        f"{body.strip()}\n"
+    )
 
 
 def write_section(name: str, text: str) -> None:
@@ -268,9 +278,8 @@ def write_section(name: str, text: str) -> None:
         doc = pattern.sub(lambda _: block, doc, count=1)
     else:
         # Insert before the first section that comes later in SECTIONS.
-        later = SECTIONS[SECTIONS.index(name) + 1:] if name in SECTIONS else []
-        at = min((doc.index(_markers(n)[0]) for n in later if _markers(n)[0] in doc),
-                 default=None)
+        later = SECTIONS[SECTIONS.index(name) + 1 :] if name in SECTIONS else []
+        at = min((doc.index(_markers(n)[0]) for n in later if _markers(n)[0] in doc), default=None)
         if at is None:
             doc = doc.rstrip("\n") + "\n\n" + block + "\n"
         else:
@@ -291,8 +300,13 @@ def emit(args: argparse.Namespace, name: str, title: str, body: str) -> None:
 # --- realistic sandbox histories ----------------------------------------------------------
 
 HOST = "local"
-_ARGVS = [["pytest", "-q", "tests/test_api.py"], ["git", "status", "--porcelain"],
-          ["python", "-c", "print('hello')"], ["npm", "run", "build"], ["ls", "-la", "src"]]
+_ARGVS = [
+    ["pytest", "-q", "tests/test_api.py"],
+    ["git", "status", "--porcelain"],
+    ["python", "-c", "print('hello')"],
+    ["npm", "run", "build"],
+    ["ls", "-la", "src"],
+]
 
 
 def sandbox_id(i: int, tag: str = "bench") -> str:
@@ -303,25 +317,40 @@ def sandbox_events(sid: str, count: int) -> list[ev.AnyEvent]:
     """The first `count` events of a sandbox's life: created, placed, starting,
     started, then commands that are queued, dispatched, started and ended."""
     out: list[ev.AnyEvent] = [
-        ev.SandboxCreated(sandbox_id=sid, request_key=f"create-{sid}",
-                          request_digest="d" * 32, tenant="default"),
+        ev.SandboxCreated(
+            sandbox_id=sid, request_key=f"create-{sid}", request_digest="d" * 32, tenant="default"
+        ),
         ev.SandboxPlaced(host=HOST, generation=1),
         ev.SandboxStarting(host=HOST, generation=1),
-        ev.SandboxStarted(host=HOST, generation=1,
-                          capabilities={"cgroups": "v2", "memory_limit": "True",
-                                        "private_tmp": "True"}),
+        ev.SandboxStarted(
+            host=HOST,
+            generation=1,
+            capabilities={"cgroups": "v2", "memory_limit": "True", "private_tmp": "True"},
+        ),
     ]
     n = 0
     while len(out) < count:
         key = f"run-{sid}-{n}"
         cid = rq.command_id_for(sid, key)
         out += [
-            ev.CommandQueued(command_id=cid, request_key=key, request_digest="e" * 32,
-                             argv=_ARGVS[n % len(_ARGVS)], env={"CI": "1"}, timeout_s=600.0),
+            ev.CommandQueued(
+                command_id=cid,
+                request_key=key,
+                request_digest="e" * 32,
+                argv=_ARGVS[n % len(_ARGVS)],
+                env={"CI": "1"},
+                timeout_s=600.0,
+            ),
             ev.CommandDispatched(command_id=cid, host=HOST, generation=1),
             ev.CommandStarted(command_id=cid, host=HOST, generation=1, pid=10_000 + n),
-            ev.CommandEnded(command_id=cid, state="exited", exit_code=n % 2, host=HOST,
-                            generation=1, output_kept={"stdout": 1234 + n, "stderr": 56}),
+            ev.CommandEnded(
+                command_id=cid,
+                state="exited",
+                exit_code=n % 2,
+                host=HOST,
+                generation=1,
+                output_kept={"stdout": 1234 + n, "stderr": 56},
+            ),
         ]
         n += 1
     return out[:count]
@@ -333,11 +362,20 @@ def envelopes_for(sid: str, count: int, t0: float | None = None) -> list[Envelop
     t0 = time.time() if t0 is None else t0
     out: list[Envelope] = []
     for i, event in enumerate(sandbox_events(sid, count)):
-        actor = "scheduler" if i < 2 or isinstance(event, (ev.CommandQueued,
-                                                           ev.CommandDispatched)) else "host-agent"
-        out += wrap([event], aggregate_id=sid, id_base=f"bench:{i}@{i}", actor=actor,
-                    causation_id=f"cause-{sid}-{i}", correlation_id=f"corr-{sid}",
-                    time=t0 + i * 0.01)
+        actor = (
+            "scheduler"
+            if i < 2 or isinstance(event, (ev.CommandQueued, ev.CommandDispatched))
+            else "host-agent"
+        )
+        out += wrap(
+            [event],
+            aggregate_id=sid,
+            id_base=f"bench:{i}@{i}",
+            actor=actor,
+            causation_id=f"cause-{sid}-{i}",
+            correlation_id=f"corr-{sid}",
+            time=t0 + i * 0.01,
+        )
     return out
 
 
@@ -372,8 +410,10 @@ class CpuMeter:
         wall = time.perf_counter() - self._wall
         self.client_seconds = time.process_time() - self._self
         self.client = 100 * self.client_seconds / wall
-        self.others = [100 * (proc_cpu_seconds(p) - before) / wall
-                       for p, before in zip(self.pids, self._others, strict=True)]
+        self.others = [
+            100 * (proc_cpu_seconds(p) - before) / wall
+            for p, before in zip(self.pids, self._others, strict=True)
+        ]
 
 
 def fsync_probe(count: int = 500) -> tuple[str, float]:
@@ -391,8 +431,10 @@ def fsync_probe(count: int = 500) -> tuple[str, float]:
         finally:
             os.close(fd)
     p50, p99 = percentile(lat, 50) * 1000, percentile(lat, 99) * 1000
-    text = (f"Disk probe: 400 B append + fsync p50 {p50:.2f} ms, p99 {p99:.2f} ms, "
-            f"max {max(lat) * 1000:.2f} ms ({count} in a row)")
+    text = (
+        f"Disk probe: 400 B append + fsync p50 {p50:.2f} ms, p99 {p99:.2f} ms, "
+        f"max {max(lat) * 1000:.2f} ms ({count} in a row)"
+    )
     return text, p50
 
 
@@ -433,12 +475,21 @@ async def bus_floor(url: str, count: int) -> list[float]:
     responder = await nats.connect(url, name="bench-floor-responder")
     try:
         js = nc.jetstream()
-        await js.add_stream(StreamConfig(name="FLOOR_REQ", subjects=["floor.req.>"],
-                                         retention=RetentionPolicy.WORK_QUEUE))
-        await js.add_stream(StreamConfig(name="FLOOR_WORK", subjects=["floor.work.>"],
-                                         retention=RetentionPolicy.WORK_QUEUE))
-        await js.add_stream(StreamConfig(name="FLOOR_EV", subjects=["floor.ev.>"],
-                                         allow_direct=True, duplicate_window=120))
+        await js.add_stream(
+            StreamConfig(
+                name="FLOOR_REQ", subjects=["floor.req.>"], retention=RetentionPolicy.WORK_QUEUE
+            )
+        )
+        await js.add_stream(
+            StreamConfig(
+                name="FLOOR_WORK", subjects=["floor.work.>"], retention=RetentionPolicy.WORK_QUEUE
+            )
+        )
+        await js.add_stream(
+            StreamConfig(
+                name="FLOOR_EV", subjects=["floor.ev.>"], allow_direct=True, duplicate_window=120
+            )
+        )
 
         async def answer(msg) -> None:
             await msg.respond(b'{"ok":true}')
@@ -450,14 +501,22 @@ async def bus_floor(url: str, count: int) -> list[float]:
             sid = sandbox_id(i, "floor")
             envelopes = envelopes_for(sid, 4)
             started = time.perf_counter()
-            await js.publish(f"floor.req.{i}", b"x" * 200, stream="FLOOR_REQ",
-                             headers={Header.MSG_ID: f"req-{i}"})
+            await js.publish(
+                f"floor.req.{i}",
+                b"x" * 200,
+                stream="FLOOR_REQ",
+                headers={Header.MSG_ID: f"req-{i}"},
+            )
             await nc.request("floor.rpc", b"{}", timeout=5)
             seq = 0
             for envelope in envelopes:
                 seq = (await append(js, "FLOOR_EV", f"floor.ev.{sid}", [envelope], seq))[0]
-            await js.publish(f"floor.work.{i}", b"y" * 200, stream="FLOOR_WORK",
-                             headers={Header.MSG_ID: f"work-{i}"})
+            await js.publish(
+                f"floor.work.{i}",
+                b"y" * 200,
+                stream="FLOOR_WORK",
+                headers={Header.MSG_ID: f"work-{i}"},
+            )
             if i >= 3:  # the first few warm up
                 chains.append(time.perf_counter() - started)
         return chains
@@ -488,8 +547,14 @@ async def spawn_floor(count: int) -> tuple[list[float], list[float]]:
 
 
 def latency_row(label: str, values: Sequence[float]) -> list[str]:
-    return [label, str(len(values)), ms(percentile(values, 50)), ms(percentile(values, 90)),
-            ms(percentile(values, 99)), ms(max(values) if values else float("nan"))]
+    return [
+        label,
+        str(len(values)),
+        ms(percentile(values, 50)),
+        ms(percentile(values, 90)),
+        ms(percentile(values, 99)),
+        ms(max(values) if values else float("nan")),
+    ]
 
 
 LATENCY_HEADERS = ["what", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"]

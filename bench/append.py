@@ -51,8 +51,9 @@ LABELS = {
 Plan = list[tuple[str, list]]
 
 
-async def one_run(url: str, server_pid: int | None, variant: str, run: int,
-                  plan: Plan) -> tuple[float, float, float]:
+async def one_run(
+    url: str, server_pid: int | None, variant: str, run: int, plan: Plan
+) -> tuple[float, float, float]:
     """Write the whole plan once into a fresh stream: msgs/s, client CPU %, server CPU %."""
     names = Names(f"ba{run}{variant[:2]}")
     nc = await nats.connect(url, name=f"bench-append-{variant}")
@@ -71,11 +72,14 @@ async def one_run(url: str, server_pid: int | None, variant: str, run: int,
                     if variant == "sandhold":
                         expected = (await append(js, stream, subject, [envelope], expected))[0]
                     elif variant == "headers":
-                        headers = {Header.MSG_ID: envelope.id,
-                                   Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
-                                   TYPE_HEADER: envelope.type}
-                        ack = await js.publish(subject, encode_envelope(envelope),
-                                               stream=stream, headers=headers)
+                        headers = {
+                            Header.MSG_ID: envelope.id,
+                            Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
+                            TYPE_HEADER: envelope.type,
+                        }
+                        ack = await js.publish(
+                            subject, encode_envelope(envelope), stream=stream, headers=headers
+                        )
                         expected = ack.seq
                     else:
                         await js.publish(subject, payloads[envelope.id])
@@ -97,8 +101,10 @@ async def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     per_subject = 5 if args.quick else 10
     rounds = 1 if args.quick else 7
-    plan = [(sid, envelopes_for(sid, per_subject))
-            for sid in (sandbox_id(i, "append") for i in range(SUBJECTS))]
+    plan = [
+        (sid, envelopes_for(sid, per_subject))
+        for sid in (sandbox_id(i, "append") for i in range(SUBJECTS))
+    ]
     total = SUBJECTS * per_subject
     size = encoded_size([e for _, envs in plan for e in envs])
     disk, fsync_ms = fsync_probe()
@@ -111,33 +117,48 @@ async def main() -> None:
             await one_run(server.url, server.pid, variant, 99, warm)
         for run in range(rounds):
             # Rotate the order each round so no variant always runs first or last.
-            order = VARIANTS[run % 3:] + VARIANTS[:run % 3]
+            order = VARIANTS[run % 3 :] + VARIANTS[: run % 3]
             for variant in order:
                 value, client, srv = await one_run(server.url, server.pid, variant, run, plan)
                 results[variant].append(value)
                 cpus[variant].append((client, srv))
-                print(f"round {run + 1}/{rounds} {variant:9s} {rate(value)} msgs/s "
-                      f"(client CPU {client:.0f}%, server CPU {srv:.0f}%)", flush=True)
-    paired = {v: [a / b for a, b in zip(results[v], results["plain"], strict=True)]
-              for v in VARIANTS}
+                print(
+                    f"round {run + 1}/{rounds} {variant:9s} {rate(value)} msgs/s "
+                    f"(client CPU {client:.0f}%, server CPU {srv:.0f}%)",
+                    flush=True,
+                )
+    paired = {
+        v: [a / b for a, b in zip(results[v], results["plain"], strict=True)] for v in VARIANTS
+    }
     rows = []
     for variant in VARIANTS:
-        rows.append([LABELS[variant], rate(median(results[variant])),
-                     f"{median(paired[variant]):.2f}×",
-                     f"{min(paired[variant]):.2f}–{max(paired[variant]):.2f}",
-                     " / ".join(rate(v) for v in results[variant]),
-                     f"{median([c for c, _ in cpus[variant]]):.0f}%",
-                     f"{median([s for _, s in cpus[variant]]):.0f}%"])
+        rows.append(
+            [
+                LABELS[variant],
+                rate(median(results[variant])),
+                f"{median(paired[variant]):.2f}×",
+                f"{min(paired[variant]):.2f}–{max(paired[variant]):.2f}",
+                " / ".join(rate(v) for v in results[variant]),
+                f"{median([c for c, _ in cpus[variant]]):.0f}%",
+                f"{median([s for _, s in cpus[variant]]):.0f}%",
+            ]
+        )
     ratio = median(paired["sandhold"])
     headers_ratio = median(paired["headers"])
     plain_rate = median(results["plain"])
-    busiest = max(max(median([c for c, _ in cpus[v]]), median([x for _, x in cpus[v]]))
-                  for v in VARIANTS)
-    cpu_note = ("neither process is CPU-bound (CPU columns)." if busiest < 80 else
-                f"one process is near a full core ({busiest:.0f}%): CPU is part of the limit.")
-    grouping = ("about one fsync per message (no group commit)"
-                if 1000 / plain_rate >= 0.7 * fsync_ms
-                else "the server groups several messages per fsync")
+    busiest = max(
+        max(median([c for c, _ in cpus[v]]), median([x for _, x in cpus[v]])) for v in VARIANTS
+    )
+    cpu_note = (
+        "neither process is CPU-bound (CPU columns)."
+        if busiest < 80
+        else f"one process is near a full core ({busiest:.0f}%): CPU is part of the limit."
+    )
+    grouping = (
+        "about one fsync per message (no group commit)"
+        if 1000 / plain_rate >= 0.7 * fsync_ms
+        else "the server groups several messages per fsync"
+    )
     body = f"""
 {total:,} appends per run ({SUBJECTS:,} sandbox subjects × {per_subject} events,
 envelopes of ~{size:.0f} B from `wrap`: created, placed, starting, started, then
@@ -147,8 +168,20 @@ connection, a fresh stream per run. {rounds} round(s), the variants' order rotat
 each round; "vs baseline" is the median of the per-round ratios to the baseline
 run of the same round. {disk}.
 
-{table(["variant", "msgs/s (median)", "vs baseline", "ratio range", "runs (msgs/s)",
-        "client CPU", "server CPU"], rows)}
+{
+        table(
+            [
+                "variant",
+                "msgs/s (median)",
+                "vs baseline",
+                "ratio range",
+                "runs (msgs/s)",
+                "client CPU",
+                "server CPU",
+            ],
+            rows,
+        )
+    }
 
 CPU is % of one core over the run (client = this Python process, server =
 nats-server), from `/proc`; the machine has {nproc()} cores.

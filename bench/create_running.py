@@ -104,8 +104,13 @@ async def measure(url: str, count: int) -> tuple[dict[str, list[float]], dict[st
     client.js.publish = timed_publish  # type: ignore[method-assign]
     client.send = timed_send  # type: ignore[method-assign]
 
-    async def one(sandbox_id: str, call, final: str, steps: list[tuple[str, str]],
-                  into: dict[str, list[float]]) -> None:
+    async def one(
+        sandbox_id: str,
+        call,
+        final: str,
+        steps: list[tuple[str, str]],
+        into: dict[str, list[float]],
+    ) -> None:
         sub = await watcher.subscribe(names.events("sandbox", sandbox_id), cb=on_event)
         await watcher.flush()
         done = asyncio.get_running_loop().create_future()
@@ -132,12 +137,22 @@ async def measure(url: str, count: int) -> tuple[dict[str, list[float]], dict[st
             key = f"bench-create-{i}"
             sandbox_id = rq.sandbox_id_for(client.tenant, key)
             target = created if i >= 2 else {name: [] for name, _ in STEPS}  # 2 warm-ups
-            await one(sandbox_id, lambda key=key: client.create_sandbox(key=key),
-                      "sandbox.started", STEPS, target)
+            await one(
+                sandbox_id,
+                lambda key=key: client.create_sandbox(key=key),
+                "sandbox.started",
+                STEPS,
+                target,
+            )
             ids.append(sandbox_id)
         for sandbox_id in ids:
-            await one(sandbox_id, lambda s=sandbox_id: client.delete_sandbox(s),
-                      "sandbox.deleted", DELETE_STEPS, deleted)
+            await one(
+                sandbox_id,
+                lambda s=sandbox_id: client.delete_sandbox(s),
+                "sandbox.deleted",
+                DELETE_STEPS,
+                deleted,
+            )
         return created, deleted
     finally:
         await watcher.close()
@@ -170,11 +185,19 @@ def steps_table(steps: list[tuple[str, str]], values: dict[str, list[float]]) ->
             rows.append([label, "0", "–", "–", "–"])
             continue
         at = median(values[name])
-        rows.append([label, str(len(values[name])), ms(at), ms(at - previous),
-                     ms(percentile(values[name], 99))])
+        rows.append(
+            [
+                label,
+                str(len(values[name])),
+                ms(at),
+                ms(at - previous),
+                ms(percentile(values[name], 99)),
+            ]
+        )
         previous = at
-    return table(["milestone (time since the call)", "n", "p50 ms", "step (Δ p50) ms",
-                  "p99 ms"], rows)
+    return table(
+        ["milestone (time since the call)", "n", "p50 ms", "step (Δ p50) ms", "p99 ms"], rows
+    )
 
 
 async def main() -> None:
@@ -201,19 +224,37 @@ Then all deleted, timed to `sandbox.deleted`. Floors measured in the same run:
 the driver's `create_sandbox` before `sandhold up` starts, the bus alone on a
 fresh server after it stopped. {disk}.
 
-{table(["", "value"], [["create → running p50 / p99 (ms)", f"{p50:.1f} / {p99:.1f}"],
-                       ["goal", f"p50 ≤ {GOAL_P50_MS:.0f} ms"],
-                       ["verdict", verdict(p50 <= GOAL_P50_MS)],
-                       ["vs floor (bus + driver create, p50)",
-                        f"{p50:.1f} ms vs {floor_sum:.1f} ms = {p50 / floor_sum:.1f}×"]])}
+{
+        table(
+            ["", "value"],
+            [
+                ["create → running p50 / p99 (ms)", f"{p50:.1f} / {p99:.1f}"],
+                ["goal", f"p50 ≤ {GOAL_P50_MS:.0f} ms"],
+                ["verdict", verdict(p50 <= GOAL_P50_MS)],
+                [
+                    "vs floor (bus + driver create, p50)",
+                    f"{p50:.1f} ms vs {floor_sum:.1f} ms = {p50 / floor_sum:.1f}×",
+                ],
+            ],
+        )
+    }
 
-{table(LATENCY_HEADERS, [
-    latency_row("sandhold: `create_sandbox` → `sandbox.started` seen", running),
-    latency_row("sandhold: `delete_sandbox` → `sandbox.deleted` seen",
-                deleted["sandbox.deleted"]),
-    latency_row(f"floor: bus only ({FLOOR_WRITES} fsync'd writes + 1 round trip)", floor),
-    latency_row("floor: `ProcessDriver.create_sandbox` alone", driver),
-])}
+{
+        table(
+            LATENCY_HEADERS,
+            [
+                latency_row("sandhold: `create_sandbox` → `sandbox.started` seen", running),
+                latency_row(
+                    "sandhold: `delete_sandbox` → `sandbox.deleted` seen",
+                    deleted["sandbox.deleted"],
+                ),
+                latency_row(
+                    f"floor: bus only ({FLOOR_WRITES} fsync'd writes + 1 round trip)", floor
+                ),
+                latency_row("floor: `ProcessDriver.create_sandbox` alone", driver),
+            ],
+        )
+    }
 
 Where create → running goes:
 

@@ -65,8 +65,9 @@ STEPS = [
 ]
 
 
-async def measure(url: str, count: int,
-                  host_root: Path) -> tuple[list[float], dict[str, list[float]]]:
+async def measure(
+    url: str, count: int, host_root: Path
+) -> tuple[list[float], dict[str, list[float]]]:
     names = Names("sh")
     client = await connect(url)
     watcher = await nats.connect(url, name="bench-exec-watcher")
@@ -128,8 +129,7 @@ async def measure(url: str, count: int,
             await asyncio.sleep(0.005)  # late event deliveries on the watcher
             seen = {**stamps.get(command_id, {}), **current}
             # The supervisor's own wall-clock times, read from the host's files.
-            exit_file = (host_root / "sandboxes" / sandbox.id / "commands" / command_id
-                         / "exit.json")
+            exit_file = host_root / "sandboxes" / sandbox.id / "commands" / command_id / "exit.json"
             record = msgspec.json.decode(exit_file.read_bytes())
             seen["supervisor_took"] = record["started_at"] - wall_offset
             seen["supervisor_done"] = record["ended_at"] - wall_offset
@@ -153,8 +153,7 @@ DRIVER_VARIANTS = [
 ]
 
 
-async def driver_split(root: Path, count: int) -> tuple[list[list[str]],
-                                                           list[dict[str, float]]]:
+async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[dict[str, float]]]:
     """The host side alone: `ProcessDriver` in this process, no NATS, `true` run
     `count` times in sequence per variant; p50 ms of launch → started → exit.
     A 0.3 s pause lets the warm-supervisor pool refill between commands (the cost
@@ -165,8 +164,12 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]],
     p50s: list[dict[str, float]] = []
     sid = "sb-00000000000be4c0"
     for n, (label, cgroups, isolate_tmp, pause) in enumerate(DRIVER_VARIANTS):
-        driver = ProcessDriver(root / str(n), "bench-driver", isolate_tmp=isolate_tmp,
-                               cgroups=None if cgroups else NoCgroups("bench"))
+        driver = ProcessDriver(
+            root / str(n),
+            "bench-driver",
+            isolate_tmp=isolate_tmp,
+            cgroups=None if cgroups else NoCgroups("bench"),
+        )
         await driver.start()
         try:
             await driver.create_sandbox(sid, None)
@@ -184,16 +187,24 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]],
                 if record.reason != "exited":
                     raise RuntimeError(f"driver: {record!r}")
                 if i >= WARMUP:
-                    for name, value in (("launch", t1 - t0), ("started", t2 - t1),
-                                        ("exit", t3 - t2), ("all", t3 - t0)):
+                    for name, value in (
+                        ("launch", t1 - t0),
+                        ("started", t2 - t1),
+                        ("exit", t3 - t2),
+                        ("all", t3 - t0),
+                    ):
                         phases[name].append(value)
                 await asyncio.sleep(pause)
             caps = driver.capabilities()
             p50s.append({n: percentile(v, 50) for n, v in phases.items()})
-            rows.append([label, f"{caps['cgroup']}, tmp {caps['tmp_isolation']}",
-                         *(ms(percentile(phases[n], 50)) for n in ("launch", "started", "exit",
-                                                                    "all")),
-                         ms(percentile(phases["all"], 99))])
+            rows.append(
+                [
+                    label,
+                    f"{caps['cgroup']}, tmp {caps['tmp_isolation']}",
+                    *(ms(percentile(phases[n], 50)) for n in ("launch", "started", "exit", "all")),
+                    ms(percentile(phases["all"], 99)),
+                ]
+            )
         finally:
             try:
                 await driver.destroy_sandbox(sid)
@@ -256,9 +267,16 @@ def cgroup_attach_probe(root: Path, count: int = 20) -> list[list[str]] | None:
                 finally:
                     os.kill(child, signal.SIGKILL)
                     os.waitpid(child, 0)
-            rows.append([f"{driver.cgroups.kind}, {label}", str(count),
-                         str(len(all_writes) // count), ms(percentile(first, 50)),
-                         ms(percentile(first, 90)), ms(percentile(all_writes, 50))])
+            rows.append(
+                [
+                    f"{driver.cgroups.kind}, {label}",
+                    str(count),
+                    str(len(all_writes) // count),
+                    ms(percentile(first, 50)),
+                    ms(percentile(first, 90)),
+                    ms(percentile(all_writes, 50)),
+                ]
+            )
     finally:
         driver.cgroups.kill_all(sid)
         driver.cgroups.remove(sid)
@@ -281,12 +299,15 @@ async def main() -> None:
     with nats_server("exec-floor") as server:
         floor = await bus_floor(server.url, count)
     p50, p99 = percentile(totals, 50) * 1000, percentile(totals, 99) * 1000
-    latency = table(LATENCY_HEADERS, [
-        latency_row("sandhold `client.exec(sid, ['true'])`", totals),
-        latency_row("floor: `subprocess.run(['true'])`", spawn_sync),
-        latency_row("floor: `asyncio.create_subprocess_exec('true')` + wait", spawn_async),
-        latency_row(f"floor: bus only ({FLOOR_WRITES} fsync'd writes + 1 round trip)", floor),
-    ])
+    latency = table(
+        LATENCY_HEADERS,
+        [
+            latency_row("sandhold `client.exec(sid, ['true'])`", totals),
+            latency_row("floor: `subprocess.run(['true'])`", spawn_sync),
+            latency_row("floor: `asyncio.create_subprocess_exec('true')` + wait", spawn_async),
+            latency_row(f"floor: bus only ({FLOOR_WRITES} fsync'd writes + 1 round trip)", floor),
+        ],
+    )
     rows = []
     previous = 0.0
     for name, label in STEPS:
@@ -295,11 +316,14 @@ async def main() -> None:
             rows.append([label, "0", "–", "–", "–"])
             continue
         at = median(values)
-        rows.append([label, str(len(values)), ms(at), ms(at - previous),
-                     ms(percentile(values, 99))])
+        rows.append(
+            [label, str(len(values)), ms(at), ms(at - previous), ms(percentile(values, 99))]
+        )
         previous = at
-    breakdown = table(["milestone (time since `exec` was called)", "n", "p50 ms",
-                       "step (Δ p50) ms", "p99 ms"], rows)
+    breakdown = table(
+        ["milestone (time since `exec` was called)", "n", "p50 ms", "step (Δ p50) ms", "p99 ms"],
+        rows,
+    )
     goal_ok = p50 <= GOAL_P50_MS and p99 <= GOAL_P99_MS
     idle, busy = driver_p50[0], driver_p50[-1]
 
@@ -310,19 +334,37 @@ async def main() -> None:
         return at(b) - at(a)
 
     refill = percentile(spawn, 50)
-    pool_note = (f"Here one exec every {ms(percentile(totals, 50))} ms (p50) takes supervisors "
-                 f"faster than one refill takes ({ms(refill)} ms), so the pool of two runs "
-                 "dry and `launch` waits for a refill in flight: part of the work → "
-                 "supervisor step." if percentile(totals, 50) < refill else
-                 "The pool keeps up with one exec at a time here (refill faster than an exec).")
-    attach_gap = (f"{attach_rows[1][3]} ms p50 after a 50 ms pause vs {attach_rows[0][3]} ms "
-                  "back to back" if attach_rows else "no cgroups here")
+    pool_note = (
+        f"Here one exec every {ms(percentile(totals, 50))} ms (p50) takes supervisors "
+        f"faster than one refill takes ({ms(refill)} ms), so the pool of two runs "
+        "dry and `launch` waits for a refill in flight: part of the work → "
+        "supervisor step."
+        if percentile(totals, 50) < refill
+        else "The pool keeps up with one exec at a time here (refill faster than an exec)."
+    )
+    attach_gap = (
+        f"{attach_rows[1][3]} ms p50 after a 50 ms pause vs {attach_rows[0][3]} ms back to back"
+        if attach_rows
+        else "no cgroups here"
+    )
     cg_cost = driver_p50[0]["started"] - driver_p50[2]["started"]
-    attach = ("Pid → `cgroup.procs` write alone (a forked child that only sleeps), as the "
-              "supervisor's `preexec_fn` does it:\n\n" + table(
-                  ["backend, when", "attaches", "files each", "first write p50 ms",
-                   "first write p90 ms", "any write p50 ms"], attach_rows)
-              if attach_rows else "No writable cgroup hierarchy here: no attach probe.")
+    attach = (
+        "Pid → `cgroup.procs` write alone (a forked child that only sleeps), as the "
+        "supervisor's `preexec_fn` does it:\n\n"
+        + table(
+            [
+                "backend, when",
+                "attaches",
+                "files each",
+                "first write p50 ms",
+                "first write p90 ms",
+                "any write p50 ms",
+            ],
+            attach_rows,
+        )
+        if attach_rows
+        else "No writable cgroup hierarchy here: no attach probe."
+    )
     floor_sum = percentile(floor, 50) + percentile(spawn_async, 50)
     body = f"""
 {count} sequential `client.exec(sid, ["true"])` on one running sandbox (after
@@ -331,12 +373,20 @@ host-agent, nats-server with `sync_interval: always`), all on this machine. The
 floors are measured in the same run: spawning `true` before `sandhold up` starts,
 the bus alone on a fresh server after it stopped. {disk}.
 
-{table(["", "value"], [["p50 / p99 (ms)", f"{p50:.1f} / {p99:.1f}"],
-                       ["goal", f"p50 ≤ {GOAL_P50_MS:.0f} ms, p99 ≤ {GOAL_P99_MS:.0f} ms"],
-                       ["verdict", verdict(goal_ok)],
-                       ["vs floor (bus + asyncio spawn, p50)",
-                        f"{p50:.1f} ms vs {floor_sum * 1000:.1f} ms = "
-                        f"{p50 / (floor_sum * 1000):.1f}×"]])}
+{
+        table(
+            ["", "value"],
+            [
+                ["p50 / p99 (ms)", f"{p50:.1f} / {p99:.1f}"],
+                ["goal", f"p50 ≤ {GOAL_P50_MS:.0f} ms, p99 ≤ {GOAL_P99_MS:.0f} ms"],
+                ["verdict", verdict(goal_ok)],
+                [
+                    "vs floor (bus + asyncio spawn, p50)",
+                    f"{p50:.1f} ms vs {floor_sum * 1000:.1f} ms = {p50 / (floor_sum * 1000):.1f}×",
+                ],
+            ],
+        )
+    }
 
 {latency}
 
@@ -357,8 +407,12 @@ with two fsyncs). Rows with a 0.3 s pause let the warm-supervisor pool refill
 first (one command on an idle host); the last row runs them back to back, so the
 refill (a new Python process, tens of ms of CPU) competes with the command:
 
-{table(["driver", "backend", "launch", "→ started", "→ exit", "total p50",
-        "total p99"], driver_rows)}
+{
+        table(
+            ["driver", "backend", "launch", "→ started", "→ exit", "total p50", "total p99"],
+            driver_rows,
+        )
+    }
 
 {attach}
 

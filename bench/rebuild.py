@@ -76,8 +76,9 @@ async def write_log(url: str, per_sandbox: int) -> int:
             subject = NAMES.events("sandbox", sid)
             for envelope in envelopes_for(sid, per_sandbox):
                 async with sem:
-                    expected = (await append(js, NAMES.events_stream, subject, [envelope],
-                                             expected))[0]
+                    expected = (
+                        await append(js, NAMES.events_stream, subject, [envelope], expected)
+                    )[0]
 
         started = time.perf_counter()
         await asyncio.gather(*(writer(sandbox_id(i, "rebuild")) for i in range(SANDBOXES)))
@@ -124,9 +125,15 @@ async def replay(url: str, total: int, mode: str, keep: list[Msg] | None = None)
 
         started = time.perf_counter()
         subject = ALL_KINDS[0] if mode == "count" else NAMES.events("sandbox", ">")
-        sub = await js.subscribe(subject, stream=NAMES.events_stream,
-                                 ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
-                                 cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        sub = await js.subscribe(
+            subject,
+            stream=NAMES.events_stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+            cb=on_msg,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
+        )
         await asyncio.wait_for(done.wait(), 600)
         elapsed = time.perf_counter() - started
         await sub.unsubscribe()
@@ -148,8 +155,7 @@ async def drop_consumers(url: str) -> None:
         await nc.close()
 
 
-async def rebuild(url: str, per_sandbox: int,
-                  profile: cProfile.Profile | None = None) -> float:
+async def rebuild(url: str, per_sandbox: int, profile: cProfile.Profile | None = None) -> float:
     nc = await nats.connect(url, name="bench-rebuild-store")
     try:
         store = AggregateStore(nc.jetstream(), NAMES, "sandbox", sb.evolve, actor="bench")
@@ -185,16 +191,27 @@ def cpu_split(msgs: list[Msg]) -> list[list[str]]:
         rows.append([label, f"{(time.perf_counter() - started) / n * 1e6:.2f}"])
 
     stored = _header_block(msgs[0].headers or {})
-    minimal = _header_block({k: v for k, v in (msgs[0].headers or {}).items()
-                             if k in ("Nats-Msg-Id", "Nats-Expected-Last-Subject-Sequence")})
+    minimal = _header_block(
+        {
+            k: v
+            for k, v in (msgs[0].headers or {}).items()
+            if k in ("Nats-Msg-Id", "Nats-Expected-Last-Subject-Sequence")
+        }
+    )
     parse = NatsClient._parse_header_lines
-    timed(f"nats-py header parse, as stored ({len(parse(stored))} headers, {len(stored)} B)",
-          lambda: [parse(stored) for _ in msgs])
-    timed(f"nats-py header parse, only msg id + expected seq ({len(minimal)} B)",
-          lambda: [parse(minimal) for _ in msgs])
+    timed(
+        f"nats-py header parse, as stored ({len(parse(stored))} headers, {len(stored)} B)",
+        lambda: [parse(stored) for _ in msgs],
+    )
+    timed(
+        f"nats-py header parse, only msg id + expected seq ({len(minimal)} B)",
+        lambda: [parse(minimal) for _ in msgs],
+    )
     timed("`msg.metadata` (parse the reply subject)", lambda: [m.metadata for m in msgs])
-    timed("what-if: `int(msg.reply.split('.')[5])` (stream seq only)",
-          lambda: [int(m.reply.split(".")[5]) for m in msgs])
+    timed(
+        "what-if: `int(msg.reply.split('.')[5])` (stream seq only)",
+        lambda: [int(m.reply.split(".")[5]) for m in msgs],
+    )
     timed("`decode_envelope(msg.data)`", lambda: [decode_envelope(m.data) for m in msgs])
     envelopes = [(m.subject.rsplit(".", 1)[1], decode_envelope(m.data)) for m in msgs]
 
@@ -222,8 +239,14 @@ def evolve_scaling() -> list[list[str]]:
             state = fold(sb.evolve, envelopes, None)
             elapsed = min(elapsed, time.perf_counter() - started)
         assert state is not None and len(state.commands) == commands
-        rows.append([f"{commands:,}", f"{len(envelopes):,}",
-                     f"{elapsed / len(envelopes) * 1e6:.1f}", f"{elapsed * 1000:.0f}"])
+        rows.append(
+            [
+                f"{commands:,}",
+                f"{len(envelopes):,}",
+                f"{elapsed / len(envelopes) * 1e6:.1f}",
+                f"{elapsed * 1000:.0f}",
+            ]
+        )
     return rows
 
 
@@ -234,8 +257,15 @@ def top_functions(profile: cProfile.Profile, limit: int = 14) -> str:
     rows = []
     for (path, line, func), (_cc, calls, tottime, cumtime, _) in entries[:limit]:
         where = path.split("site-packages/")[-1].split("/src/")[-1]
-        rows.append([f"`{func}` ({where}:{line})", f"{calls:,}", f"{tottime:.2f}",
-                     f"{100 * tottime / total:.0f}%", f"{cumtime:.2f}"])
+        rows.append(
+            [
+                f"`{func}` ({where}:{line})",
+                f"{calls:,}",
+                f"{tottime:.2f}",
+                f"{100 * tottime / total:.0f}%",
+                f"{cumtime:.2f}",
+            ]
+        )
     return table(["function", "calls", "own s", "own %", "cumulative s"], rows)
 
 
@@ -251,20 +281,25 @@ async def main() -> None:
         await replay(server.url, total, "count")  # warm-up: page cache
         for run in range(rounds):
             main = VARIANTS[:4]
-            order = main[run % 4:] + main[:run % 4] + ["sandhold_per_kind"]
+            order = main[run % 4 :] + main[: run % 4] + ["sandhold_per_kind"]
             for variant in order:
-                await set_subjects(server.url, SANDBOX_ONLY if variant == "sandhold_per_kind"
-                                   else ALL_KINDS)
+                await set_subjects(
+                    server.url, SANDBOX_ONLY if variant == "sandhold_per_kind" else ALL_KINDS
+                )
                 with CpuMeter(server.pid) as meter:
                     if variant.startswith("sandhold"):
                         elapsed = await rebuild(server.url, per_sandbox)
                     else:
                         elapsed = await replay(server.url, total, variant)
                 times[variant].append(elapsed)
-                cpu[variant].append((meter.client, meter.others[0],
-                                     meter.client_seconds / total * 1e6))
-                print(f"round {run + 1}/{rounds} {variant:8s} {elapsed:.2f}s "
-                      f"{rate(total / elapsed)} msgs/s", flush=True)
+                cpu[variant].append(
+                    (meter.client, meter.others[0], meter.client_seconds / total * 1e6)
+                )
+                print(
+                    f"round {run + 1}/{rounds} {variant:8s} {elapsed:.2f}s "
+                    f"{rate(total / elapsed)} msgs/s",
+                    flush=True,
+                )
         await set_subjects(server.url, ALL_KINDS)
         kept: list[Msg] = []
         await replay(server.url, total, "keep", keep=kept)
@@ -275,16 +310,21 @@ async def main() -> None:
     split = cpu_split(kept)
     gc.unfreeze()
     scaling = evolve_scaling()
-    paired = {v: [b / a for a, b in zip(times[v], times["count"], strict=True)]
-              for v in VARIANTS}
+    paired = {v: [b / a for a, b in zip(times[v], times["count"], strict=True)] for v in VARIANTS}
     rows = []
     for variant in VARIANTS:
-        rows.append([LABELS[variant], f"{median(times[variant]):.2f}",
-                     rate(total / median(times[variant])), f"{median(paired[variant]):.2f}×",
-                     " / ".join(f"{t:.2f}" for t in times[variant]),
-                     f"{median([c for c, _, _ in cpu[variant]]):.0f}%",
-                     f"{median([s for _, s, _ in cpu[variant]]):.0f}%",
-                     f"{median([u for _, _, u in cpu[variant]]):.1f}"])
+        rows.append(
+            [
+                LABELS[variant],
+                f"{median(times[variant]):.2f}",
+                rate(total / median(times[variant])),
+                f"{median(paired[variant]):.2f}×",
+                " / ".join(f"{t:.2f}" for t in times[variant]),
+                f"{median([c for c, _, _ in cpu[variant]]):.0f}%",
+                f"{median([s for _, s, _ in cpu[variant]]):.0f}%",
+                f"{median([u for _, _, u in cpu[variant]]):.1f}",
+            ]
+        )
     ratio = median(paired["sandhold"])
     per_msg = {v: median(times[v]) / total * 1e6 for v in VARIANTS}
     server_cpu = {v: median([s for _, s, _ in cpu[v]]) for v in VARIANTS}
@@ -302,8 +342,21 @@ switches the stream's subjects to `{SANDBOX_ONLY[0]}` (what a stream per aggrega
 kind would be) and runs the unchanged store. Client = this Python process,
 server = nats-server, CPU in % of one core ({nproc()} cores in all).
 
-{table(["replay", "seconds (median)", "msgs/s", "vs baseline", "runs (s)",
-        "client CPU", "server CPU", "client CPU µs/msg"], rows)}
+{
+        table(
+            [
+                "replay",
+                "seconds (median)",
+                "msgs/s",
+                "vs baseline",
+                "runs (s)",
+                "client CPU",
+                "server CPU",
+                "client CPU µs/msg",
+            ],
+            rows,
+        )
+    }
 
 Goal: sandhold ≥ {GOAL}× the baseline → {ratio:.2f}× {verdict(ratio >= GOAL)}
 (against the count-only replay with the store's own filter, the second row, the

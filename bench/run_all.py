@@ -14,15 +14,23 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-SCRIPTS = ["append.py", "rebuild.py", "exec_roundtrip.py", "create_running.py"]
+SCRIPTS = [
+    "append.py",
+    "rebuild.py",
+    "exec_roundtrip.py",
+    "create_running.py",
+    "saves.py",
+    "recovery.py",
+]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short runs")
-    parser.add_argument("--only", nargs="*", choices=[s.removesuffix(".py") for s in SCRIPTS],
-                        help="run only these")
+    parser.add_argument(
+        "--only", nargs="*", choices=[s.removesuffix(".py") for s in SCRIPTS], help="run only these"
+    )
     args = parser.parse_args()
 
     def on_term(signum: int, frame: object) -> None:

@@ -1,13 +1,16 @@
-"""Two pieces every deciding service shares: a loop that reconciles aggregates
-marked dirty, and sending an instruction to a host's work queue."""
+"""Loops every service shares: reconciling aggregates marked dirty, consuming a
+work queue, and sending an instruction to a host's work queue."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import Header
 from sandhold.bus.names import Names
@@ -57,3 +60,28 @@ async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork
         stream=names.hostwork_stream,
         headers={Header.MSG_ID: work.msg_id},
     )
+
+
+async def consume(sub, handle: Callable[[Msg], Awaitable[None]], *, batch: int, what: str) -> None:
+    """Take messages off a durable pull consumer forever, one at a time.
+
+    Nothing stops the loop: a fetch that fails (a reconnect, a server busy
+    electing a leader) is retried, and a handler that raises unexpectedly has
+    its message redelivered later instead of taking the consumer down with it.
+    """
+    while True:
+        try:
+            msgs = await sub.fetch(batch=batch, timeout=5)
+        except NatsTimeoutError:
+            continue
+        except Exception as err:
+            log.warning("fetching %s failed, retrying: %r", what, err)
+            await asyncio.sleep(0.5)
+            continue
+        for msg in msgs:
+            try:
+                await handle(msg)
+            except Exception:
+                log.exception("handling %s on %s failed; it will be redelivered", what, msg.subject)
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=1)

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from sandhold.bus import leases
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
+from sandhold.bus.reconciler import consume
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -258,13 +258,7 @@ class HostAgent:
     # --- work -----------------------------------------------------------------
 
     async def _work(self, sub) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(batch=16, timeout=5)
-            except NatsTimeoutError:
-                continue
-            for msg in msgs:
-                await self._handle(msg)
+        await consume(sub, self._handle, batch=16, what=f"work for {self.host_id}")
 
     async def _handle(self, msg: Msg) -> None:
         try:

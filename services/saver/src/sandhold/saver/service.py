@@ -118,8 +118,8 @@ class Saver:
                             ),
                             "timeout",
                         )
-                except SandholdError as err:
-                    log.warning("scheduling a save of %s: %s", sandbox_id, err)
+                except Exception as err:  # this sandbox's turn fails; the schedule goes on
+                    log.warning("scheduling a save of %s: %r", sandbox_id, err)
             await asyncio.sleep(self._tick_s)
 
     # --- reacting to changes ----------------------------------------------------

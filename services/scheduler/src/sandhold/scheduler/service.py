@@ -15,12 +15,11 @@ import logging
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import leases
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import DirtyLoop, send_work
+from sandhold.bus.reconciler import DirtyLoop, consume, send_work
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -110,13 +109,7 @@ class Scheduler:
     # --- requests -------------------------------------------------------------
 
     async def _requests(self, sub) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(batch=32, timeout=5)
-            except NatsTimeoutError:
-                continue
-            for msg in msgs:
-                await self._handle(msg)
+        await consume(sub, self._handle, batch=32, what="requests")
 
     async def _handle(self, msg: Msg) -> None:
         reply_to = (msg.headers or {}).get(REPLY_HEADER)

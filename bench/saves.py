@@ -47,7 +47,7 @@ from nats.js.api import Header, RetentionPolicy, StorageType, StreamConfig
 from sandhold.bus.names import Names
 from sandhold.bus.streams import ensure_streams
 from sandhold.hostagent.driver import ProcessDriver
-from sandhold.saves import DEFAULT_CHUNK_SIZE, SaveStore, capture, restore
+from sandhold.saves import DEFAULT_CHUNK_SIZE, SaveStore, capture, finish_capture, restore
 
 MiB = 1024 * 1024
 FILE_BYTES = 4 * MiB
@@ -104,12 +104,15 @@ async def one_save(
             previous=previous,
             spool=spool,
             now=time.time(),
+            defer_hashing=True,  # as the host-agent does: copy while frozen, hash after
         )
         t2 = time.perf_counter()
     finally:
         await driver.thaw(SID)
     t3 = time.perf_counter()
     with CpuMeter(server_pid) as cpu:
+        # "upload" below includes hashing the copies (finish_capture), after the thaw
+        captured = await asyncio.to_thread(finish_capture, captured, spool)
         uploaded = await store.upload(captured.new_chunks)
         t4 = time.perf_counter()
         await store.put_manifest(captured.manifest)

@@ -6,6 +6,7 @@ from sandhold.saves.capture import (
     Capture,
     capture,
     clear_spool,
+    finish_capture,
 )
 from sandhold.saves.errors import (
     CaptureError,
@@ -45,6 +46,7 @@ __all__ = [
     "UploadStats",
     "capture",
     "clear_spool",
+    "finish_capture",
     "collect_garbage",
     "collectable",
     "decode_manifest",

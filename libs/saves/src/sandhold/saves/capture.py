@@ -39,6 +39,9 @@ class Capture(msgspec.Struct, frozen=True, kw_only=True):
     scanned_files: int  # regular files seen
     changed_files: int  # regular files read (their stat differed from the previous save)
     changed_bytes: int  # bytes read
+    # With `defer_hashing`: (index in manifest.entries, whole-file copy in the spool)
+    # for each changed file; `finish_capture` turns them into chunks after the thaw.
+    pending: list[tuple[int, str]] = []
 
 
 def capture(
@@ -51,8 +54,13 @@ def capture(
     now: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     exclude: frozenset[bytes] = DEFAULT_EXCLUDE,
+    defer_hashing: bool = False,
 ) -> Capture:
     """Walk `workspace` (never following symlinks) into a manifest.
+
+    With `defer_hashing` a changed file is only copied whole into the spool (a
+    kernel-side copy) and hashed later by `finish_capture`: the part that must
+    happen while the sandbox is frozen shrinks to a stat walk plus a copy.
 
     Args:
         workspace: the directory to save.
@@ -78,6 +86,7 @@ def capture(
         raise CaptureError(f"spool {spool_path} is inside the workspace {workspace}")
     spool_path.mkdir(parents=True, exist_ok=True)
     walker = _Walker(root, spool_path, chunk_size, exclude, previous)
+    walker.defer = defer_hashing
     root_entry = walker.root_entry()
     walker.walk()
     manifest = Manifest(
@@ -95,6 +104,33 @@ def capture(
         scanned_files=walker.scanned_files,
         changed_files=walker.changed_files,
         changed_bytes=walker.changed_bytes,
+        pending=walker.pending,
+    )
+
+
+def finish_capture(captured: Capture, spool: Path) -> Capture:
+    """Chunk and hash the files a deferred capture copied; the copies are removed.
+
+    Runs after the thaw: what it reads are the spool's copies, taken while the
+    sandbox was frozen, so the save stays crash-consistent.
+    """
+    if not captured.pending:
+        return captured
+    spool_path = Path(os.path.abspath(spool))
+    writer = _Walker(b"/", spool_path, captured.manifest.chunk_size, frozenset(), None)
+    writer.new_chunks = dict(captured.new_chunks)
+    entries = list(captured.manifest.entries)
+    for index, copy in captured.pending:
+        fd = os.open(copy, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks, _size = writer._chunk_fd(fd)
+        finally:
+            os.close(fd)
+        entries[index] = msgspec.structs.replace(entries[index], chunks=chunks)
+        os.unlink(copy)
+    manifest = msgspec.structs.replace(captured.manifest, entries=entries)
+    return msgspec.structs.replace(
+        captured, manifest=manifest, new_chunks=writer.new_chunks, pending=[]
     )
 
 
@@ -157,6 +193,8 @@ class _Walker:
         self.changed_files = 0
         self.changed_bytes = 0
         self._buffer = bytearray(chunk_size)
+        self.defer = False
+        self.pending: list[tuple[int, str]] = []
 
     def root_entry(self) -> Entry:
         try:
@@ -228,6 +266,16 @@ class _Walker:
         if old is not None and _same_stat(old, st, self.racy_before_ns):
             self.entries.append(old)
             return
+        if self.defer:
+            copied = self._copy(rel)
+            if copied is None:
+                return
+            copy, size, st = copied
+            self.pending.append((len(self.entries), copy))
+            self.changed_files += 1
+            self.changed_bytes += size
+            self.entries.append(_entry(rel, "file", st, size=size, chunks=[]))
+            return
         read = self._read(rel)
         if read is None:
             return
@@ -246,26 +294,53 @@ class _Walker:
             raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
         try:
             st = os.fstat(fd)
-            chunks: list[str] = []
-            size = 0
-            view = memoryview(self._buffer)
-            while True:
-                length = _read_full(fd, view)
-                if length == 0:
-                    break
-                piece = view[:length]
-                digest = hashlib.sha256(piece).hexdigest()
-                chunks.append(digest)
-                size += length
-                if digest not in self.new_chunks:
-                    self.new_chunks[digest] = self._spool(digest, piece)
-                if length < self.chunk_size:
-                    break
+            chunks, size = self._chunk_fd(fd)
             return chunks, size, st
         except OSError as err:
             raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
         finally:
             os.close(fd)
+
+    def _chunk_fd(self, fd: int) -> tuple[list[str], int]:
+        chunks: list[str] = []
+        size = 0
+        view = memoryview(self._buffer)
+        while True:
+            length = _read_full(fd, view)
+            if length == 0:
+                break
+            piece = view[:length]
+            digest = hashlib.sha256(piece).hexdigest()
+            chunks.append(digest)
+            size += length
+            if digest not in self.new_chunks:
+                self.new_chunks[digest] = self._spool(digest, piece)
+            if length < self.chunk_size:
+                break
+        return chunks, size
+
+    def _copy(self, rel: bytes) -> tuple[str, int, os.stat_result] | None:
+        """A whole-file copy into the spool, done by the kernel where it can."""
+        path = self._abs(rel)
+        try:
+            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            if err.errno in (errno.ENOENT, errno.ELOOP):
+                return None
+            raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
+        copy = os.path.join(os.fsdecode(self.spool_b), f"copy-{len(self.pending)}")
+        try:
+            st = os.fstat(src)
+            dst = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                size = _copy_all(src, dst)
+            finally:
+                os.close(dst)
+            return copy, size, st
+        except OSError as err:
+            raise CaptureError(f"cannot copy {os.fsdecode(path)} to the spool: {err}") from err
+        finally:
+            os.close(src)
 
     def _spool(self, digest: str, piece: memoryview) -> Path:
         final = self.spool / digest
@@ -286,6 +361,24 @@ class _Walker:
         except OSError as err:
             raise CaptureError(f"cannot write the spool {self.spool}: {err}") from err
         return final
+
+
+def _copy_all(src: int, dst: int) -> int:
+    """Copy src to dst from their current offsets; copy_file_range, else read/write."""
+    total = 0
+    try:
+        while n := os.copy_file_range(src, dst, 1 << 30):
+            total += n
+        return total
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    while piece := os.read(src, 1 << 20):
+        view = memoryview(piece)
+        while view:
+            view = view[os.write(dst, view) :]
+        total += len(piece)
+    return total
 
 
 def _read_full(fd: int, view: memoryview) -> int:

@@ -24,7 +24,7 @@ from sandhold.saves._bounded import for_each_sized
 from sandhold.saves.capture import RACY_WINDOW_S
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
 from sandhold.saves.manifest import Entry, Manifest, chunk_lengths, entry_problems
-from sandhold.saves.store import Progress, SaveStore
+from sandhold.saves.store import Progress, SaveStore, check_chunk
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -145,15 +145,16 @@ async def _fill(
 
     async def fill(digest: str) -> None:
         nonlocal done, fetched_bytes
-        data = await store.get_chunk(digest)
+        data = await store.get_chunk(digest, verify=False)
         wanted = targets[digest][0].length
         if len(data) != wanted:
             raise CorruptChunk(digest, f"{len(data)} bytes where the manifest needs {wanted}")
         fetched_bytes += len(data)
         if len(data) * len(targets[digest]) <= _INLINE_WRITE_BYTES:
+            check_chunk(digest, data)
             _write_all(root, data, targets[digest])
-        else:  # blocking file I/O: off the event loop, which keeps fetching
-            await asyncio.to_thread(_write_all, root, data, targets[digest])
+        else:  # hashing and blocking file I/O off the event loop, which keeps fetching
+            await asyncio.to_thread(_check_and_write, root, digest, data, targets[digest])
         done += len(data) * len(targets[digest])
         if progress is not None:
             progress(done, total)
@@ -211,6 +212,11 @@ async def _after_last_timestamp(local: Manifest) -> None:
 
 def _join(root: bytes, rel: bytes) -> bytes:
     return root + b"/" + rel if rel else root
+
+
+def _check_and_write(root: bytes, digest: str, data: bytes, targets: list[_Target]) -> None:
+    check_chunk(digest, data)
+    _write_all(root, data, targets)
 
 
 def _write_all(root: bytes, data: bytes, targets: list[_Target]) -> None:

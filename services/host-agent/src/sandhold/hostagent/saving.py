@@ -23,7 +23,15 @@ from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 from sandhold.domain.errors import SandholdError
 from sandhold.hostagent.driver import ProcessDriver
-from sandhold.saves import Manifest, SaveStore, capture, decode_manifest, encode_manifest, restore
+from sandhold.saves import (
+    Manifest,
+    SaveStore,
+    capture,
+    decode_manifest,
+    encode_manifest,
+    finish_capture,
+    restore,
+)
 
 log = logging.getLogger("sandhold.host-agent.saving")
 
@@ -99,11 +107,15 @@ class HostSaves:
                     previous=previous,
                     spool=spool / save_id,
                     now=time.time(),
+                    # Frozen, only a stat walk and a copy of what changed; the
+                    # hashing happens on the copies once processes run again.
+                    defer_hashing=True,
                 )
             finally:
                 if freeze:
                     await self._driver.thaw(sandbox_id)
             freeze_ms = (time.monotonic() - started) * 1000
+            captured = await asyncio.to_thread(finish_capture, captured, spool / save_id)
         except (OSError, SandholdError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
             return

@@ -502,15 +502,17 @@ headers `put_new` sends (expected subject sequence 0, msg id), same bytes:
 {fenced_rate:.0f} MiB/s (median) vs {median(raw_rates):.0f} without. sha256 alone in one thread:
 {hash_mbps:.0f} MiB/s.
 
-Reading: a full save is capture ({capture_only:.0f} MiB/s: read, sha256, and a
-copy of every chunk into the spool) and then upload ({upload_only:.0f} MiB/s:
-read back from the spool, sha256 again in `put_chunk`, fenced publish) in
-sequence, while the raw baseline only reads and publishes; the last full save's
-freeze window was the whole capture, {f0["window"]:.2f} s. The incremental save
-reads only the 10 changed files (40 MiB: a file whose stat changed is read whole)
-and sends the 40 chunks that differ; its window is the walk of {files} files plus
-that read, and its upload time includes asking the store which of the
-{CHANGED_FILES * FILE_BYTES // CHUNK} read chunks it lacks.
+Reading: as the host-agent does it, the sandbox is frozen only for a stat walk
+and a kernel-side copy (`copy_file_range`) of each changed file into the spool
+(capture {capture_only:.0f} MiB/s); after the thaw `finish_capture` cuts and
+hashes the copies into chunk files and the upload publishes them
+({upload_only:.0f} MiB/s with that hashing included) — three passes over the
+data where the raw baseline makes one, which is why a full save stays below
+0.7×; the last full save's freeze window was {f0["window"]:.2f} s. The
+incremental save copies only the 10 changed files (40 MiB: a file whose stat
+changed is copied whole) and sends the 40 chunks that differ. Restore fetches
+each chunk once, and hashes and writes it in a worker thread; its gap to the
+raw read is the hashing and the file writes.
 """
     emit(args, "saves", "(e) Saves: freeze window, save and restore throughput", body)
 

@@ -13,11 +13,14 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 SUPERVISOR_MODULE = "sandhold.hostagent.driver.supervisor"
+ZYGOTE_MODULE = "sandhold.hostagent.driver.zygote"
 _ANNOUNCE_LIMIT = 64
 
 log = logging.getLogger(__name__)
@@ -50,12 +53,63 @@ class WarmSupervisor:
                 os.close(fd)
 
 
-def spawn_supervisor(root: Path) -> WarmSupervisor:
-    """Start one supervisor and wait until it has announced itself (blocking)."""
+class Zygote:
+    """A pre-imported process that forks supervisors (see `zygote.py`)."""
+
+    def __init__(self, root: Path) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = [sys.executable, "-m", ZYGOTE_MODULE, "--root", str(root)]
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            self.pid = os.posix_spawn(
+                sys.executable,
+                argv,
+                os.environ,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, null, 0),
+                    (os.POSIX_SPAWN_DUP2, null, 1),
+                    (os.POSIX_SPAWN_DUP2, null, 2),
+                    (os.POSIX_SPAWN_DUP2, theirs.fileno(), 3),
+                ],
+                setsid=True,
+            )
+        finally:
+            os.close(null)
+            theirs.close()
+        self._control = ours
+        self._lock = threading.Lock()
+
+    def fork_supervisor(self, fds: list[int]) -> bool:
+        """Ask for one supervisor on these descriptors; False if the zygote is gone."""
+        with self._lock:
+            try:
+                socket.send_fds(self._control, [b"s"], fds)
+                return True
+            except OSError:
+                return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._control.close()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.pid, 0)
+
+
+def spawn_supervisor(root: Path, zygote: Zygote | None = None) -> WarmSupervisor:
+    """Start one supervisor and wait until it has announced itself (blocking).
+
+    Forked by the zygote when there is one (milliseconds), else started as a
+    new interpreter (tens of milliseconds of CPU).
+    """
     stdin_r, stdin_w = os.pipe()
     bell_r, bell_w = os.pipe()
     err_r, err_w = os.pipe()
     argv = [sys.executable, "-m", SUPERVISOR_MODULE, "--root", str(root)]
+    launcher = None
+    if zygote is not None and zygote.fork_supervisor([stdin_r, bell_w, err_w]):
+        for fd in (stdin_r, bell_w, err_w):
+            os.close(fd)
+        return _announced(None, stdin_w, bell_r, err_r)
     try:
         launcher = os.posix_spawn(
             sys.executable,
@@ -74,13 +128,18 @@ def spawn_supervisor(root: Path) -> WarmSupervisor:
         raise SupervisorStartError(f"cannot spawn {sys.executable}: {err}") from err
     for fd in (stdin_r, bell_w, err_w):
         os.close(fd)
+    return _announced(launcher, stdin_w, bell_r, err_r)
+
+
+def _announced(launcher: int | None, stdin_w: int, bell_r: int, err_r: int) -> WarmSupervisor:
     announced = b""
     while not announced.endswith(b"\n") and len(announced) < _ANNOUNCE_LIMIT:
         piece = os.read(bell_r, _ANNOUNCE_LIMIT)
         if not piece:
             break
         announced += piece
-    os.waitpid(launcher, 0)  # the intermediate process that forked the supervisor
+    if launcher is not None:
+        os.waitpid(launcher, 0)  # the intermediate process that forked the supervisor
     if not announced.endswith(b"\n"):
         errors = os.read(err_r, 8192).decode(errors="replace").strip()
         for fd in (stdin_w, bell_r, err_r):
@@ -101,11 +160,19 @@ class SupervisorPool:
         self._idle: list[WarmSupervisor] = []
         self._spawning: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._zygote: Zygote | None = None
 
     async def start(self) -> None:
         """Fill the pool; a supervisor that cannot start fails here, loudly."""
+        try:
+            self._zygote = Zygote(self._root)
+        except OSError as err:  # supervisors are then started one interpreter each
+            log.warning("no zygote for supervisors: %s", err)
         spawned = await asyncio.gather(
-            *(asyncio.to_thread(spawn_supervisor, self._root) for _ in range(self._size))
+            *(
+                asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
+                for _ in range(self._size)
+            )
         )
         self._idle.extend(spawned)
 
@@ -121,7 +188,7 @@ class SupervisorPool:
             await asyncio.wait(set(self._spawning), return_when=asyncio.FIRST_COMPLETED)
         if self._closed:
             raise SupervisorStartError("the supervisor pool is closed")
-        supervisor = await asyncio.to_thread(spawn_supervisor, self._root)
+        supervisor = await asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
         self._top_up()
         return supervisor
 
@@ -133,7 +200,7 @@ class SupervisorPool:
 
     async def _spawn_one(self) -> None:
         try:
-            supervisor = await asyncio.to_thread(spawn_supervisor, self._root)
+            supervisor = await asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
         except SupervisorStartError:
             # take() then starts one itself and surfaces the error there.
             log.exception("refilling the supervisor pool failed")
@@ -150,6 +217,9 @@ class SupervisorPool:
         await asyncio.gather(*self._spawning)
         while self._idle:
             self._idle.pop().dismiss()
+        if self._zygote is not None:
+            await asyncio.to_thread(self._zygote.close)
+            self._zygote = None
 
 
 class Doorbell:

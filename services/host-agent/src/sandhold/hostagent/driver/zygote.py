@@ -1,0 +1,66 @@
+"""A parent for supervisors that has already paid for its imports.
+
+Starting a supervisor as a new Python process costs ~90 ms of CPU (the
+interpreter and the supervisor's imports); on a small host that competes with
+the very command being launched. This process imports the supervisor once and
+then forks one per request: the agent sends three descriptors (the new
+supervisor's stdin, doorbell and stderr) over a socketpair, the zygote forks, and
+the child becomes exactly what `python -m sandhold.hostagent.driver.supervisor`
+is once started: own session, second fork, pid announced on the doorbell.
+
+The zygote exits when the agent closes its end; supervisors it made outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from sandhold.hostagent.driver import supervisor
+
+_CONTROL_FD = 3  # the socketpair end the agent passes in
+
+
+def _become_supervisor(fds: list[int], control: socket.socket) -> int:
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    control.close()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    return supervisor.serve()
+
+
+def main() -> int:
+    control = socket.socket(fileno=_CONTROL_FD)
+    signal.signal(signal.SIGHUP, lambda *_: None)
+    while True:
+        try:
+            message, fds, _flags, _addr = socket.recv_fds(control, 16, 3)
+        except (OSError, ValueError):
+            return 0
+        if not message:
+            return 0  # the agent closed its end (or died)
+        if len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            continue
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                code = _become_supervisor(fds, control)
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        # The child forks once more and exits at once (the supervisor's own detach).
+        os.waitpid(child, 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Supervisors are forked by a pre-imported zygote, and outlive it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sandhold.hostagent.driver.pool import SupervisorPool
+
+
+def _zygotes(root: Path) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmdline = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            # Supervisors it forked share its command line; the zygote is our child.
+            if (
+                b"sandhold.hostagent.driver.zygote" in cmdline
+                and str(root).encode() in cmdline
+                and _parent(int(d.name)) == os.getpid()
+            ):
+                found.append(int(d.name))
+    return found
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_supervisors_come_from_the_zygote_and_outlive_it(tmp_path: Path) -> None:
+    pool = SupervisorPool(tmp_path, 2)
+    await pool.start()
+    taken = []
+    try:
+        [zygote] = _zygotes(tmp_path)
+        supervisor = await pool.take()
+        taken.append(supervisor)
+        # forked twice (zygote → child → supervisor), so not the agent's child
+        assert _parent(supervisor.pid) != os.getpid()
+        assert os.getsid(supervisor.pid) != os.getsid(0)  # not in the agent's session
+    finally:
+        await pool.close()
+    assert not _zygotes(tmp_path)  # the zygote exits with the pool
+    assert Path(f"/proc/{supervisor.pid}").exists()  # the supervisor does not
+    for s in taken:
+        s.dismiss()  # EOF on its stdin: an idle supervisor exits

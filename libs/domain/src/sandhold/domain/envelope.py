@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 from sandhold.domain.events import AnyEvent
 
@@ -46,10 +48,12 @@ def wrap(
     trace_id: str | None = None,
 ) -> list[Envelope]:
     """Envelopes with deterministic ids: deciding the same thing twice gives the
-    same ids, so JetStream's de-duplication drops the second append."""
+    same ids, so JetStream's de-duplication drops the second append. The id ends
+    with a digest of the event itself, so a *different* decision made at the same
+    point (say, two schedulers choosing different hosts) never passes for ours."""
     return [
         Envelope(
-            id=f"{aggregate_id}:{id_base}:{i}",
+            id=f"{aggregate_id}:{id_base}:{i}:{_digest(event)}",
             aggregate_id=aggregate_id,
             time=time,
             actor=actor,
@@ -60,3 +64,10 @@ def wrap(
         )
         for i, event in enumerate(events)
     ]
+
+
+_event_encoder = msgspec.json.Encoder()
+
+
+def _digest(event: AnyEvent) -> str:
+    return hashlib.sha256(_event_encoder.encode(event)).hexdigest()[:12]

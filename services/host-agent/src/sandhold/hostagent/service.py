@@ -124,14 +124,18 @@ class HostAgent:
                 self.driver.capabilities(),
             )
             await self._stopping.wait()
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            renewing, working = tasks
+            working.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await working
             for job in list(self._jobs):
                 job.cancel()
             if self._interrupt_on_exit:
+                # Still renewing: a slow command's grace must not look like a host failure.
                 await self._interrupt_everything()
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
             for task in list(self._watchers.values()):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -194,7 +198,10 @@ class HostAgent:
                 if self._fenced:
                     await self._come_back()
                 else:
-                    await self._put_lease()
+                    # Bounded by what is left of the lease: a put that hangs must not
+                    # keep this agent from noticing that it has to fence itself.
+                    left = self._lease_ttl - (time.monotonic() - (self._last_renewed or 0.0))
+                    await asyncio.wait_for(self._put_lease(), max(0.05, left))
             except Exception as err:  # a missed renewal is the recovery service's business
                 log.warning("lease renewal failed: %s", err)
             await asyncio.sleep(self._lease_interval)
@@ -300,6 +307,11 @@ class HostAgent:
                 await self._current(work)
                 await self._report(sid, ev.SandboxStarting(host=me, generation=gen), work.msg_id)
                 try:
+                    local = self._local_generation(sid)
+                    if local is not None and local != gen - 1:
+                        # The copy here is from an older placement (the sandbox ran
+                        # elsewhere since): never reuse it, start from the save.
+                        await self.driver.destroy_sandbox(sid)
                     if work.restore_save_id is not None:
                         await self.saving.restore_workspace(sid, work.restore_save_id)
                     await self.driver.create_sandbox(sid, work.memory_limit_bytes)
@@ -481,6 +493,8 @@ class HostAgent:
                 break
             except Rejected as err:
                 log.info("end of %s not recorded: %s", cid, err)
+                if err.code == "self_fenced":
+                    return  # not reported: whoever runs next here decides about it
                 break
             except InfraError as err:
                 log.warning("reporting the end of %s failed, retrying: %s", cid, err)

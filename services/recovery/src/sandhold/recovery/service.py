@@ -129,35 +129,41 @@ class Recovery:
     async def _check_sandboxes(self) -> None:
         now = time.time()
         for sandbox_id in self.sandboxes.ids():
+            try:
+                await self._check_sandbox(sandbox_id, now)
+            except Exception as err:  # one sandbox's trouble must not hold up the others
+                log.warning("recovery of %s: %r; will retry", sandbox_id, err)
+
+    async def _check_sandbox(self, sandbox_id: str, now: float) -> None:
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is None or state.host is None:
+            return
+        host, _ = self.hosts.get(state.host)
+        if (
+            host is not None
+            and host.status in ("lost", "fenced")
+            and state.phase in sb.ACTIVE_PHASES
+            and host.last_renewal_at is not None
+            and host.fence_at is not None
+        ):
+            await self._follow_up(
+                sandbox_id,
+                lambda s, h=host: policy.declare_lost(
+                    s, host=h.host, last_renewal_at=h.last_renewal_at, fence_at=h.fence_at
+                ),
+                "lost",
+            )
             state, _ = self.sandboxes.get(sandbox_id)
-            if state is None or state.host is None:
-                continue
-            host, _ = self.hosts.get(state.host)
-            if (
-                host is not None
-                and host.status in ("lost", "fenced")
-                and state.phase in sb.ACTIVE_PHASES
-                and host.last_renewal_at is not None
-                and host.fence_at is not None
-            ):
-                await self._follow_up(
-                    sandbox_id,
-                    lambda s, h=host: policy.declare_lost(
-                        s, host=h.host, last_renewal_at=h.last_renewal_at, fence_at=h.fence_at
-                    ),
-                    "lost",
-                )
-                state, _ = self.sandboxes.get(sandbox_id)
-            if state is None or state.lost is None:
-                continue
-            if policy.after_loss(state):
-                await self._follow_up(sandbox_id, policy.after_loss, "after-loss")
-            if not state.lost.fenced and now >= state.lost.fence_at:
-                await self._follow_up(
-                    sandbox_id,
-                    lambda s, h=state.lost.host: policy.declare_fenced(s, host=h),
-                    "fenced",
-                )
+        if state is None or state.lost is None:
+            return
+        if policy.after_loss(state):
+            await self._follow_up(sandbox_id, policy.after_loss, "after-loss")
+        if not state.lost.fenced and now >= state.lost.fence_at:
+            await self._follow_up(
+                sandbox_id,
+                lambda s, h=state.lost.host: policy.declare_fenced(s, host=h),
+                "fenced",
+            )
 
     async def _follow_up(self, sandbox_id: str, decide, why: str) -> None:
         await self.sandboxes.follow_up(sandbox_id, decide, why=why)

@@ -191,9 +191,10 @@ class Scheduler:
             causation_id=f"{sandbox_id}@{seq}",
             correlation_id=f"{sandbox_id}@{seq}",
         )
-        if executed.appended:
+        if executed.appended or executed.state is None:
             return  # our own events mark it dirty again; plan once more on the new state
-        for host, work in plan(state, self._choose_host).work:
+        # From the state the decision was made on (it may have been re-read).
+        for host, work in plan(executed.state, self._choose_host).work:
             await send_work(self._js, self._names, host, work)
 
     def _choose_host(self, state: sb.Sandbox) -> str | None:

@@ -170,3 +170,20 @@ async def test_r3_retry_after_lost_ack_returns_the_original(nats_cluster, names:
         await js.delete_stream(stream)
     finally:
         await nc.close()
+
+
+async def test_a_different_decision_at_the_same_point_is_not_mistaken_for_ours(nc, names: Names):
+    """Two writers decide at the same sequence with the same id base but different
+    content (e.g. two schedulers choosing different hosts): the loser must see a
+    conflict, not a duplicate of its own append."""
+    js = nc.jetstream()
+    sid = "sb-0000000000000005"
+    subject = names.events("sandbox", sid)
+    [seq] = await append(js, names.events_stream, subject, _envelopes(sid, [_created(sid)], "c"), 0)
+    from sandhold.domain.events import SandboxPlaced
+
+    mine = _envelopes(sid, [SandboxPlaced(host="a", generation=1)], f"plan@{seq}")
+    theirs = _envelopes(sid, [SandboxPlaced(host="b", generation=1)], f"plan@{seq}")
+    await append(js, names.events_stream, subject, mine, seq)
+    with pytest.raises(WrongSequence):
+        await append(js, names.events_stream, subject, theirs, seq)

@@ -298,6 +298,10 @@ class HostAgent:
             raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
         if state.phase in ("lost", "recovering"):
             raise Rejected("sandbox_lost", f"{work.sandbox_id} was declared lost on this host")
+        allowed = _PHASES_FOR.get(type(work))
+        if allowed is not None and state.phase not in allowed:
+            # e.g. a run redelivered after the stop: never launch into a stopped sandbox
+            raise Rejected("wrong_phase", f"{type(work).__name__} for a {state.phase} sandbox")
         return state
 
     async def _do(self, work: wk.AnyWork) -> None:
@@ -531,6 +535,13 @@ class HostAgent:
             await self.driver.stop_sandbox(sandbox_id)
         if self._watchers:
             await asyncio.wait(list(self._watchers.values()), timeout=30)
+
+
+_PHASES_FOR: dict[type, frozenset[str]] = {
+    wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),
+    wk.RunCommandWork: frozenset({"running"}),
+    wk.SaveSandboxWork: frozenset({"running"}),
+}
 
 
 def _report_key(report: HostReport) -> str:

@@ -28,8 +28,8 @@ LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
 class Host:
     """One host-agent process with its own workspace root, stopped by PID."""
 
-    def __init__(self, up: Up, host_id: str) -> None:
-        self.up, self.host_id = up, host_id
+    def __init__(self, up: Up, host_id: str, *extra: str) -> None:
+        self.up, self.host_id, self.extra = up, host_id, list(extra)
         self.root = up.data_dir.parent / "hosts" / host_id
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -48,6 +48,7 @@ class Host:
                     str(self.root),
                     "--lease-ttl",
                     str(LEASE_TTL),
+                    *self.extra,
                 ],
                 stdout=log,
                 stderr=log,
@@ -420,3 +421,24 @@ def sb_view(state: sb.Sandbox):
     from sandhold.domain.views import sandbox_view
 
     return sandbox_view(state)
+
+
+async def test_a_sandbox_waiting_for_room_is_placed_when_a_slot_frees(tmp_path: Path):
+    up = Up(tmp_path / "data", "--hosts", "0").start()
+    host = Host(up, "small", "--capacity", "1")
+    client = await connect(up.url)
+    try:
+        host.start()
+        first = await client.create_sandbox()
+        await client.wait_for_phase(first.id, {"running"}, timeout=30)
+        second = await client.create_sandbox()
+        await asyncio.sleep(0)  # (placement is attempted at once: no room)
+        assert (await client.show_sandbox(second.id)).phase == "pending"
+        await client.stop_sandbox(first.id)
+        await client.wait_for_phase(first.id, {"stopped"}, timeout=30)
+        view = await client.wait_for_phase(second.id, {"running"}, timeout=30)
+        assert view.host == "small"
+    finally:
+        await client.close()
+        host.stop()
+        up.stop()

@@ -92,6 +92,7 @@ class Scheduler:
             tasks = [
                 asyncio.create_task(self._requests(sub)),
                 asyncio.create_task(self._dirty_loop.run()),
+                asyncio.create_task(self._sweep()),
             ]
             await self._stopping.wait()
             for task in tasks:
@@ -179,6 +180,16 @@ class Scheduler:
             state, _ = self.sandboxes.get(sandbox_id)
             if state is not None and state.phase in ("pending", "recovering"):
                 self._mark_dirty(sandbox_id)
+
+    async def _sweep(self, every_s: float = 2.0) -> None:
+        """Sandboxes waiting for a host are placed again every few seconds: a slot
+        frees up when another sandbox stops, which is no event of theirs."""
+        while True:
+            await asyncio.sleep(every_s)
+            for sandbox_id in self.sandboxes.ids():
+                state, _ = self.sandboxes.get(sandbox_id)
+                if state is not None and state.phase in ("pending", "recovering"):
+                    self._mark_dirty(sandbox_id)
 
     async def _reconcile(self, sandbox_id: str) -> None:
         state, seq = self.sandboxes.get(sandbox_id)

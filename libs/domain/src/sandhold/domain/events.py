@@ -39,6 +39,9 @@ class SandboxPlaced(Event, tag="sandbox.placed"):
 
     host: str
     generation: int
+    # What the host materialises when it has no workspace for this placement:
+    # decided here, once, so the files and `recovered_from` always agree.
+    restore_save_id: str | None = None
 
 
 class SandboxStarting(Event, tag="sandbox.starting"):

@@ -61,7 +61,11 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
     if state.phase in ("pending", "recovering") and not state.delete_requested and fenced:
         chosen = choose_host(state)
         if chosen is not None:
-            events.append(ev.SandboxPlaced(host=chosen, generation=gen + 1))
+            events.append(
+                ev.SandboxPlaced(
+                    host=chosen, generation=gen + 1, restore_save_id=state.restore_point()
+                )
+            )
     elif state.phase == "lost" and fenced and state.recovery_policy == "eager":
         events.append(ev.SandboxRecoveryRequested(cause="eager"))
     elif state.phase == "placed" and host is not None:
@@ -69,7 +73,7 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
             sandbox_id=sid,
             generation=gen,
             memory_limit_bytes=state.memory_limit_bytes,
-            restore_save_id=state.restore_point(),
+            restore_save_id=state.restore_save_id,
         )
         work.append((host, start))
     elif state.phase == "stopping" and host is not None:

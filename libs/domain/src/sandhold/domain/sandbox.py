@@ -108,6 +108,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     recovery_policy: Literal["lazy", "eager"] = "lazy"
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
+    restore_save_id: str | None = None  # what the current placement restores, if needed
     commands: dict[str, Command] = {}
     # idempotency key -> digest of the request body that used it
     requests: dict[str, str] = {}
@@ -156,7 +157,15 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
     match event:
         case ev.SandboxPlaced(host=host, generation=generation):
-            return replace(state, phase="placed", host=host, generation=generation, reason="")
+            return replace(
+                state,
+                phase="placed",
+                host=host,
+                generation=generation,
+                reason="",
+                # (logs written before the field existed: the same rule, applied here)
+                restore_save_id=event.restore_save_id or state.restore_point(),
+            )
         case ev.SandboxStarting():
             return replace(state, phase="starting")
         case ev.SandboxStarted(capabilities=capabilities):
@@ -281,24 +290,25 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
 
 
 def _recovered_from(state: Sandbox) -> RecoveredFrom:
+    """From the save the placement restored (fixed when it was placed)."""
     assert state.lost is not None
-    latest = state.last_completed_save
     where = {"lost_host": state.lost.host, "lost_generation": state.lost.generation}
-    if latest is not None:
+    restored = state.saves.get(state.restore_save_id) if state.restore_save_id else None
+    if restored is not None:  # one of its own saves (a Snapshot of itself included)
         # The save holds the files as of its capture; the failure is dated by the
         # last renewal recovery saw (a capture just after it counts as not behind).
-        taken = latest.captured_at or latest.completed_at
+        taken = restored.captured_at or restored.completed_at
         behind = max(0.0, state.lost.last_renewal_at - taken) if taken else None
         return RecoveredFrom(
             source="save",
-            save_id=latest.id,
-            completed_at=latest.completed_at,
-            captured_at=latest.captured_at,
+            save_id=restored.id,
+            completed_at=restored.completed_at,
+            captured_at=restored.captured_at,
             behind_failure_s=behind,
             **where,
         )
-    if state.source_snapshot_id is not None:
-        return RecoveredFrom(source="snapshot", save_id=state.source_snapshot_id, **where)
+    if state.restore_save_id is not None:  # the Snapshot it was created from
+        return RecoveredFrom(source="snapshot", save_id=state.restore_save_id, **where)
     return RecoveredFrom(source="base image", **where)
 
 

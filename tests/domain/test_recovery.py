@@ -124,3 +124,24 @@ def test_a_host_is_lost_and_fenced_once_per_epoch() -> None:
     lost_host = msgspec.structs.replace(host, status="lost")
     assert decide_fenced(lost_host, epoch=3) == [ev.HostFenced(host=HOST_A, epoch=3)]
     assert lost.fence_at == T0 + 7
+
+
+def test_a_lost_sandbox_stopped_before_recovery_still_ends_its_commands_as_lost() -> None:
+    from .history import stop
+
+    state = lost_sandbox(run("r1"), dispatched("r1"), command_started("r1"))
+    state = apply(state, when(state, stop("stop-lost")))
+    assert state.phase == "stopped"
+    assert plan(state, lambda s: None).events == []  # not `unknown`: recovery decides
+    [ended] = policy.after_loss(state)
+    assert isinstance(ended, ev.CommandEnded) and ended.state == "infrastructure_lost"
+
+
+def test_deleting_a_sandbox_whose_host_is_dead_does_not_wait_for_that_host() -> None:
+    from .history import delete, stop, stopped
+
+    state = given_sandbox(*RUNNING, stop(), stopped(), delete())
+    alive = plan(state, lambda s: None, lambda host: True)
+    assert alive.events == [] and alive.work  # a destroy for the live host
+    dead = plan(state, lambda s: None, lambda host: False)
+    assert dead.events == [ev.SandboxDeleted(host=None, generation=1)] and dead.work == []

@@ -23,7 +23,9 @@ class Plan(msgspec.Struct, frozen=True):
     work: list[tuple[str, wk.AnyWork]]  # (host, instruction)
 
 
-def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
+def plan(
+    state: Sandbox, choose_host: ChooseHost, host_alive: Callable[[str], bool] = lambda _: True
+) -> Plan:
     events: list[ev.AnyEvent] = []
     work: list[tuple[str, wk.AnyWork]] = []
     sid, gen, host = state.id, state.generation, state.host
@@ -42,7 +44,10 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
     if state.phase in ("stopped", "failed", "deleted"):
         # The host is done with this placement; a command it never reported on
         # may or may not have run, and sandhold says so instead of guessing.
+        lost_generation = state.lost.generation if state.lost is not None else None
         for command in state.commands.values():
+            if command.generation == lost_generation:
+                continue  # ended by recovery as the loss implies (infrastructure_lost)
             if command.state in ("dispatched", "running"):
                 events.append(
                     ev.CommandEnded(
@@ -91,7 +96,8 @@ def plan(state: Sandbox, choose_host: ChooseHost) -> Plan:
         # The failed host holds the only copy; it destroys stale copies itself.
         events.append(ev.SandboxDeleted(host=None, generation=gen))
     if state.delete_requested and state.phase in ("pending", "stopped", "failed"):
-        if host is None:
+        # A dead host cannot destroy its copy; it drops it itself when it returns.
+        if host is None or not host_alive(host):
             events.append(ev.SandboxDeleted(host=None, generation=gen))
         else:
             work.append((host, wk.DestroySandboxWork(sandbox_id=sid, generation=gen)))

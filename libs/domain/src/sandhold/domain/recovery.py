@@ -30,7 +30,9 @@ def declare_lost(
 
 def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
     """The end states a loss implies (level-triggered: safe to decide again)."""
-    if state is None or state.lost is None or state.phase not in ("lost", "recovering"):
+    # Also after a stop or delete of the lost sandbox: the loss still decides
+    # how the lost placement's commands and saves ended.
+    if state is None or state.lost is None:
         return []
     lost = state.lost
     where = {"host": lost.host, "generation": lost.generation}

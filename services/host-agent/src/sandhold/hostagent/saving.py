@@ -62,6 +62,7 @@ class HostSaves:
         self._store = store
         self._root = root
         self._host_id = host_id
+        self._running: set[str] = set()  # saves being taken by this agent right now
 
     def _spool(self, sandbox_id: str) -> Path:
         return self._root / "spool" / sandbox_id
@@ -77,6 +78,26 @@ class HostSaves:
         report: Report,
     ) -> None:
         """One attempt at a save; every outcome is reported, none raises."""
+        if save_id in self._running:
+            return  # a duplicate instruction while this very save is under way
+        self._running.add(save_id)
+        try:
+            await self._save(
+                sandbox_id, generation, save_id, parent_id, freeze=freeze, report=report
+            )
+        finally:
+            self._running.discard(save_id)
+
+    async def _save(
+        self,
+        sandbox_id: str,
+        generation: int,
+        save_id: str,
+        parent_id: str | None,
+        *,
+        freeze: bool,
+        report: Report,
+    ) -> None:
         spool = self._spool(sandbox_id)
         spool.mkdir(parents=True, exist_ok=True)
         marker = spool / f"{save_id}.started"

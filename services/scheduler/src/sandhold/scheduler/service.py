@@ -182,13 +182,18 @@ class Scheduler:
                 self._mark_dirty(sandbox_id)
 
     async def _sweep(self, every_s: float = 2.0) -> None:
-        """Sandboxes waiting for a host are placed again every few seconds: a slot
-        frees up when another sandbox stops, which is no event of theirs."""
+        """Sandboxes waiting on something outside their own log are planned again
+        every few seconds: a slot frees up when another sandbox stops; a deleted
+        sandbox's host may have died before it could destroy the copy."""
         while True:
             await asyncio.sleep(every_s)
             for sandbox_id in self.sandboxes.ids():
                 state, _ = self.sandboxes.get(sandbox_id)
-                if state is not None and state.phase in ("pending", "recovering"):
+                waiting = state is not None and (
+                    state.phase in ("pending", "recovering")
+                    or (state.delete_requested and state.phase in ("stopped", "failed"))
+                )
+                if waiting:
                     self._mark_dirty(sandbox_id)
 
     async def _reconcile(self, sandbox_id: str) -> None:
@@ -197,7 +202,7 @@ class Scheduler:
             return
         executed = await self.sandboxes.execute(
             sandbox_id,
-            lambda s: plan(s, self._choose_host).events if s is not None else [],
+            lambda s: plan(s, self._choose_host, self._host_alive).events if s is not None else [],
             id_base="plan",
             causation_id=f"{sandbox_id}@{seq}",
             correlation_id=f"{sandbox_id}@{seq}",
@@ -205,8 +210,16 @@ class Scheduler:
         if executed.appended or executed.state is None:
             return  # our own events mark it dirty again; plan once more on the new state
         # From the state the decision was made on (it may have been re-read).
-        for host, work in plan(executed.state, self._choose_host).work:
+        for host, work in plan(executed.state, self._choose_host, self._host_alive).work:
             await send_work(self._js, self._names, host, work)
+
+    def _host_alive(self, host_id: str) -> bool:
+        registered, _ = self.hosts.get(host_id)
+        return (
+            registered is not None
+            and registered.status == "registered"
+            and self.leases.is_live(host_id)
+        )
 
     def _choose_host(self, state: sb.Sandbox) -> str | None:
         load: dict[str, int] = {}

@@ -14,6 +14,7 @@ import msgspec
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
+from sandhold.cli import audit
 from sandhold.cli.progress import progress
 
 # How `exec` exits when the command did not simply exit: shell conventions where
@@ -349,6 +350,28 @@ def _parser() -> argparse.ArgumentParser:
         help="return once the stop is accepted, without waiting for the final save",
     )
 
+    rp = sub.add_parser("replay", help="a sandbox's state rebuilt from the log, as of any point")
+    rp.add_argument("kind", choices=["sandbox"])
+    rp.add_argument("id")
+    rp.add_argument("--at", help="a stream sequence or an ISO-8601 time (default: now)")
+    rp.add_argument("--json", action="store_true")
+
+    hist = sub.add_parser("history", help="a readable timeline of a sandbox's events")
+    hist.add_argument("kind", choices=["sandbox"])
+    hist.add_argument("id")
+
+    audit = sub.add_parser("audit", help="export events with their envelopes")
+    audit_actions = audit.add_subparsers(dest="action", required=True)
+    exp = audit_actions.add_parser("export", help="JSON Lines on stdout")
+    exp.add_argument("--sandbox", help="only this sandbox's events")
+    exp.add_argument("--since", help="ISO-8601 time")
+
+    events = sub.add_parser("events", help="follow live events")
+    events_actions = events.add_subparsers(dest="action", required=True)
+    tail = events_actions.add_parser("tail")
+    tail.add_argument("--sandbox", help="only this sandbox's events")
+    tail.add_argument("--count", type=int, help="exit after this many events")
+
     host = sub.add_parser("host", help="hosts, their leases and the lease settings")
     host_actions = host.add_subparsers(dest="action", required=True)
     host_ls = host_actions.add_parser("ls")
@@ -434,6 +457,10 @@ def main(argv: list[str] | None = None) -> None:
         "snapshot": _snapshot,
         "admin": _admin,
         "host": _host,
+        "replay": lambda a, c: audit.replay(c, a.id, a.at, a.json),
+        "history": lambda a, c: audit.history(c, a.id),
+        "audit": lambda a, c: audit.export(c, a.sandbox, a.since),
+        "events": lambda a, c: audit.tail(c, a.sandbox, a.count),
     }
     handler = handlers[args.group]
     import uvloop

@@ -1,0 +1,171 @@
+"""Audit tools: replay a sandbox as of any point, export the log, follow it live.
+
+Replay uses the same `fold` and `evolve` the services use, over the same
+events, so what it prints is what the services believed at that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from datetime import UTC, datetime
+
+import msgspec
+from nats.aio.msg import Msg
+from sandhold.bus.codec import decode_envelope
+from sandhold.bus.read import read_subjects
+from sandhold.client import Client
+from sandhold.domain import sandbox as sb
+from sandhold.domain.envelope import Recorded
+from sandhold.domain.errors import Rejected
+from sandhold.domain.fold import fold
+from sandhold.domain.views import sandbox_view
+
+
+class ExportedEvent(msgspec.Struct, kw_only=True):
+    """One line of `sandhold audit export`: the event with its whole envelope."""
+
+    seq: int
+    subject: str
+    id: str
+    type: str
+    aggregate_id: str
+    time: float
+    actor: str
+    causation_id: str
+    correlation_id: str
+    trace_id: str | None
+    event: object
+
+
+def parse_point(at: str | None) -> tuple[int | None, float | None]:
+    """`--at`: a stream sequence (digits) or an ISO-8601 time."""
+    if at is None:
+        return None, None
+    if at.isdigit():
+        return int(at), None
+    try:
+        moment = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError as err:
+        raise SystemExit(
+            f"sandhold: --at takes a sequence number or an ISO time, not {at!r}"
+        ) from err
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return None, moment.timestamp()
+
+
+async def sandbox_records(client: Client, sandbox_id: str) -> list[Recorded]:
+    return await read_subjects(
+        client.js, client.names.events_stream, client.names.events("sandbox", sandbox_id)
+    )
+
+
+def until(records: list[Recorded], seq: int | None, moment: float | None) -> list[Recorded]:
+    return [
+        r
+        for r in records
+        if (seq is None or r.seq <= seq) and (moment is None or r.envelope.time <= moment)
+    ]
+
+
+async def replay(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
+    seq, moment = parse_point(at)
+    records = until(await sandbox_records(client, sandbox_id), seq, moment)
+    state = fold(sb.evolve, (r.envelope for r in records), None)
+    if state is None or state.tenant != client.tenant:
+        raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id} at that point")
+    as_of = records[-1]
+    view = sandbox_view(state, now=moment if moment is not None else as_of.envelope.time)
+    if as_json:
+        out = {
+            "as_of": {"seq": as_of.seq, "time": as_of.envelope.time},
+            "sandbox": view,
+            "commands": {c.id: c.state for c in state.commands.values()},
+        }
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    else:
+        print(
+            f"{state.id} as of seq {as_of.seq} ({_iso(as_of.envelope.time)}): {state.phase}, "
+            f"host {state.host or '-'}, generation {state.generation}"
+        )
+        for command in state.commands.values():
+            print(f"  {command.id}  {command.state:<20} {' '.join(command.argv)[:60]}")
+    return 0
+
+
+async def export(client: Client, sandbox_id: str | None, since: str | None) -> int:
+    _, moment = parse_point(since) if since else (None, None)
+    subject = (
+        client.names.events("sandbox", sandbox_id) if sandbox_id else f"{client.names.prefix}.ev.>"
+    )
+    for msg in await read_subjects(client.js, client.names.events_stream, subject, raw=True):
+        envelope = decode_envelope(msg.data)
+        if moment is not None and envelope.time < moment:
+            continue
+        line = ExportedEvent(
+            seq=msg.metadata.sequence.stream,
+            subject=msg.subject,
+            id=envelope.id,
+            type=envelope.type,
+            aggregate_id=envelope.aggregate_id,
+            time=envelope.time,
+            actor=envelope.actor,
+            causation_id=envelope.causation_id,
+            correlation_id=envelope.correlation_id,
+            trace_id=envelope.trace_id,
+            event=envelope.event,
+        )
+        sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+async def history(client: Client, sandbox_id: str) -> int:
+    """A readable timeline: who asked, what was decided, what happened on the host."""
+    records = await sandbox_records(client, sandbox_id)
+    if not records:
+        raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+    for record in records:
+        e = record.envelope
+        fields = msgspec.to_builtins(e.event)
+        fields.pop("type", None)
+        detail = ", ".join(
+            f"{k}={v}"
+            for k, v in fields.items()
+            if v not in (None, "", [], {}) and k != "request_digest"
+        )
+        cause = e.causation_id if len(e.causation_id) <= 40 else e.causation_id[:37] + "..."
+        print(
+            f"{record.seq:>6}  {_iso(e.time)}  {e.actor:<22} {e.type:<26} "
+            f"cause={cause}  {detail[:120]}"
+        )
+    return 0
+
+
+async def tail(client: Client, sandbox_id: str | None, count: int | None) -> int:
+    """Follow live events (core subscription on the event subjects)."""
+    seen = 0
+    done = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal seen
+        e = decode_envelope(msg.data)
+        print(f"{_iso(e.time)}  {e.aggregate_id}  {e.actor:<22} {e.type}", flush=True)
+        seen += 1
+        if count is not None and seen >= count:
+            done.set()
+
+    subject = client.names.events("sandbox", sandbox_id or "*")
+    sub = await client.nc.subscribe(subject, cb=on_msg)
+    await client.nc.flush()
+    print(f"following {subject}", file=sys.stderr, flush=True)
+    try:
+        await done.wait()
+    finally:
+        await sub.unsubscribe()
+    return 0
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"

@@ -148,6 +148,7 @@ class HostAgent:
         self._stopping.set()
 
     async def _register(self) -> None:
+        await self._adopt_recovery_settings()
         previous = 0
         with contextlib.suppress(Exception):
             entry = await self._kv.get(self.host_id)
@@ -171,6 +172,20 @@ class HostAgent:
             correlation_id=f"{self.host_id}:start:{self.epoch}",
         )
         await self._put_lease()
+
+    async def _adopt_recovery_settings(self) -> None:
+        """Fence no later than recovery would: if the recovery service publishes a
+        shorter lease TTL than ours, ours must not outlast it."""
+        with contextlib.suppress(Exception):
+            entry = await self._kv.get(leases.SETTINGS_KEY)
+            settings = msgspec.json.decode(entry.value or b"{}", type=leases.RecoverySettings)
+            if settings.lease_ttl_s < self._lease_ttl:
+                log.warning(
+                    "lease TTL %.1fs follows recovery's (was %.1fs)",
+                    settings.lease_ttl_s,
+                    self._lease_ttl,
+                )
+                self._lease_ttl = settings.lease_ttl_s
 
     async def _put_lease(self) -> None:
         lease = leases.Lease(

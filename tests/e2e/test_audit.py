@@ -91,6 +91,9 @@ def test_events_tail_follows_live_events(up: Up):
             if tail.poll() is None:
                 tail.kill()
     assert tail.returncode == 0
-    assert [
-        line.split()[-1] for line in out.splitlines()
-    ] == ["command.queued", "command.dispatched", "command.started", "command.ended"]
+    assert [line.split()[-1] for line in out.splitlines()] == [
+        "command.queued",
+        "command.dispatched",
+        "command.started",
+        "command.ended",
+    ]

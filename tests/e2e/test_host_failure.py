@@ -106,7 +106,7 @@ class _gone:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Up, Host, Host]]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Up, Host, Host]]:
     up = Up(
         tmp_path / "data",
         "--hosts",
@@ -120,7 +120,8 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Up, Host, Host]]:
         "--save-timeout",
         "10",
     ).start()
-    hosts = [Host(up, "h1"), Host(up, "h2")]
+    marker = request.node.get_closest_marker("h1_args")
+    hosts = [Host(up, "h1", *(marker.args if marker else ())), Host(up, "h2")]
     try:
         hosts[0].start()
         yield up, hosts[0], hosts[1]
@@ -255,8 +256,20 @@ async def test_a_command_dispatched_to_a_host_that_dies_before_confirming_ends_u
     assert "possibly run" in result.command.reason
 
 
-async def test_a_paused_host_resuming_after_recovery_changes_nothing(cluster, client: Client):
+@pytest.mark.parametrize(
+    "own_ttl", [pytest.param(None, id="same-ttl"), pytest.param("30", id="agent-configured-longer")]
+)
+async def test_a_paused_host_resuming_after_recovery_changes_nothing(
+    cluster, client: Client, own_ttl: str | None
+):
+    """Also when the agent was told a longer lease TTL than recovery uses: it
+    follows the TTL recovery publishes, so it never fences later than that."""
     up, h1, h2 = cluster
+    if own_ttl is not None:
+        h1.stop()
+        h1.extra = ["--lease-ttl", own_ttl]
+        h1.start()
+        await wait_until(lambda: _live(client, "h1"), timeout=30, what="h1 back")
     sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
     written = time.time()
     await client.exec(sandbox_id, ["sh", "-c", "echo 0 > counter"])

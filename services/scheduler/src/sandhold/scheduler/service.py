@@ -207,10 +207,15 @@ class Scheduler:
             causation_id=f"{sandbox_id}@{seq}",
             correlation_id=f"{sandbox_id}@{seq}",
         )
-        if executed.appended or executed.state is None:
-            return  # our own events mark it dirty again; plan once more on the new state
-        # From the state the decision was made on (it may have been re-read).
-        for host, work in plan(executed.state, self._choose_host, self._host_alive).work:
+        if executed.state is None:
+            return
+        # From the state the decision was made on (it may have been re-read). When
+        # events were just appended, their follow-up work (the run instruction after
+        # `command.dispatched`) goes out now rather than on the next pass.
+        after = plan(executed.state, self._choose_host, self._host_alive)
+        if after.events:
+            return  # more to decide: our own events marked it dirty again
+        for host, work in after.work:
             await send_work(self._js, self._names, host, work)
 
     def _host_alive(self, host_id: str) -> bool:

@@ -55,12 +55,6 @@ def parse_point(at: str | None) -> tuple[int | None, float | None]:
     return None, moment.timestamp()
 
 
-async def sandbox_records(client: Client, sandbox_id: str) -> list[Recorded]:
-    return await read_subjects(
-        client.js, client.names.events_stream, client.names.events("sandbox", sandbox_id)
-    )
-
-
 def until(records: list[Recorded], seq: int | None, moment: float | None) -> list[Recorded]:
     return [
         r
@@ -71,7 +65,7 @@ def until(records: list[Recorded], seq: int | None, moment: float | None) -> lis
 
 async def replay(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
     seq, moment = parse_point(at)
-    records = until(await sandbox_records(client, sandbox_id), seq, moment)
+    records = until(await client.sandbox_records(sandbox_id), seq, moment)
     state = fold(sb.evolve, (r.envelope for r in records), None)
     if state is None or state.tenant != client.tenant:
         raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id} at that point")
@@ -123,7 +117,7 @@ async def export(client: Client, sandbox_id: str | None, since: str | None) -> i
 
 async def history(client: Client, sandbox_id: str) -> int:
     """A readable timeline: who asked, what was decided, what happened on the host."""
-    records = await sandbox_records(client, sandbox_id)
+    records = await client.sandbox_records(sandbox_id)
     if not records:
         raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
     for record in records:

@@ -90,9 +90,6 @@ class LeaseWatcher:
         seen = self._seen.get(host)
         return seen is not None and time.monotonic() - seen[0] < self._ttl
 
-    def live_hosts(self) -> list[str]:
-        return [h for h in self._seen if self.is_live(h)]
-
     def last_renewal(self, host: str, *, epoch: int | None = None) -> float | None:
         """The wall time of the host's last renewal seen (of `epoch`, if given)."""
         seen = self._seen.get(host)

@@ -22,6 +22,7 @@ from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.commands import END_STATES as _END_STATES
+from sandhold.domain.envelope import Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.host import Host
@@ -183,12 +184,7 @@ class Client:
     async def list_hosts(self) -> dict[str, object]:
         """Hosts with their status (live / suspect / lost / fenced / down), lease
         ages, and the lease settings the services use."""
-        states: dict[str, Host | None] = {}
-        for record in await read_subjects(
-            self.js, self.names.events_stream, self.names.events("host", "*")
-        ):
-            aggregate = record.envelope.aggregate_id
-            states[aggregate] = evolve_host(states.get(aggregate), record.envelope)
+        states: dict[str, Host | None] = await self.fold_all("host", evolve_host)
         kv = await self.js.key_value(self.names.lease_bucket)
         settings: dict[str, object] = {}
         with contextlib.suppress(Exception):
@@ -259,10 +255,14 @@ class Client:
 
     # --- reading state (the same fold the services use) -------------------------
 
-    async def sandbox_state(self, sandbox_id: str) -> sb.Sandbox | None:
-        records = await read_subject(
+    async def sandbox_records(self, sandbox_id: str) -> list[Recorded]:
+        """The sandbox's events with their stream sequences, oldest first."""
+        return await read_subject(
             self.js, self.names.events_stream, self.names.events("sandbox", sandbox_id)
         )
+
+    async def sandbox_state(self, sandbox_id: str) -> sb.Sandbox | None:
+        records = await self.sandbox_records(sandbox_id)
         state = fold(sb.evolve, (r.envelope for r in records), None)
         return state if state is not None and state.tenant == self.tenant else None
 
@@ -272,13 +272,18 @@ class Client:
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
         return sandbox_view(state)
 
-    async def list_sandboxes(self, *, include_deleted: bool = False) -> list[SandboxView]:
-        states: dict[str, sb.Sandbox | None] = {}
+    async def fold_all(self, kind: str, evolve) -> dict:
+        """Every aggregate of a kind, folded from the log: id -> state."""
+        states: dict = {}
         for record in await read_subjects(
-            self.js, self.names.events_stream, self.names.events("sandbox", "*")
+            self.js, self.names.events_stream, self.names.events(kind, "*")
         ):
             aggregate = record.envelope.aggregate_id
-            states[aggregate] = sb.evolve(states.get(aggregate), record.envelope)
+            states[aggregate] = evolve(states.get(aggregate), record.envelope)
+        return states
+
+    async def list_sandboxes(self, *, include_deleted: bool = False) -> list[SandboxView]:
+        states = await self.fold_all("sandbox", sb.evolve)
         return [
             sandbox_view(s)
             for s in states.values()

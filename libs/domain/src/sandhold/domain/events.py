@@ -296,5 +296,3 @@ AnyEvent = (
     | HostFenced
     | HostRegistered
 )
-
-Actor = Literal["scheduler", "host-agent", "client", "recovery", "saver", "orchestrator"]

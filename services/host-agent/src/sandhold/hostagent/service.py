@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
+from nats.js.errors import NotFoundError
 from sandhold.bus import leases
-from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume
@@ -525,9 +525,10 @@ class HostAgent:
         kept = {"stdout": 0, "stderr": 0}
         for stream in kept:
             subject = f"{self._names.output(sandbox_id, command_id)}.{stream}"
-            if await last_sequence(self._js, self._names.output_stream, subject) == 0:
-                continue
-            last = await self._js.get_last_msg(self._names.output_stream, subject, direct=True)
+            try:
+                last = await self._js.get_last_msg(self._names.output_stream, subject, direct=True)
+            except NotFoundError:
+                continue  # nothing of this stream kept yet
             headers = last.headers or {}
             kept[stream] = int(headers[OFFSET_HEADER]) + len(last.data or b"")
         return kept

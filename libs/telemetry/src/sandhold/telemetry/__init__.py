@@ -1,0 +1,1 @@
+"""Tracing, metrics and structured logs shared by every sandhold service."""

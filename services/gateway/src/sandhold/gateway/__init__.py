@@ -1,0 +1,1 @@
+"""sandhold gateway service."""

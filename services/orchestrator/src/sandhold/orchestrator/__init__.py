@@ -1,0 +1,1 @@
+"""sandhold orchestrator service."""

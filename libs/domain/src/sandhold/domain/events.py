@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 from sandhold.domain.commands import CommandEndState
+from sandhold.domain.task_manifest import TaskManifest
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -266,6 +267,135 @@ class HostRegistered(Event, tag="host.registered"):
     capabilities: dict[str, str] = {}
 
 
+# --- tasks -------------------------------------------------------------------
+# A task's log is its ledger: every transition, every attempt with its cause,
+# every step claimed before it executes and its output once it finished.
+
+
+class TaskEvent(Event):
+    """Base of every task event (a sandbox or host never sees one)."""
+
+
+class TaskSubmitted(TaskEvent, tag="task.submitted"):
+    task_id: str
+    request_key: str
+    request_digest: str
+    manifest: TaskManifest
+    tenant: str = "default"
+
+
+class TaskStageEntered(TaskEvent, tag="task.stage_entered"):
+    stage: Literal["staging", "provisioning", "running", "completing"]
+
+
+class TaskOperationFailed(TaskEvent, tag="task.operation_failed"):
+    """One attempt at an operation failed. `retry_at` is set when another
+    attempt follows (the backoff chosen, so a restart waits the same)."""
+
+    operation: str  # "clone" | "provision" | a step instance id
+    attempt: int
+    error_class: Literal["network", "placement", "permanent", "infrastructure_lost"]
+    reason: str
+    detail: str = ""
+    retry_at: float | None = None
+
+
+class TaskStaged(TaskEvent, tag="task.staged"):
+    """The repository at the ref, checked out and stored as the sandbox's first save."""
+
+    seed_save_id: str
+    commit: str
+    files: int
+    bytes: int
+
+
+class TaskProvisioned(TaskEvent, tag="task.provisioned"):
+    sandbox_id: str
+
+
+class TaskStepClaimed(TaskEvent, tag="task.step_claimed"):
+    """A step instance is claimed before it executes. For an agent step the
+    command it will run is linked here, before the request is sent."""
+
+    step_id: str  # "build", or "each[2]" for a loop's third item
+    step: str
+    kind: Literal["agent", "http"]
+    idempotency_key: str
+    index: int | None = None
+    attempt: int = 1
+    sandbox_id: str | None = None
+    command_id: str | None = None
+
+
+class TaskStepDispatched(TaskEvent, tag="task.step_dispatched"):
+    """The agent step's request was stored by JetStream (acked)."""
+
+    step_id: str
+    attempt: int
+    fresh_after_crash: bool = False  # a stillborn dispatch replaced after a restart
+
+
+class TaskStepFinished(TaskEvent, tag="task.step_finished"):
+    step_id: str
+    attempt: int
+    output: str = ""
+    exit_code: int | None = None
+    status: int | None = None  # an http step's response status
+
+
+class TaskStepFailed(TaskEvent, tag="task.step_failed"):
+    step_id: str
+    attempt: int
+    reason: str  # "exit_code" | "interrupted" | "hung" | "timed_out" | "infrastructure_lost" | ...
+    detail: str = ""
+    output: str = ""
+    exit_code: int | None = None
+    end_state: str | None = None
+
+
+class TaskHangWarned(TaskEvent, tag="task.hang_warned"):
+    step_id: str
+    command_id: str
+    silent_s: float
+
+
+class TaskCancelRequested(TaskEvent, tag="task.cancel_requested"):
+    request_key: str
+    request_digest: str
+
+
+class Artifact(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    size: int
+    save_id: str
+
+
+class TaskArtifactsCollected(TaskEvent, tag="task.artifacts_collected"):
+    """The artifacts matched in the final snapshot (stored in the save store)."""
+
+    snapshot_id: str | None
+    artifacts: list[Artifact] = []
+
+
+class TaskCompleted(TaskEvent, tag="task.completed"):
+    final_save_id: str | None = None
+
+
+class TaskFailed(TaskEvent, tag="task.failed"):
+    reason: str
+    detail: str = ""
+    stage: str = ""
+
+
+class TaskCancelled(TaskEvent, tag="task.cancelled"):
+    stage: str = ""
+
+
+class TaskTimedOut(TaskEvent, tag="task.timed_out"):
+    stage: str = ""
+    detail: str = ""
+
+
 AnyEvent = (
     SandboxCreated
     | SandboxPlaced
@@ -295,4 +425,20 @@ AnyEvent = (
     | HostLost
     | HostFenced
     | HostRegistered
+    | TaskSubmitted
+    | TaskStageEntered
+    | TaskOperationFailed
+    | TaskStaged
+    | TaskProvisioned
+    | TaskStepClaimed
+    | TaskStepDispatched
+    | TaskStepFinished
+    | TaskStepFailed
+    | TaskHangWarned
+    | TaskCancelRequested
+    | TaskArtifactsCollected
+    | TaskCompleted
+    | TaskFailed
+    | TaskCancelled
+    | TaskTimedOut
 )

@@ -47,6 +47,9 @@ class CreateSandbox(Request, tag="sandbox.create"):
     save_interval_s: Interval | None = None  # default: the scheduler's (30 s)
     stop_deadline_s: Deadline | None = None  # default: the scheduler's (60 s)
     recovery: Literal["lazy", "eager"] | None = None  # after a host failure (default lazy)
+    # A save the caller staged in the store for this very sandbox (its manifest
+    # names the new sandbox's id), e.g. a task's checked-out repository.
+    seed: SaveId | None = None
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -111,7 +114,9 @@ def request_tag(request: AnyRequest) -> str:
 
 # Fields added after the first release are left out of the digest while unset,
 # so a request retried across an upgrade keeps its digest (and its key stays its own).
-_LATER_FIELDS = frozenset({"from_snapshot", "save_interval_s", "stop_deadline_s", "recovery"})
+_LATER_FIELDS = frozenset(
+    {"from_snapshot", "save_interval_s", "stop_deadline_s", "recovery", "seed"}
+)
 
 
 def request_digest(request: AnyRequest) -> str:

@@ -283,7 +283,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             | ev.SavesExpired()
         ):
             return replace(state, saves=sv.apply(state.saves, event, envelope_time))
-        case ev.SandboxCreated() | ev.HostRegistered():
+        case ev.SandboxCreated() | ev.HostRegistered() | ev.TaskEvent():
             return state
         case _:
             assert_never(event)
@@ -391,6 +391,10 @@ def _create(
         _check_key(state, request.key, digest)
         return []
     source_sandbox_id = None
+    if request.from_snapshot is not None and request.seed is not None:
+        raise Rejected(
+            "invalid_request", "give `from_snapshot` or `seed`, not both: one starting point"
+        )
     if request.from_snapshot is not None:
         found = find_snapshot(request.from_snapshot)
         if found is None or found[0].tenant != request.tenant or found[1].kind != "snapshot":
@@ -412,7 +416,7 @@ def _create(
             tenant=request.tenant,
             save_interval_s=request.save_interval_s or defaults.save_interval_s,
             stop_deadline_s=request.stop_deadline_s or defaults.stop_deadline_s,
-            source_snapshot_id=request.from_snapshot,
+            source_snapshot_id=request.from_snapshot or request.seed,
             source_sandbox_id=source_sandbox_id,
             recovery=request.recovery or "lazy",
         )

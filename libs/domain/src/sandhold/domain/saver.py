@@ -109,6 +109,8 @@ def retained(state: Sandbox) -> list[str]:
     and the parents of saves under way (they reuse the parent's chunks unsent)."""
     keep = {s.id for s in state.saves.values() if s.state == "completed"}
     keep |= {s.parent_id for s in sv.in_flight(state.saves) if s.parent_id}
+    if state.source_snapshot_id is not None:  # a fresh placement may still restore it
+        keep.add(state.source_snapshot_id)
     return sorted(keep)
 
 

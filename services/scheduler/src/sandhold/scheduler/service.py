@@ -31,6 +31,8 @@ from sandhold.domain.placement import HostInfo, choose_host
 from sandhold.domain.reconcile import plan
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
+from sandhold.saves.errors import MissingManifest
+from sandhold.saves.store import SaveStore
 
 log = logging.getLogger("sandhold.scheduler")
 
@@ -81,12 +83,22 @@ class Scheduler:
             await self.leases.start()
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
-            sub = await js.pull_subscribe(
-                self._names.all_requests,
-                durable=self._durable,
-                stream=self._names.requests_stream,
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=10),
+            # Sandbox and command requests; task requests are the orchestrator's.
+            # Creating the consumer also moves one made with the old `req.>` filter.
+            await js.add_consumer(
+                self._names.requests_stream,
+                ConsumerConfig(
+                    durable_name=self._durable,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=30,
+                    max_deliver=10,
+                    filter_subjects=[
+                        self._names.request("sandbox.>"),
+                        self._names.request("command.>"),
+                    ],
+                ),
             )
+            sub = await js.pull_subscribe_bind(self._durable, self._names.requests_stream)
             await announce_ready(nc, self._names, self.name)
             log.info("scheduler ready")
             tasks = [
@@ -133,6 +145,8 @@ class Scheduler:
             return
         sandbox_id = sb.aggregate_of(request)
         try:
+            if isinstance(request, rq.CreateSandbox) and request.seed is not None:
+                await self._check_seed(request.seed, sandbox_id)
             executed = await self.sandboxes.execute(
                 sandbox_id,
                 lambda state: sb.decide(
@@ -159,6 +173,19 @@ class Scheduler:
     async def _reply(self, reply_to: str | None, reply: Reply) -> None:
         if reply_to:
             await self._js._nc.publish(reply_to, _reply_encoder.encode(reply))
+
+    async def _check_seed(self, save_id: str, sandbox_id: str) -> None:
+        """A seed must be stored, and staged for exactly this sandbox: the id is
+        derived from tenant and key, so no one can start from another's files."""
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is not None:
+            return  # already created: the aggregate answers the retry
+        try:
+            manifest = await SaveStore(self._js, self._names).get_manifest(save_id)
+        except MissingManifest:
+            manifest = None
+        if manifest is None or manifest.sandbox_id != sandbox_id:
+            raise Rejected("seed_not_found", f"no save {save_id} staged for sandbox {sandbox_id}")
 
     def _find_snapshot(self, save_id: str) -> tuple[sb.Sandbox, SaveRecord] | None:
         for sandbox_id in self.sandboxes.ids():

@@ -1,0 +1,404 @@
+"""The task aggregate: a manifest's lifecycle and its step ledger.
+
+`pending → staging → provisioning → running → completing → completed`, or
+`failed` / `cancelled` / `timed_out`. The log on `<prefix>.ev.task.<id>` is
+the checkpoint: every transition, every failed attempt with its cause, every
+step claimed before it executes and its output once it finished. The
+orchestrator's runner reads only this state to know where to go on, which is
+what makes a restart resume instead of start over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+import msgspec
+from sandhold.domain import events as ev
+from sandhold.domain.envelope import Envelope
+from sandhold.domain.errors import Rejected
+from sandhold.domain.requests import IdempotencyKey, Tenant
+from sandhold.domain.task_manifest import Step, TaskManifest
+
+TaskState = Literal[
+    "pending",
+    "staging",
+    "provisioning",
+    "running",
+    "completing",
+    "completed",
+    "failed",
+    "cancelled",
+    "timed_out",
+]
+TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled", "timed_out"})
+STAGES = ("staging", "provisioning", "running", "completing")
+
+TaskId = Annotated[str, msgspec.Meta(pattern=r"^tk-[0-9a-f]{16}$")]
+
+
+def task_id_for(tenant: str, key: str) -> str:
+    """A submission's task id follows from its key, so a retried submit finds it."""
+    digest = hashlib.sha256(f"task\x00{tenant}\x00{key}".encode()).hexdigest()[:16]
+    return f"tk-{digest}"
+
+
+# --- requests ----------------------------------------------------------------
+
+
+class TaskRequest(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True
+):
+    key: IdempotencyKey
+    tenant: Tenant = "default"
+
+
+class SubmitTask(TaskRequest, tag="task.submit"):
+    manifest: TaskManifest
+
+
+class CancelTask(TaskRequest, tag="task.cancel"):
+    task_id: TaskId
+
+
+AnyTaskRequest = SubmitTask | CancelTask
+
+_decoder = msgspec.json.Decoder(AnyTaskRequest)
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def decode_task_request(payload: bytes) -> AnyTaskRequest:
+    return _decoder.decode(payload)
+
+
+def encode_task_request(request: AnyTaskRequest) -> bytes:
+    return _encoder.encode(request)
+
+
+def task_request_tag(request: AnyTaskRequest) -> str:
+    return type(request).__struct_config__.tag  # type: ignore[return-value]
+
+
+def task_request_digest(request: AnyTaskRequest) -> str:
+    body = msgspec.to_builtins(msgspec.structs.replace(request, key="-"))
+    return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
+
+
+def aggregate_of(request: AnyTaskRequest) -> str:
+    if isinstance(request, SubmitTask):
+        return task_id_for(request.tenant, request.key)
+    return request.task_id
+
+
+# --- state -------------------------------------------------------------------
+
+StepStatus = Literal["claimed", "dispatched", "finished", "failed"]
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One step instance in the ledger (the latest attempt)."""
+
+    id: str
+    step: str
+    index: int | None
+    kind: Literal["agent", "http"]
+    attempt: int
+    status: StepStatus
+    idempotency_key: str
+    claimed_at: float
+    sandbox_id: str | None = None
+    command_id: str | None = None
+    finished_at: float | None = None
+    output: str = ""
+    exit_code: int | None = None
+    http_status: int | None = None
+    reason: str = ""
+    detail: str = ""
+    end_state: str | None = None
+    hang_warned: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "failed")
+
+
+class Attempt(msgspec.Struct, frozen=True, kw_only=True):
+    """A failed attempt at an operation, with its cause."""
+
+    operation: str
+    attempt: int
+    error_class: str
+    reason: str
+    detail: str
+    at: float
+    retry_at: float | None
+
+
+class Task(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant: str
+    manifest: TaskManifest
+    state: TaskState
+    submitted_at: float
+    stage_entered_at: float
+    request_key: str
+    updated_at: float = 0.0
+    finished_at: float | None = None
+    reason: str = ""
+    detail: str = ""
+    failed_stage: str = ""
+    seed_save_id: str | None = None
+    commit: str | None = None
+    sandbox_id: str | None = None
+    attempts: list[Attempt] = []
+    steps: dict[str, StepRecord] = {}
+    cancel_requested: bool = False
+    artifacts: list[ev.Artifact] = []
+    snapshot_id: str | None = None
+    final_save_id: str | None = None
+    hang_warnings: int = 0
+    requests: dict[str, str] = {}  # idempotency key -> digest
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def failures(self, operation: str) -> list[Attempt]:
+        return [a for a in self.attempts if a.operation == operation]
+
+    @property
+    def last_attempt(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+
+def evolve(state: Task | None, envelope: Envelope) -> Task | None:
+    """Apply one task event. The only place a task's state changes."""
+    event = envelope.event
+    at = envelope.time
+    replace = msgspec.structs.replace
+    if isinstance(event, ev.TaskSubmitted):
+        if state is not None:
+            return state
+        return Task(
+            id=event.task_id,
+            tenant=event.tenant,
+            manifest=event.manifest,
+            state="pending",
+            submitted_at=at,
+            stage_entered_at=at,
+            updated_at=at,
+            request_key=event.request_key,
+            requests={event.request_key: event.request_digest},
+        )
+    if state is None or not isinstance(event, ev.TaskEvent):
+        return state
+    state = replace(state, updated_at=at)
+    match event:
+        case ev.TaskStageEntered(stage=stage):
+            return replace(state, state=stage, stage_entered_at=at)
+        case ev.TaskOperationFailed():
+            attempt = Attempt(
+                operation=event.operation,
+                attempt=event.attempt,
+                error_class=event.error_class,
+                reason=event.reason,
+                detail=event.detail,
+                at=at,
+                retry_at=event.retry_at,
+            )
+            return replace(state, attempts=[*state.attempts, attempt])
+        case ev.TaskStaged():
+            return replace(state, seed_save_id=event.seed_save_id, commit=event.commit)
+        case ev.TaskProvisioned():
+            return replace(state, sandbox_id=event.sandbox_id)
+        case ev.TaskStepClaimed():
+            record = StepRecord(
+                id=event.step_id,
+                step=event.step,
+                index=event.index,
+                kind=event.kind,
+                attempt=event.attempt,
+                status="claimed",
+                idempotency_key=event.idempotency_key,
+                claimed_at=at,
+                sandbox_id=event.sandbox_id,
+                command_id=event.command_id,
+            )
+            return replace(state, steps={**state.steps, event.step_id: record})
+        case ev.TaskStepDispatched():
+            return _update_step(state, event.step_id, event.attempt, status="dispatched")
+        case ev.TaskStepFinished():
+            return _update_step(
+                state,
+                event.step_id,
+                event.attempt,
+                status="finished",
+                finished_at=at,
+                output=event.output,
+                exit_code=event.exit_code,
+                http_status=event.status,
+            )
+        case ev.TaskStepFailed():
+            return _update_step(
+                state,
+                event.step_id,
+                event.attempt,
+                status="failed",
+                finished_at=at,
+                output=event.output,
+                exit_code=event.exit_code,
+                reason=event.reason,
+                detail=event.detail,
+                end_state=event.end_state,
+            )
+        case ev.TaskHangWarned():
+            state = replace(state, hang_warnings=state.hang_warnings + 1)
+            return _update_step(state, event.step_id, None, hang_warned=True)
+        case ev.TaskCancelRequested():
+            requests = {**state.requests, event.request_key: event.request_digest}
+            return replace(state, cancel_requested=True, requests=requests)
+        case ev.TaskArtifactsCollected():
+            return replace(state, artifacts=event.artifacts, snapshot_id=event.snapshot_id)
+        case ev.TaskCompleted():
+            return replace(
+                state, state="completed", finished_at=at, final_save_id=event.final_save_id
+            )
+        case ev.TaskFailed():
+            return replace(
+                state,
+                state="failed",
+                finished_at=at,
+                reason=event.reason,
+                detail=event.detail,
+                failed_stage=event.stage,
+            )
+        case ev.TaskCancelled():
+            return replace(
+                state,
+                state="cancelled",
+                finished_at=at,
+                reason="cancelled",
+                failed_stage=event.stage,
+            )
+        case ev.TaskTimedOut():
+            return replace(
+                state,
+                state="timed_out",
+                finished_at=at,
+                reason="timed_out",
+                detail=event.detail,
+                failed_stage=event.stage,
+            )
+        case _:
+            return state
+
+
+def _update_step(state: Task, step_id: str, attempt: int | None, **changes: object) -> Task:
+    record = state.steps.get(step_id)
+    if record is None or (attempt is not None and record.attempt != attempt):
+        return state  # a late report about an older attempt changes nothing
+    updated = msgspec.structs.replace(record, **changes)
+    return msgspec.structs.replace(state, steps={**state.steps, step_id: updated})
+
+
+# --- deciding requests ---------------------------------------------------------
+
+
+def decide(state: Task | None, request: AnyTaskRequest) -> list[ev.AnyEvent]:
+    """What a submit or cancel changes; `[]` when it was already applied."""
+    digest = task_request_digest(request)
+    if isinstance(request, SubmitTask):
+        if state is not None:
+            _check_key(state, request.key, digest)
+            return []
+        return [
+            ev.TaskSubmitted(
+                task_id=task_id_for(request.tenant, request.key),
+                request_key=request.key,
+                request_digest=digest,
+                manifest=request.manifest,
+                tenant=request.tenant,
+            )
+        ]
+    if state is None or state.tenant != request.tenant:
+        raise Rejected("task_not_found", f"no task {request.task_id}")
+    if _check_key(state, request.key, digest) or state.cancel_requested:
+        return []
+    if state.terminal:
+        raise Rejected(
+            "task_finished", f"task {state.id} already ended {state.state}; nothing to cancel"
+        )
+    return [ev.TaskCancelRequested(request_key=request.key, request_digest=digest)]
+
+
+def _check_key(state: Task, key: str, digest: str) -> bool:
+    seen = state.requests.get(key)
+    if seen is None:
+        return False
+    if seen != digest:
+        raise Rejected(
+            "idempotency_conflict",
+            f"idempotency key {key!r} was already used for a different request; "
+            "use a new key for new work",
+        )
+    return True
+
+
+# --- the pipeline, as the runner walks it ----------------------------------------
+
+
+class StepInstance(msgspec.Struct, frozen=True):
+    """One execution unit: a step, or one item of a looping step."""
+
+    id: str
+    step: Step
+    index: int | None
+    item: str | None
+
+
+def instances(manifest: TaskManifest) -> list[StepInstance]:
+    """Every step instance in order; a loop's items one at a time."""
+    out: list[StepInstance] = []
+    for step in manifest.steps:
+        if step.for_each is None:
+            out.append(StepInstance(step.name, step, None, None))
+        else:
+            for i, item in enumerate(step.for_each):
+                out.append(StepInstance(f"{step.name}[{i}]", step, i, item))
+    return out
+
+
+def step_key(task_id: str, step_id: str, attempt: int) -> str:
+    """The idempotency key of one step attempt, sent with it (derived from
+    task, step and attempt, so a receiver can de-duplicate a replay)."""
+    return f"{task_id}:{step_id}:{attempt}"
+
+
+def outputs(state: Task) -> dict[str, str]:
+    """Recorded outputs of finished steps: the scope later steps read from."""
+    return {r.id: r.output for r in state.steps.values() if r.status == "finished"}
+
+
+def render(text: str, *, item: str | None, scope: dict[str, str]) -> str:
+    """`{{item}}` and `{{steps.NAME.output}}` in a step's arguments, from the ledger."""
+    if "{{" not in text:
+        return text
+    out = text
+    if item is not None:
+        out = out.replace("{{item}}", item).replace("{{ item }}", item)
+    for step_id, output in scope.items():
+        for form in (f"{{{{steps.{step_id}.output}}}}", f"{{{{ steps.{step_id}.output }}}}"):
+            out = out.replace(form, output.strip())
+    return out
+
+
+def deadline(state: Task, what: Literal["stage", "task"]) -> float | None:
+    """When the current stage, or the whole task, must be over (unix time)."""
+    timeouts = state.manifest.timeouts
+    if what == "task":
+        return state.submitted_at + float(timeouts.task)
+    if state.state == "running":
+        return state.stage_entered_at + float(timeouts.running) if timeouts.running else None
+    if state.state in ("staging", "provisioning", "completing"):
+        return state.stage_entered_at + float(timeouts.stage)
+    return None

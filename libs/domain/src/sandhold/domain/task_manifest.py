@@ -1,0 +1,211 @@
+"""A task manifest: what a user submits (YAML or JSON), validated strictly.
+
+Unknown fields are refused and every error names the field it is about
+(msgspec reports the path, e.g. ``at `$.timeouts```, and our own checks name
+the key inside it). Durations are seconds or strings like ``"90s"``, ``"10m"``,
+``"2h"``, ``"1h30m"``; they are normalised to seconds on decode, so the
+manifest recorded in `task.submitted` holds plain numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+from sandhold.domain.requests import Argv, MemoryLimit, SaveId
+
+DurationInput = float | str
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_MAX_DURATION = 30 * 86400.0
+
+
+def parse_duration(value: DurationInput, field: str) -> float:
+    """Seconds from a number or a string like "1h30m"; raises ValueError naming `field`."""
+    if isinstance(value, bool):
+        raise ValueError(f"`{field}`: expected seconds or a duration like '30m', got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        parts = _DURATION_PART.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise ValueError(
+                f"`{field}`: expected seconds or a duration like '90s', '10m', '2h', "
+                f"'1h30m', got {value!r}"
+            )
+        seconds = sum(float(n) * _UNIT[u] for n, u in parts)
+    if not 0 < seconds <= _MAX_DURATION:
+        raise ValueError(f"`{field}`: must be more than 0 and at most 30 days, got {value!r}")
+    return seconds
+
+
+class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every manifest part: strict, and durations normalised to seconds."""
+
+    _durations: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name in self._durations:
+            value = getattr(self, name)
+            if value is not None:
+                msgspec.structs.force_setattr(self, name, parse_duration(value, name))
+
+
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+RepositoryUrl = Annotated[
+    str,
+    msgspec.Meta(
+        min_length=1, max_length=2048, pattern=r"^(git|https?|ssh|file)://[^\s]+$|^[^\s:]+@[^\s]+:"
+    ),
+]
+GitRef = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._/@+-]+$")]
+Glob = Annotated[str, msgspec.Meta(min_length=1, max_length=512, pattern=r"^[^/\x00][^\x00]*$")]
+Retries = Annotated[int, msgspec.Meta(ge=0, le=10)]
+Env = dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str]
+
+
+class Repository(_Spec, frozen=True):
+    url: RepositoryUrl
+    ref: GitRef = "main"
+
+
+class SandboxSpec(_Spec, frozen=True):
+    memory_limit_bytes: MemoryLimit | None = None
+    from_snapshot: SaveId | None = None  # start from a Snapshot instead of a clone
+
+
+class AgentCommand(_Spec, frozen=True):
+    """A command in the task's sandbox: the agent is any program of the user's."""
+
+    command: Argv
+    cwd: str | None = None
+    env: Env = {}
+    timeout: DurationInput | None = None  # the operation limit for this command
+    _durations = ("timeout",)
+
+
+class HttpCall(_Spec, frozen=True):
+    """A tool step the orchestrator performs itself: one HTTP request."""
+
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "POST"
+    headers: dict[str, str] = {}
+    body: str | None = None
+    timeout: DurationInput = 30.0
+    _durations = ("timeout",)
+
+
+class Step(_Spec, frozen=True):
+    """One pipeline step: exactly one of `agent` (a command in the sandbox) or
+    `http` (a tool step). `for_each` runs it once per item, one at a time."""
+
+    name: Name
+    agent: AgentCommand | None = None
+    http: HttpCall | None = None
+    delivery: Literal["at_least_once", "at_most_once"] = "at_least_once"
+    for_each: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.agent is None) == (self.http is None):
+            raise ValueError(f"step `{self.name}`: give exactly one of `agent` or `http`")
+        if self.agent is not None and self.delivery != "at_least_once":
+            raise ValueError(
+                f"step `{self.name}`: `delivery` is for tool (http) steps; an agent step is "
+                "never dispatched twice"
+            )
+
+    @property
+    def kind(self) -> Literal["agent", "http"]:
+        return "agent" if self.agent is not None else "http"
+
+
+class Timeouts(_Spec, frozen=True):
+    clone: DurationInput = 600.0  # one git clone attempt
+    stage: DurationInput = 900.0  # staging, provisioning and completing, each
+    running: DurationInput | None = None  # the running stage; default: the task's limit
+    task: DurationInput = 86400.0  # the whole task, retries and waits included
+    _durations = ("clone", "stage", "running", "task")
+
+
+class RetryPolicy(_Spec, frozen=True):
+    network: Retries = 3  # clone connection refused/reset/timed out, tool step errors
+    placement: Retries = 2  # the sandbox could not be placed or started
+    base_delay: DurationInput = 1.0
+    max_delay: DurationInput = 60.0
+    _durations = ("base_delay", "max_delay")
+
+
+class HangPolicy(_Spec, frozen=True):
+    warn_after: DurationInput = 1800.0  # no output this long: a warning event
+    cancel_after: DurationInput = 7200.0  # no output this long: the command is cancelled
+    _durations = ("warn_after", "cancel_after")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cancel_after <= self.warn_after:  # type: ignore[operator]
+            raise ValueError("`cancel_after` must be longer than `warn_after`")
+
+
+class TaskManifest(_Spec, frozen=True):
+    name: Name
+    agent: AgentCommand | None = None  # shorthand for a one-step pipeline named "agent"
+    pipeline: Annotated[list[Step], msgspec.Meta(max_length=100)] = []
+    repository: Repository | None = None
+    sandbox: SandboxSpec = SandboxSpec()
+    environment: Env = {}
+    timeouts: Timeouts = Timeouts()
+    retry: RetryPolicy = RetryPolicy()
+    hang: HangPolicy = HangPolicy()
+    artifacts: Annotated[list[Glob], msgspec.Meta(max_length=100)] = []
+    on_infrastructure_lost: Literal["fail", "recover_and_retry"] = "fail"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.agent is None) == (not self.pipeline):
+            raise ValueError("give exactly one of `agent` (one command) or `pipeline` (steps)")
+        names = [step.name for step in self.pipeline]
+        if len(set(names)) != len(names):
+            raise ValueError("`pipeline`: step names must be unique")
+        if self.repository is not None and self.sandbox.from_snapshot is not None:
+            raise ValueError(
+                "`repository` and `sandbox.from_snapshot` both name the starting files; give one"
+            )
+
+    @property
+    def steps(self) -> list[Step]:
+        if self.agent is not None:
+            return [Step(name="agent", agent=self.agent)]
+        return self.pipeline
+
+    def seconds(self, what: str) -> float:
+        """A normalised duration (the fields hold floats once decoded)."""
+        return float(getattr(self.timeouts, what))
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be accepted; the message names the field."""
+
+
+def load_manifest(data: Any) -> TaskManifest:
+    """A manifest from already-parsed YAML/JSON data; raises ManifestError."""
+    try:
+        return msgspec.convert(data, TaskManifest)
+    except msgspec.ValidationError as err:
+        raise ManifestError(f"invalid task manifest: {err}") from None
+
+
+def parse_manifest(text: str | bytes, *, content_type: str = "") -> TaskManifest:
+    """Parse YAML (a superset of JSON) and validate it; raises ManifestError."""
+    import yaml  # only the edges parse YAML; the domain stays importable without it
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ManifestError(f"invalid task manifest: not valid YAML or JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ManifestError("invalid task manifest: expected a mapping at the top level")
+    return load_manifest(data)

@@ -1,0 +1,51 @@
+"""`python -m sandhold.orchestrator --nats URL --work-dir DIR [--prefix P]`"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sandhold.bus.names import Names
+from sandhold.bus.service import common_arguments, run_service
+from sandhold.orchestrator.service import Orchestrator
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandhold run orchestrator")
+    common_arguments(p)
+    p.add_argument(
+        "--work-dir", type=Path, required=True, help="where repositories are checked out"
+    )
+    p.add_argument(
+        "--proof-window",
+        type=float,
+        default=100.0,
+        help="after a restart, how old a claimed agent step may be for a re-send to "
+        "prove whether its request had left (below the streams' 120 s duplicate window)",
+    )
+    p.add_argument(
+        "--decision-wait",
+        type=float,
+        default=60.0,
+        help="after a restart, how long to wait for a request known to have left to be decided",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_service(
+        lambda a: Orchestrator(
+            a.nats,
+            Names(a.prefix),
+            work_dir=a.work_dir,
+            replicas=a.replicas,
+            proof_window_s=a.proof_window,
+            decision_wait_s=a.decision_wait,
+        ),
+        parser(),
+        argv,
+    )
+
+
+if __name__ == "__main__":
+    main()

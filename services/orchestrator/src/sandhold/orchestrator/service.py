@@ -1,0 +1,222 @@
+"""The orchestrator: takes task requests and drives every unfinished task.
+
+Requests (`<prefix>.req.task.*`) come off the REQUESTS work queue: decode
+strictly → decide on the task's folded state → append behind the fence →
+reply → ack. Every task not yet ended has one runner; at start-up the
+orchestrator replays every task and starts a runner for each unfinished one,
+which resumes from the task's ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from pathlib import Path
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
+from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.names import Names
+from sandhold.bus.reconciler import consume
+from sandhold.bus.service import announce_ready, close_quickly, connect
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.client import Client
+from sandhold.domain import sandbox as sb
+from sandhold.domain import task as tk
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.task_views import TaskReply, task_view
+from sandhold.domain.views import ErrorBody
+from sandhold.orchestrator.faults import check_configuration
+from sandhold.orchestrator.runner import Runner
+from sandhold.orchestrator.sandboxes import Sandboxes
+from sandhold.saves import SaveStore
+
+log = logging.getLogger("sandhold.orchestrator")
+
+_encoder = msgspec.json.Encoder()
+
+
+class Orchestrator:
+    name = "orchestrator"
+
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        work_dir: Path,
+        replicas: int = 1,
+        proof_window_s: float = 100.0,
+        decision_wait_s: float = 60.0,
+    ) -> None:
+        self._url = nats_url
+        self._names = names
+        self._work_dir = work_dir
+        self._replicas = replicas
+        # JetStream remembers message ids for 120 s (the streams' duplicate window):
+        # inside this margin a re-send shows whether a request had left.
+        self._proof_window_s = proof_window_s
+        self._decision_wait_s = decision_wait_s
+        self._stopping = asyncio.Event()
+        self._runners: dict[str, asyncio.Task[None]] = {}
+        self._live: dict[str, Runner] = {}
+
+    async def run(self) -> None:
+        check_configuration()
+        nc = await connect(self._url, name="sandhold-orchestrator")
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            self._js = js
+            self._client = Client(nc, self._names)
+            self.tasks = AggregateStore(js, self._names, "task", tk.evolve, actor="orchestrator")
+            sandbox_store = AggregateStore(
+                js, self._names, "sandbox", sb.evolve, actor="orchestrator"
+            )
+            self._sandbox_store = sandbox_store
+            self._sandboxes = Sandboxes(nc, self._names, sandbox_store)
+            self._save_store = SaveStore(js, self._names)
+            self.tasks.listen(self._task_changed)
+            await sandbox_store.start()
+            await self.tasks.start()
+            await js.add_consumer(
+                self._names.requests_stream,
+                ConsumerConfig(
+                    durable_name="orchestrator",
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=30,
+                    max_deliver=10,
+                    filter_subject=self._names.request("task.>"),
+                ),
+            )
+            sub = await js.pull_subscribe_bind("orchestrator", self._names.requests_stream)
+            for task_id in self.tasks.ids():
+                self._ensure_runner(task_id)
+            await announce_ready(nc, self._names, self.name)
+            log.info("orchestrator ready: %d unfinished task(s) resumed", len(self._runners))
+            requests = asyncio.create_task(
+                consume(sub, self._handle, batch=16, what="task requests")
+            )
+            await self._stopping.wait()
+            requests.cancel()
+            for task in [requests, *self._runners.values()]:
+                task.cancel()
+            for task in [requests, *self._runners.values()]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        finally:
+            await close_quickly(
+                nc, getattr(self, "tasks", None), getattr(self, "_sandbox_store", None)
+            )
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+
+    # --- requests ----------------------------------------------------------------
+
+    async def _handle(self, msg: Msg) -> None:
+        reply_to = (msg.headers or {}).get(REPLY_HEADER)
+        try:
+            request = tk.decode_task_request(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("malformed task request on %s: %s", msg.subject, err)
+            await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
+            await msg.term()
+            return
+        expected = self._names.request(tk.task_request_tag(request))
+        if msg.subject != expected:
+            message = (
+                f"malformed request: a {tk.task_request_tag(request)!r} request was sent to "
+                f"{msg.subject}; send it to {expected}"
+            )
+            await self._reply(reply_to, _error("malformed_request", message))
+            await msg.term()
+            return
+        task_id = tk.aggregate_of(request)
+        try:
+            executed = await self.tasks.execute(
+                task_id,
+                lambda state: tk.decide(state, request),
+                id_base=f"req:{request.key}",
+                causation_id=request.key,
+                correlation_id=request.key,
+            )
+        except Rejected as err:
+            await self._reply(reply_to, _error(err.code, err.message))
+            await msg.ack()
+            return
+        except InfraError as err:
+            log.warning("task request %s not decided yet: %s", request.key, err)
+            await msg.nak(delay=1)
+            return
+        assert executed.state is not None
+        await self._reply(reply_to, TaskReply(ok=True, task=task_view(executed.state)))
+        await msg.ack()
+        self._ensure_runner(task_id)
+
+    async def _reply(self, reply_to: str | None, reply: TaskReply) -> None:
+        if reply_to:
+            await self._js._nc.publish(reply_to, _encoder.encode(reply))
+
+    # --- runners ------------------------------------------------------------------
+
+    def _task_changed(self, task_id: str) -> None:
+        runner = self._live.get(task_id)
+        if runner is not None:
+            runner.changed.set()
+
+    def _ensure_runner(self, task_id: str) -> None:
+        state, _ = self.tasks.get(task_id)
+        if state is None or (state.terminal and task_id not in self._runners):
+            return
+        running = self._runners.get(task_id)
+        if running is not None and not running.done():
+            return
+        self._runners[task_id] = asyncio.create_task(self._drive(task_id))
+
+    async def _drive(self, task_id: str) -> None:
+        """One runner at a time per task; one that fails is replaced by a new one,
+        which treats whatever it finds claimed as interrupted (it was)."""
+        delay = 0.5
+        while not self._stopping.is_set():
+            runner = Runner(
+                task_id,
+                tasks=self.tasks,
+                sandboxes=self._sandboxes,
+                save_store=self._save_store,
+                work_dir=self._work_dir,
+                output_reader=self._client.read_output,
+                last_output_at=self._last_output_at,
+                proof_window_s=self._proof_window_s,
+                decision_wait_s=self._decision_wait_s,
+            )
+            self._live[task_id] = runner
+            try:
+                await runner.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("runner of %s failed; a new one resumes from the ledger", task_id)
+                await asyncio.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 30.0)
+                await self.tasks.sync(task_id)
+            finally:
+                self._live.pop(task_id, None)
+
+    async def _last_output_at(self, sandbox_id: str, command_id: str) -> float | None:
+        subject = self._names.output(sandbox_id, command_id) + ".*"
+        try:
+            raw = await self._js.get_last_msg(self._names.output_stream, subject)
+        except NotFoundError:
+            return None
+        return raw.time.timestamp() if raw.time is not None else None
+
+
+def _error(code: str, message: str) -> TaskReply:
+    return TaskReply(ok=False, error=ErrorBody(code=code, message=message))

@@ -1,0 +1,47 @@
+"""Staging: the repository at the ref, checked out here and stored as a seed save.
+
+The checkout becomes the sandbox's first save in the content-addressed store
+(the same store every save lives in): the host restores it into the
+workspace when the sandbox is placed, and again after a host failure if no
+later save exists. Two tasks on the same repository share its chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import msgspec
+from sandhold.saves import SaveStore, capture
+
+
+class Staged(msgspec.Struct, frozen=True):
+    seed_save_id: str
+    files: int
+    bytes: int
+
+
+async def store_seed(
+    store: SaveStore, checkout: Path, *, save_id: str, sandbox_id: str, spool: Path
+) -> Staged:
+    """Capture `checkout` as save `save_id` of `sandbox_id` and store it."""
+    shutil.rmtree(spool, ignore_errors=True)
+    try:
+        captured = await asyncio.to_thread(
+            capture,
+            checkout,
+            save_id=save_id,
+            sandbox_id=sandbox_id,
+            previous=None,
+            spool=spool,
+            now=time.time(),
+            exclude=frozenset(),
+        )
+        await store.upload(captured.new_chunks)
+        await store.put_manifest(captured.manifest)
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+    manifest = captured.manifest
+    return Staged(save_id, manifest.files, manifest.total_bytes)

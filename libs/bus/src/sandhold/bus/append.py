@@ -19,6 +19,7 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from sandhold.bus.codec import TYPE_HEADER, encode_envelope
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import InfraError
+from sandhold.telemetry import context
 
 WRONG_LAST_SEQUENCE = 10071
 
@@ -70,6 +71,9 @@ async def _append_one(
             Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
             TYPE_HEADER: envelope.type,
         }
+        traceparent = context.traceparent()
+        if traceparent:  # whoever acts on this event continues its trace
+            headers[context.TRACEPARENT] = traceparent
         try:
             ack = await js.publish(subject, payload, stream=stream, headers=headers)
             return ack.seq

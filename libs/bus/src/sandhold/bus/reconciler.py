@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -15,6 +16,7 @@ from nats.js import JetStreamContext
 from nats.js.api import Header
 from sandhold.bus.names import Names
 from sandhold.domain.work import AnyWork
+from sandhold.telemetry import context, metrics
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,17 @@ class DirtyLoop:
     logged and the id is tried again half a second later.
     """
 
-    def __init__(self, handle: Callable[[str], Awaitable[None]], *, what: str) -> None:
+    def __init__(
+        self,
+        handle: Callable[[str], Awaitable[None]],
+        *,
+        what: str,
+        trace_of: Callable[[str], str | None] | None = None,
+    ) -> None:
         self._handle = handle
         self._what = what
+        # A pass continues the trace of the aggregate's latest event (`AggregateStore.trace_of`).
+        self._trace_of = trace_of or (lambda _: None)
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
 
@@ -45,7 +55,8 @@ class DirtyLoop:
             while self._dirty:
                 aggregate_id = self._dirty.pop()
                 try:
-                    await self._handle(aggregate_id)
+                    with context.carry(self._trace_of(aggregate_id)):
+                        await self._handle(aggregate_id)
                 except Exception:
                     log.exception("%s of %s failed; will retry", self._what, aggregate_id)
                     await asyncio.sleep(0.5)
@@ -54,11 +65,15 @@ class DirtyLoop:
 
 async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
     """Publish to `<prefix>.work.<host>`; the deterministic id makes a resend harmless."""
+    headers = {Header.MSG_ID: work.msg_id}
+    traceparent = context.traceparent()
+    if traceparent:
+        headers[context.TRACEPARENT] = traceparent
     await js.publish(
         names.work(host),
         _work_encoder.encode(work),
         stream=names.hostwork_stream,
-        headers={Header.MSG_ID: work.msg_id},
+        headers=headers,
     )
 
 
@@ -79,9 +94,40 @@ async def consume(sub, handle: Callable[[Msg], Awaitable[None]], *, batch: int, 
             await asyncio.sleep(0.5)
             continue
         for msg in msgs:
-            try:
-                await handle(msg)
-            except Exception:
-                log.exception("handling %s on %s failed; it will be redelivered", what, msg.subject)
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=1)
+            await _handle_one(msg, handle, what)
+
+
+async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> None:
+    """One message, in a span that continues the sender's trace, measured from
+    when JetStream stored it to when it was handled."""
+    delivered, stored_ns = delivery(msg)
+    if delivered > 1:
+        metrics.redelivered(what)
+    headers = msg.headers or {}
+    outcome = "handled"
+    with context.span(what, parent=headers.get(context.TRACEPARENT), kind="consumer"):
+        try:
+            await handle(msg)
+        except Exception:
+            outcome = "failed"
+            log.exception("handling %s on %s failed; it will be redelivered", what, msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+    metrics.message_handled(what, msg.subject, outcome, time.time() - stored_ns / 1e9)
+
+
+async def dead_letter(msg: Msg, what: str) -> None:
+    """Give up on a message that can never be handled (a poison message): it is
+    terminated, never redelivered, and counted."""
+    metrics.dead_lettered(what)
+    await msg.term()
+
+
+def delivery(msg: Msg) -> tuple[int, int]:
+    """(times delivered, when stored in ns since the epoch) from the reply subject
+    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>` (or with a
+    domain and account hash in front); parsed by hand as `stream_sequence` does."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[4]), int(tokens[7])
+    return int(tokens[6]), int(tokens[9])

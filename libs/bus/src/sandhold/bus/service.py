@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from typing import Protocol
 
@@ -16,6 +15,7 @@ import msgspec
 import nats
 from nats.aio.client import Client as NATS
 from sandhold.bus.names import Names
+from sandhold.telemetry import metrics, setup
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ async def connect(url: str | list[str], *, name: str) -> NATS:
 
 async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) -> None:
     """Tell `sandhold up` (or anyone listening) that this service is serving."""
+    if metrics.port is not None:
+        extra = {"metrics_port": metrics.port, **extra}
     body = msgspec.json.encode({"service": service, "pid": os.getpid(), **extra})
     await nc.publish(names.ready, body)
     await nc.flush()
@@ -60,6 +62,17 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
         help="subject and stream prefix (default sh)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a cluster)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_int("SANDHOLD_METRICS_PORT"),
+        help="serve this process's Prometheus /metrics on this port (0: any free one)",
+    )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def run_service(
@@ -71,11 +84,8 @@ def run_service(
     args = parser.parse_args(argv)
     if not args.nats:
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
-    logging.basicConfig(
-        level=os.environ.get("SANDHOLD_LOG", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Logs, traces and metrics, named after the service (`sandhold run <service>`).
+    setup(parser.prog.rsplit(" ", 1)[-1], metrics_port=args.metrics_port)
     import uvloop
 
     async def main() -> None:

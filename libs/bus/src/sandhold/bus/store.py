@@ -27,6 +27,7 @@ from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.events import AnyEvent
 from sandhold.domain.fold import fold
+from sandhold.telemetry import context
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class AggregateStore(Generic[S]):
         # Decisions on one aggregate in this process take turns; other processes
         # are kept honest by the fence.
         self._locks: dict[str, asyncio.Lock] = {}
+        # The trace context of each aggregate's latest event (its `traceparent`
+        # header): what a service does about that aggregate continues its trace.
+        self._traces: dict[str, str] = {}
 
     # --- reading --------------------------------------------------------------
 
@@ -100,6 +104,16 @@ class AggregateStore(Generic[S]):
     def subject(self, aggregate_id: str) -> str:
         return self._names.events(self._kind, aggregate_id)
 
+    def trace_of(self, aggregate_id: str) -> str | None:
+        """The `traceparent` of the aggregate's latest event, if it was traced."""
+        return self._traces.get(aggregate_id)
+
+    def _note_trace(self, aggregate_id: str, traceparent: str | None) -> None:
+        if traceparent:
+            self._traces[aggregate_id] = traceparent
+        else:
+            self._traces.pop(aggregate_id, None)
+
     async def _on_msg(self, msg: Msg) -> None:
         seq = stream_sequence(msg)
         aggregate_id = msg.subject.rsplit(".", 1)[1]
@@ -108,6 +122,8 @@ class AggregateStore(Generic[S]):
         except msgspec.DecodeError:
             log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
         else:
+            if seq > self._seqs.get(aggregate_id, 0):
+                self._note_trace(aggregate_id, (msg.headers or {}).get(context.TRACEPARENT))
             self._apply(aggregate_id, seq, [envelope])
         self._high_water = max(self._high_water, seq)
         if self._high_water >= self._target:
@@ -134,6 +150,7 @@ class AggregateStore(Generic[S]):
                 )
             except NotFoundError:
                 break
+            self._note_trace(aggregate_id, (raw.headers or {}).get(context.TRACEPARENT))
             self._apply(aggregate_id, raw.seq or 0, [decode_envelope(raw.data or b"")])
         return self.get(aggregate_id)
 
@@ -144,13 +161,14 @@ class AggregateStore(Generic[S]):
         by the state it was decided on, so two instances deciding it agree on ids."""
         _, seq = self.get(aggregate_id)
         cause = f"{aggregate_id}@{seq}"
-        return await self.execute(
-            aggregate_id,
-            decide,
-            id_base=f"{self._actor}:{why}",
-            causation_id=cause,
-            correlation_id=cause,
-        )
+        with context.carry(self._traces.get(aggregate_id)):
+            return await self.execute(
+                aggregate_id,
+                decide,
+                id_base=f"{self._actor}:{why}",
+                causation_id=cause,
+                correlation_id=cause,
+            )
 
     async def execute(
         self,
@@ -198,33 +216,57 @@ class AggregateStore(Generic[S]):
                 continue
             if not events:
                 return Executed(state, seq, [])
-            envelopes = wrap(
-                events,
-                aggregate_id=aggregate_id,
-                # The expected sequence is part of the id: the same decision on the
-                # same state dedupes, a new decision on newer state never does.
-                id_base=f"{id_base}@{seq}",
-                actor=self._actor,
-                causation_id=causation_id,
-                correlation_id=correlation_id,
-                time=time.time(),
-                trace_id=trace_id,
-            )
-            try:
-                sequences = await append(
-                    self._js, self._stream, self.subject(aggregate_id), envelopes, seq
+            with context.span(
+                "append " + " ".join(e.__struct_config__.tag for e in events),  # type: ignore[misc]
+                kind="producer",
+                **{f"{self._kind}_id": aggregate_id},
+            ):
+                appended = await self._append(
+                    aggregate_id, events, seq, id_base, causation_id, correlation_id, trace_id
                 )
-            except WrongSequence:
+            if appended is None:
                 await self.sync(aggregate_id)
                 synced = True
                 continue
-            for envelope, new_seq in zip(envelopes, sequences, strict=True):
-                self._apply(aggregate_id, new_seq, [envelope])
             state, seq = self.get(aggregate_id)
-            return Executed(state, seq, envelopes)
+            return Executed(state, seq, appended)
         raise InfraError(
             f"{aggregate_id}: gave up after {attempts} conflicting appends", retryable=True
         )
+
+    async def _append(
+        self,
+        aggregate_id: str,
+        events: list[AnyEvent],
+        seq: int,
+        id_base: str,
+        causation_id: str,
+        correlation_id: str,
+        trace_id: str | None,
+    ) -> list[Envelope] | None:
+        """Append `events` after `seq` and apply them; None if someone wrote first."""
+        envelopes = wrap(
+            events,
+            aggregate_id=aggregate_id,
+            # The expected sequence is part of the id: the same decision on the
+            # same state dedupes, a new decision on newer state never does.
+            id_base=f"{id_base}@{seq}",
+            actor=self._actor,
+            causation_id=causation_id,
+            correlation_id=correlation_id,
+            time=time.time(),
+            trace_id=trace_id or context.trace_id(),
+        )
+        try:
+            sequences = await append(
+                self._js, self._stream, self.subject(aggregate_id), envelopes, seq
+            )
+        except WrongSequence:
+            return None
+        self._note_trace(aggregate_id, context.traceparent())
+        for envelope, new_seq in zip(envelopes, sequences, strict=True):
+            self._apply(aggregate_id, new_seq, [envelope])
+        return envelopes
 
 
 def stream_sequence(msg: Msg) -> int:

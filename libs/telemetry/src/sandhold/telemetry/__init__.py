@@ -1,1 +1,21 @@
-"""Tracing, metrics and structured logs shared by every sandhold service."""
+"""Tracing, metrics and structured logs shared by every sandhold service.
+
+`context` is what the bus calls on every message (cheap when tracing is off);
+`tracing`, `metrics` and `logs` are configured once per process by `setup`.
+"""
+
+from __future__ import annotations
+
+from sandhold.telemetry import logs, metrics, tracing
+
+
+def setup(service: str, *, metrics_port: int | None = None) -> int | None:
+    """Logs, tracing (if the environment asks for it) and, given a port, `/metrics`.
+
+    Returns the port `/metrics` listens on, if any.
+    """
+    logs.configure(service)
+    tracing.configure(service)
+    if metrics_port is None:
+        return None
+    return metrics.serve(service, metrics_port)

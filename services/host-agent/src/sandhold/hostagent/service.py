@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 from sandhold.bus import leases
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import consume
+from sandhold.bus.reconciler import consume, dead_letter
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -37,6 +37,7 @@ from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import SaveStore
+from sandhold.telemetry import context, metrics
 
 log = logging.getLogger("sandhold.host-agent")
 
@@ -219,6 +220,7 @@ class HostAgent:
                     await asyncio.wait_for(self._put_lease(), max(0.05, left))
             except Exception as err:  # a missed renewal is the recovery service's business
                 log.warning("lease renewal failed: %s", err)
+                metrics.lease_renewal_failed(self.host_id)
             await asyncio.sleep(self._lease_interval)
 
     async def _fence_self(self) -> None:
@@ -287,13 +289,19 @@ class HostAgent:
             work = _work_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             log.error("undecodable work on %s: %s", msg.subject, err)
-            await msg.term()
+            await dead_letter(msg, f"work for {self.host_id}")
             return
         if self._fenced:
             await msg.nak(delay=1)  # nothing is done while fenced; decided again once back
             return
         try:
-            await self._do(work)
+            with context.span(
+                f"host-agent {type(work).__name__}",
+                sandbox_id=work.sandbox_id,
+                command_id=getattr(work, "command_id", None),
+                save_id=getattr(work, "save_id", None),
+            ):
+                await self._do(work)
         except Rejected as err:
             log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
         except InfraError as err:

@@ -52,7 +52,11 @@ class Saver:
         self._gc_interval_s = gc_interval_s
         self._gc_grace_s = gc_grace_s
         self._stopping = asyncio.Event()
-        self._dirty_loop = DirtyLoop(self._reconcile, what="reconciling saves")
+        self._dirty_loop = DirtyLoop(
+            self._reconcile,
+            what="reconciling saves",
+            trace_of=lambda sid: self.sandboxes.trace_of(sid),
+        )
         # Verification and garbage collection take turns, so GC never judges the
         # store while a save is between "all chunks present" and SaveCompleted.
         self._store_lock = asyncio.Lock()

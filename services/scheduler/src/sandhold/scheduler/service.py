@@ -19,7 +19,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import leases
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import DirtyLoop, consume, send_work
+from sandhold.bus.reconciler import DirtyLoop, consume, dead_letter, send_work
 from sandhold.bus.service import announce_ready, close_quickly, connect
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -33,6 +33,7 @@ from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
 from sandhold.saves.errors import MissingManifest
 from sandhold.saves.store import SaveStore
+from sandhold.telemetry import metrics
 
 log = logging.getLogger("sandhold.scheduler")
 
@@ -59,7 +60,9 @@ class Scheduler:
         self._defaults = defaults
         self._durable = durable
         self._stopping = asyncio.Event()
-        self._dirty_loop = DirtyLoop(self._reconcile, what="reconciling")
+        self._dirty_loop = DirtyLoop(
+            self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
+        )
 
     async def run(self) -> None:
         nc = await connect(self._url, name="sandhold-scheduler")
@@ -132,7 +135,7 @@ class Scheduler:
             # A poison message: answer it, drop it, never redeliver it.
             log.warning("malformed request on %s: %s", msg.subject, err)
             await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
-            await msg.term()
+            await dead_letter(msg, "requests")
             return
         expected_subject = self._names.request(rq.request_tag(request))
         if msg.subject != expected_subject:
@@ -141,7 +144,7 @@ class Scheduler:
                 f"{msg.subject}; send it to {expected_subject}"
             )
             await self._reply(reply_to, _error("malformed_request", message))
-            await msg.term()
+            await dead_letter(msg, "requests")
             return
         sandbox_id = sb.aggregate_of(request)
         try:
@@ -171,6 +174,7 @@ class Scheduler:
         self._mark_dirty(sandbox_id)
 
     async def _reply(self, reply_to: str | None, reply: Reply) -> None:
+        metrics.replied(reply.error.code if reply.error else "ok")
         if reply_to:
             await self._js._nc.publish(reply_to, _reply_encoder.encode(reply))
 

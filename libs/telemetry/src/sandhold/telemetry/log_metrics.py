@@ -1,0 +1,261 @@
+"""Metrics that are facts of the log, folded from it (decision 012).
+
+Counts and durations of tasks, commands, saves, hosts and recoveries are all
+in the events themselves (their envelope times, `freeze_ms`, `uploaded_bytes`
+...). Folding them from the first event gives exact numbers after any restart,
+the same ones in every process that folds them: the metrics service and
+`sandhold top`. Pure: no NATS, no OpenTelemetry.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Literal, NamedTuple
+
+from sandhold.domain import host as host_domain
+from sandhold.domain import sandbox as sb
+from sandhold.domain.envelope import Envelope
+
+Kind = Literal["counter", "gauge", "histogram"]
+Labels = tuple[tuple[str, str], ...]  # sorted (name, value) pairs
+
+
+class Metric(NamedTuple):
+    name: str  # as Prometheus shows it (counters end in _total, durations in _seconds)
+    kind: Kind
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+_SHORT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LONG = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400, 259200)
+
+CATALOG: tuple[Metric, ...] = (
+    # The seed's task metrics, by their seed names.
+    Metric("tasks_submitted_total", "counter", "Tasks submitted"),
+    Metric(
+        "tasks_completed_total",
+        "counter",
+        "Tasks that ended, by status (completed, failed, cancelled, timed_out)",
+    ),
+    Metric(
+        "task_duration_seconds",
+        "histogram",
+        "Submission to end of each ended task, by status",
+        _LONG,
+    ),
+    Metric("tasks_active", "gauge", "Tasks submitted and not ended"),
+    Metric("tasks_running", "gauge", "Tasks in the running stage"),
+    Metric("task_hang_warnings_total", "counter", "Hang warnings (no output for hang_warn)"),
+    # sandhold's own.
+    Metric("sandhold_events_total", "counter", "Events in the log, by type"),
+    Metric("sandhold_commands_ended_total", "counter", "Commands that ended, by end state"),
+    Metric("sandhold_sandboxes", "gauge", "Sandboxes by phase"),
+    Metric("sandhold_saves_completed_total", "counter", "Verified saves, by kind"),
+    Metric("sandhold_save_failures_total", "counter", "Failed saves, by stage"),
+    Metric(
+        "sandhold_save_duration_seconds",
+        "histogram",
+        "Save requested to verified (save.completed), by kind",
+        _SHORT,
+    ),
+    Metric(
+        "sandhold_save_freeze_seconds",
+        "histogram",
+        "How long a running sandbox stood frozen for a save (the freeze window), by method",
+        _SHORT,
+    ),
+    Metric("sandhold_save_uploaded_bytes_total", "counter", "Bytes saves sent to the save store"),
+    Metric(
+        "sandhold_save_lag_seconds",
+        "gauge",
+        "RPO per running sandbox: how old the files of its last completed save are",
+    ),
+    Metric("sandhold_hosts", "gauge", "Hosts by status (registered, lost, fenced)"),
+    Metric("sandhold_hosts_lost_total", "counter", "Hosts declared lost (a lease not renewed)"),
+    Metric("sandhold_sandboxes_lost_total", "counter", "Sandboxes lost with their host"),
+    Metric(
+        "sandhold_recovery_seconds",
+        "histogram",
+        "Recovery asked for (start, command or eager) to running again on another host",
+        _SHORT,
+    ),
+    Metric("sandhold_log_position", "gauge", "The last stream sequence folded into these metrics"),
+)
+
+BY_NAME = {m.name: m for m in CATALOG}
+
+Observer = Callable[[str, float, Labels], None]
+
+_TERMINAL = {
+    "task.completed": "completed",
+    "task.failed": "failed",
+    "task.cancelled": "cancelled",
+    "task.timed_out": "timed_out",
+}
+
+
+def labels(**pairs: str) -> Labels:
+    return tuple(sorted(pairs.items()))
+
+
+class _Task(NamedTuple):
+    submitted_at: float
+    stage: str
+
+
+class LogMetrics:
+    """The metrics as of the last event applied; `apply` every event in order."""
+
+    def __init__(self, *, keep_samples: int = 10_000) -> None:
+        self.position = 0
+        self.counters: dict[str, dict[Labels, float]] = {
+            m.name: {} for m in CATALOG if m.kind == "counter"
+        }
+        # The latest observations of each histogram, for percentiles in `sandhold top`.
+        self.samples: dict[str, deque[float]] = {
+            m.name: deque(maxlen=keep_samples) for m in CATALOG if m.kind == "histogram"
+        }
+        self.sandboxes: dict[str, sb.Sandbox] = {}
+        self.hosts: dict[str, host_domain.Host] = {}
+        self.tasks: dict[str, _Task] = {}  # tasks not ended yet
+        self._recovering_since: dict[str, float] = {}
+        self._observers: list[Observer] = []
+
+    def on_observation(self, observer: Observer) -> None:
+        """`observer(histogram name, value, labels)` for every histogram value."""
+        self._observers.append(observer)
+
+    # --- folding ----------------------------------------------------------------
+
+    def apply(self, seq: int, envelope: Envelope) -> None:
+        if seq <= self.position:
+            return  # seen already
+        self.position = seq
+        kind = envelope.type.split(".", 1)[0]
+        self._count("sandhold_events_total", type=envelope.type)
+        if kind in ("sandbox", "command", "save", "request"):
+            self._sandbox(envelope)
+        elif kind == "host":
+            self._host(envelope)
+        elif kind == "task":
+            self._task(envelope)
+
+    def _sandbox(self, envelope: Envelope) -> None:
+        sid, event, at = envelope.aggregate_id, envelope.event, envelope.time
+        before = self.sandboxes.get(sid)
+        match envelope.type:
+            case "command.ended":
+                self._count("sandhold_commands_ended_total", state=event.state)
+            case "save.captured":
+                self._observe(
+                    "sandhold_save_freeze_seconds",
+                    event.freeze_ms / 1000,
+                    method=event.freeze_method,
+                )
+            case "save.uploaded":
+                self._count("sandhold_save_uploaded_bytes_total", by=event.uploaded_bytes)
+            case "save.completed" if before is not None and event.save_id in before.saves:
+                record = before.saves[event.save_id]
+                self._count("sandhold_saves_completed_total", kind=record.kind)
+                self._observe(
+                    "sandhold_save_duration_seconds", at - record.requested_at, kind=record.kind
+                )
+            case "save.failed":
+                self._count("sandhold_save_failures_total", stage=event.stage)
+            case "sandbox.lost":
+                self._count("sandhold_sandboxes_lost_total")
+            case "sandbox.recovery_requested":
+                self._recovering_since.setdefault(sid, at)
+            case "sandbox.started" if sid in self._recovering_since:
+                self._observe("sandhold_recovery_seconds", at - self._recovering_since.pop(sid))
+        after = sb.evolve(before, envelope)
+        if after is not None:
+            self.sandboxes[sid] = after
+
+    def _host(self, envelope: Envelope) -> None:
+        hid = envelope.aggregate_id
+        before = self.hosts.get(hid)
+        after = host_domain.evolve(before, envelope)
+        if after is None:
+            return
+        self.hosts[hid] = after
+        if after.status == "lost" and (before is None or before.status != "lost"):
+            self._count("sandhold_hosts_lost_total")
+
+    def _task(self, envelope: Envelope) -> None:
+        tid, event, at = envelope.aggregate_id, envelope.event, envelope.time
+        if envelope.type == "task.submitted":
+            if tid not in self.tasks:
+                self._count("tasks_submitted_total")
+                self.tasks[tid] = _Task(submitted_at=at, stage="pending")
+            return
+        task = self.tasks.get(tid)
+        if task is None:
+            return  # ended already (or never submitted): nothing more counts
+        if envelope.type == "task.stage_entered":
+            self.tasks[tid] = task._replace(stage=event.stage)
+        elif envelope.type == "task.hang_warned":
+            self._count("task_hang_warnings_total")
+        elif envelope.type in _TERMINAL:
+            status = _TERMINAL[envelope.type]
+            del self.tasks[tid]
+            self._count("tasks_completed_total", status=status)
+            self._observe("task_duration_seconds", at - task.submitted_at, status=status)
+
+    def _count(self, name: str, by: float = 1, **pairs: str) -> None:
+        series = self.counters[name]
+        key = labels(**pairs)
+        series[key] = series.get(key, 0) + by
+
+    def _observe(self, name: str, value: float, **pairs: str) -> None:
+        value = max(0.0, value)  # envelope times come from different hosts' clocks
+        self.samples[name].append(value)
+        key = labels(**pairs)
+        for observer in self._observers:
+            observer(name, value, key)
+
+    # --- reading ----------------------------------------------------------------
+
+    def gauges(self, now: float) -> dict[str, dict[Labels, float]]:
+        """The gauges as of `now` (save lag grows between events)."""
+        phases: dict[Labels, float] = {}
+        lag: dict[Labels, float] = {}
+        for sid, state in self.sandboxes.items():
+            key = labels(phase=state.phase)
+            phases[key] = phases.get(key, 0) + 1
+            if state.phase == "running":
+                lag[labels(sandbox=sid)] = max(0.0, now - _files_as_of(state))
+        statuses: dict[Labels, float] = {}
+        for host in self.hosts.values():
+            key = labels(status=host.status)
+            statuses[key] = statuses.get(key, 0) + 1
+        return {
+            "tasks_active": {(): len(self.tasks)},
+            "tasks_running": {(): sum(1 for t in self.tasks.values() if t.stage == "running")},
+            "sandhold_sandboxes": phases,
+            "sandhold_save_lag_seconds": lag,
+            "sandhold_hosts": statuses,
+            "sandhold_log_position": {(): self.position},
+        }
+
+    def total(self, name: str, **pairs: str) -> float:
+        """A counter summed over every series whose labels include `pairs`."""
+        wanted = set(pairs.items())
+        return sum(v for k, v in self.counters[name].items() if wanted <= set(k))
+
+
+def _files_as_of(state: sb.Sandbox) -> float:
+    """When the files a restore would bring back were captured (RPO's start)."""
+    latest = state.last_completed_save
+    if latest is not None:
+        return latest.captured_at or latest.requested_at
+    return state.running_since or state.created_at
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -14,8 +14,9 @@ import msgspec
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
-from sandhold.cli import audit
+from sandhold.cli import audit, tasks
 from sandhold.cli.progress import progress
+from sandhold.cli.top import top
 
 # How `exec` exits when the command did not simply exit: shell conventions where
 # one exists (124 timeout(1), 127 not found, 130 interrupted, 137 killed).
@@ -181,6 +182,8 @@ async def _host(args: argparse.Namespace, client: Client) -> int:
 
 
 async def _admin(args: argparse.Namespace, client: Client) -> int:
+    if args.action == "rebuild-read-model":
+        return await audit.rebuild_read_model(client, timeout=args.timeout)
     body = {} if args.grace is None else {"grace_s": args.grace}
     reply = await client.nc.request(
         f"{client.names.prefix}.admin.gc", msgspec.json.encode(body), timeout=300
@@ -308,6 +311,19 @@ def _parser() -> argparse.ArgumentParser:
         help="extra seconds before a lost host counts as fenced (default 2)",
     )
     up.add_argument(
+        "--gateway-port",
+        type=int,
+        default=None,
+        help="the HTTP gateway's port on 127.0.0.1 (default: a free one)",
+    )
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="the metrics service's Prometheus /metrics port (default: a free one; "
+        "every endpoint is listed in runtime.json)",
+    )
+    up.add_argument(
         "--save-timeout",
         type=float,
         default=600.0,
@@ -315,8 +331,18 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     run = sub.add_parser("run", help="run one service alone against --nats URL")
-    run.add_argument("service", choices=["scheduler", "host-agent", "saver", "recovery"])
+    run.add_argument(
+        "service",
+        choices=["scheduler", "host-agent", "saver", "recovery", "metrics", "orchestrator"],
+    )
     run.add_argument("service_args", nargs=argparse.REMAINDER)
+
+    top_parser = sub.add_parser("top", help="key numbers live from the log (tasks, saves, hosts)")
+    top_parser.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    top_parser.add_argument("--once", action="store_true", help="print once and exit")
+    top_parser.add_argument("--json", action="store_true", help="the numbers as JSON lines")
+
+    tasks.add_parser(sub)
 
     sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
     actions = sandbox.add_subparsers(dest="action", required=True)
@@ -351,10 +377,16 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     rp = sub.add_parser("replay", help="a sandbox's state rebuilt from the log, as of any point")
-    rp.add_argument("kind", choices=["sandbox"])
+    rp.add_argument("kind", choices=["sandbox", "task"])
     rp.add_argument("id")
     rp.add_argument("--at", help="a stream sequence or an ISO-8601 time (default: now)")
     rp.add_argument("--json", action="store_true")
+    rp.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare the rebuilt state with the gateway's read model; exit 1 on any difference",
+    )
+    rp.add_argument("--read-model", help="the read model file (default: from runtime.json)")
 
     hist = sub.add_parser("history", help="a readable timeline of a sandbox's events")
     hist.add_argument("kind", choices=["sandbox"])
@@ -380,6 +412,18 @@ def _parser() -> argparse.ArgumentParser:
     admin = sub.add_parser("admin", help="operator tasks")
     admin_actions = admin.add_subparsers(dest="action", required=True)
     gc = admin_actions.add_parser("gc", help="collect save-store chunks no retained save needs")
+    rebuild = admin_actions.add_parser(
+        "rebuild-read-model", help="drop the gateway's read model and rebuild it from the log"
+    )
+    rebuild.add_argument("--timeout", type=float, default=600.0)
+    tokens = sub.add_parser("token", help="bearer tokens for the HTTP gateway")
+    token_actions = tokens.add_subparsers(dest="action", required=True)
+    token_create = token_actions.add_parser("create", help="make a token; it is shown once")
+    token_create.add_argument("--tenant", required=True)
+    token_create.add_argument("--name", help="a name to revoke it by (default: generated)")
+    token_ls = token_actions.add_parser("ls", help="tokens by name and tenant (never the secret)")
+    token_ls.add_argument("--json", action="store_true")
+    token_actions.add_parser("revoke", help="revoke a token by name").add_argument("name")
     gc.add_argument(
         "--grace",
         type=float,
@@ -444,29 +488,71 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.fence_margin),
             ],
             "host-agent": ["--lease-ttl", str(args.lease_ttl)],
+            "metrics": ["--metrics-port", str(args.metrics_port)],
         }
         service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]
-        raise SystemExit(up(Path(args.data_dir), prefix, args.hosts, service_args))
+        raise SystemExit(
+            up(Path(args.data_dir), prefix, args.hosts, service_args, args.gateway_port)
+        )
+    if args.group == "token":
+        raise SystemExit(_token(args))
     if args.group == "run":
         _run_service(args)
         return
     handlers = {
         "sandbox": _sandbox,
+        "task": tasks.run,
         "exec": _exec,
         "command": _command,
         "snapshot": _snapshot,
         "admin": _admin,
         "host": _host,
-        "replay": lambda a, c: audit.replay(c, a.id, a.at, a.json),
+        "replay": lambda a, c: audit.replay(
+            c, a.id, a.at, a.json, kind=a.kind, verify=a.verify, read_model=_read_model(a)
+        ),
         "history": lambda a, c: audit.history(c, a.id),
         "audit": lambda a, c: audit.export(c, a.sandbox, a.since),
         "events": lambda a, c: audit.tail(c, a.sandbox, a.count),
+        "top": lambda a, c: top(c, interval=a.interval, once=a.once, as_json=a.json),
     }
     handler = handlers[args.group]
     import uvloop
 
     code = uvloop.run(_with_client(args, lambda client: handler(args, client)))
     raise SystemExit(code)
+
+
+def _read_model(args: argparse.Namespace) -> Path | None:
+    if args.read_model:
+        return Path(args.read_model)
+    found = _runtime(Path(args.data_dir)).get("gateway", {})
+    return Path(found["read_model"]) if isinstance(found, dict) and "read_model" in found else None
+
+
+def _token(args: argparse.Namespace) -> int:
+    from sandhold.gateway import tokens
+
+    path = Path(args.data_dir) / "tokens.json"
+    match args.action:
+        case "create":
+            try:
+                entry, token = tokens.create(path, args.tenant, args.name)
+            except ValueError as err:
+                print(f"sandhold: {err}", file=sys.stderr)
+                return EXIT_REJECTED
+            print(f"token {entry.name} for tenant {entry.tenant} (shown once):", file=sys.stderr)
+            print(token)
+        case "ls":
+            entries = tokens.read(path).tokens
+            if args.json:
+                _print_json([{"name": t.name, "tenant": t.tenant} for t in entries])
+            for t in [] if args.json else entries:
+                print(f"{t.name}  tenant={t.tenant}")
+        case "revoke":
+            if not tokens.revoke(path, args.name):
+                print(f"sandhold: no token named {args.name!r}", file=sys.stderr)
+                return EXIT_REJECTED
+    return 0
 
 
 def _run_service(args: argparse.Namespace) -> None:
@@ -482,6 +568,10 @@ def _run_service(args: argparse.Namespace) -> None:
         from sandhold.saver.__main__ import main as service_main
     elif args.service == "recovery":
         from sandhold.recovery.__main__ import main as service_main
+    elif args.service == "metrics":
+        from sandhold.cli.metrics import main as service_main
+    elif args.service == "orchestrator":
+        from sandhold.orchestrator.__main__ import main as service_main
     else:
         from sandhold.hostagent.__main__ import main as service_main
     service_main(service_args)

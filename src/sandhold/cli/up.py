@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,14 +74,22 @@ class Runtime:
         hosts: int,
         *,
         service_args: dict[str, list[str]] | None = None,
+        gateway_port: int | None = None,
     ) -> None:
         self.data_dir = data_dir.resolve()
         self.names = Names(prefix)
         self.hosts = hosts
         self.service_args = service_args or {}
+        # Chosen once, so a restarted gateway is found where clients left it.
+        self.gateway_port = gateway_port or _free_port()
         self.server = NatsServer(self.data_dir / "nats")
         self.children: list[Child] = []
+        self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
         self._stop = asyncio.Event()
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
 
     @property
     def runtime_file(self) -> Path:
@@ -110,7 +119,43 @@ class Runtime:
                 logs / "recovery.log",
                 "recovery",
             ),
+            Child(
+                "metrics",
+                [*base, "sandhold.cli.metrics", *common, *extra.get("metrics", [])],
+                logs / "metrics.log",
+                "metrics",
+            ),
+            Child(
+                "orchestrator",
+                [
+                    *base,
+                    "sandhold.orchestrator",
+                    *common,
+                    "--work-dir",
+                    str(self.data_dir / "orchestrator"),
+                    *extra.get("orchestrator", []),
+                ],
+                logs / "orchestrator.log",
+                "orchestrator",
+            ),
         ]
+        children.append(
+            Child(
+                "gateway",
+                [
+                    *base,
+                    "sandhold.gateway",
+                    *common,
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--port",
+                    str(self.gateway_port),
+                    *extra.get("gateway", []),
+                ],
+                logs / "gateway.log",
+                "gateway",
+            )
+        )
         host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
         # --hosts 0: host-agents run elsewhere (`sandhold run host-agent`)
         for host_id in host_ids:
@@ -143,6 +188,16 @@ class Runtime:
             "pid": os.getpid(),
             "nats_pid": self.server.pid,
             "services": {c.name: c.pid for c in self.children},
+            "metrics": {
+                name: f"http://127.0.0.1:{port}/metrics"
+                for name, port in sorted(self.metrics_ports.items())
+            },
+            "gateway": {
+                "url": self.gateway_url,
+                "port": self.gateway_port,
+                "read_model": str(self.data_dir / "gateway" / "read-model.sqlite"),
+                "tokens": str(self.data_dir / "tokens.json"),
+            },
         }
         tmp = self.runtime_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(body, indent=2) + "\n")
@@ -152,6 +207,10 @@ class Runtime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        # Every service serves its own /metrics on a free local port (listed in
+        # runtime.json); the metrics service's port is `--metrics-port`.
+        os.environ["SANDHOLD_METRICS_PORT"] = "0"
+        os.environ.setdefault("SANDHOLD_METRICS_ADDR", "127.0.0.1")
         self.server.start()
         try:
             return await self._serve()
@@ -173,6 +232,9 @@ class Runtime:
                 key = body["service"] + (f":{body['host']}" if "host" in body else "")
                 ready.add(key)
                 got_ready.set()
+                if "metrics_port" in body:
+                    self.metrics_ports[key] = body["metrics_port"]
+                    self._write_runtime()
 
             await nc.subscribe(self.names.ready, cb=on_ready)
             await nc.flush()
@@ -193,7 +255,7 @@ class Runtime:
                 got_ready.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(got_ready.wait(), 0.5)
-            print(f"sandhold is up: {url}", flush=True)
+            print(f"sandhold is up: {url} gateway {self.gateway_url}", flush=True)
             await self._supervise()
             return 0
         finally:
@@ -229,6 +291,28 @@ class Runtime:
                 await _wait_exit(child, 30.0)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_token(data_dir: Path) -> None:
+    """The first `up` on a data dir makes a token for tenant `default` and shows
+    it this once (the file keeps only its hash)."""
+    from sandhold.gateway import tokens
+
+    path = data_dir / "tokens.json"
+    if path.exists():
+        return
+    _, token = tokens.create(path, "default", "default")
+    print(
+        f"sandhold: HTTP token for tenant default (shown once; `sandhold token create` "
+        f"makes more): {token}",
+        flush=True,
+    )
+
+
 async def _wait_exit(child: Child, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while child.alive() and time.monotonic() < deadline:
@@ -239,7 +323,11 @@ async def _wait_exit(child: Child, timeout: float) -> None:
 
 
 def up(
-    data_dir: Path, prefix: str, hosts: int, service_args: dict[str, list[str]] | None = None
+    data_dir: Path,
+    prefix: str,
+    hosts: int,
+    service_args: dict[str, list[str]] | None = None,
+    gateway_port: int | None = None,
 ) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     lock = (data_dir / "up.lock").open("w")
@@ -248,6 +336,8 @@ def up(
     except BlockingIOError:
         print(f"sandhold: another `sandhold up` is using {data_dir}", file=sys.stderr)
         return 1
+    _first_token(data_dir)
     import uvloop
 
-    return uvloop.run(Runtime(data_dir, prefix, hosts, service_args=service_args).run())
+    runtime = Runtime(data_dir, prefix, hosts, service_args=service_args, gateway_port=gateway_port)
+    return uvloop.run(runtime.run())

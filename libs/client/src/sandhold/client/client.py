@@ -12,6 +12,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
+from nats.js.errors import NotFoundError
 from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
 from sandhold.bus.leases import SETTINGS_KEY
 from sandhold.bus.names import Names
@@ -21,12 +22,15 @@ from sandhold.bus.service import connect as bus_connect
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
+from sandhold.domain import task as tk
 from sandhold.domain.commands import END_STATES as _END_STATES
 from sandhold.domain.envelope import Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.host import Host
 from sandhold.domain.host import evolve as evolve_host
+from sandhold.domain.task_manifest import TaskManifest
+from sandhold.domain.task_views import TaskReply, TaskView, task_view
 from sandhold.domain.views import (
     CommandView,
     Reply,
@@ -36,8 +40,10 @@ from sandhold.domain.views import (
     sandbox_view,
     save_view,
 )
+from sandhold.telemetry import context
 
 _reply_decoder = msgspec.json.Decoder(Reply)
+_task_reply_decoder = msgspec.json.Decoder(TaskReply)
 
 OutputCallback = Callable[[str, bytes], None]
 
@@ -78,35 +84,61 @@ class Client:
         scheduler that is down; the reply comes when the scheduler has decided.
         Raises `Rejected` with the scheduler's code when it refuses.
         """
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, max_msgs=1)
-        try:
-            payload = rq.encode_request(request)
-            # One id per call: a publish retried inside this call is dropped as a
-            # duplicate by the stream, while a later call with the same key reaches
-            # the scheduler and gets the original result back (decision 001).
-            msg_id = f"{request.tenant}:{request.key}:{rq.request_digest(request)}:{inbox[-22:]}"
-            await self.js.publish(
-                self.names.request(rq.request_tag(request)),
-                payload,
-                stream=self.names.requests_stream,
-                headers={Header.MSG_ID: msg_id, REPLY_HEADER: inbox},
-            )
-            try:
-                msg = await sub.next_msg(timeout=self.request_timeout)
-            except TimeoutError as err:
-                raise InfraError(
-                    f"no answer from the scheduler in {self.request_timeout}s; the request is "
-                    "queued and will be handled when a scheduler runs",
-                    retryable=True,
-                ) from err
-        finally:
-            await sub.unsubscribe()
-        reply = _reply_decoder.decode(msg.data)
+        data = await self._request(
+            self.names.request(rq.request_tag(request)),
+            rq.encode_request(request),
+            f"{request.tenant}:{request.key}:{rq.request_digest(request)}",
+            "scheduler",
+        )
+        reply = _reply_decoder.decode(data)
         if not reply.ok:
             assert reply.error is not None
             raise Rejected(reply.error.code, reply.error.message)
         return reply
+
+    async def send_task(self, request: tk.AnyTaskRequest) -> TaskView:
+        """Like `send`, for the orchestrator's task requests."""
+        data = await self._request(
+            self.names.request(tk.task_request_tag(request)),
+            tk.encode_task_request(request),
+            f"{request.tenant}:{request.key}:{tk.task_request_digest(request)}",
+            "orchestrator",
+        )
+        reply = _task_reply_decoder.decode(data)
+        if not reply.ok:
+            assert reply.error is not None
+            raise Rejected(reply.error.code, reply.error.message)
+        assert reply.task is not None
+        return reply.task
+
+    async def _request(self, subject: str, payload: bytes, msg_id: str, service: str) -> bytes:
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            # One id per call: a publish retried inside this call is dropped as a
+            # duplicate by the stream, while a later call with the same key reaches
+            # the service and gets the original result back (decision 001).
+            headers = {Header.MSG_ID: f"{msg_id}:{inbox[-22:]}", REPLY_HEADER: inbox}
+            # A trace starts here (or continues the caller's) and lasts until the
+            # reply: the service and every one after it add their spans to it.
+            with context.span(f"request {subject.rsplit('.req.', 1)[-1]}", kind="client"):
+                traceparent = context.traceparent()
+                if traceparent:
+                    headers[context.TRACEPARENT] = traceparent
+                await self.js.publish(
+                    subject, payload, stream=self.names.requests_stream, headers=headers
+                )
+                try:
+                    msg = await sub.next_msg(timeout=self.request_timeout)
+                except TimeoutError as err:
+                    raise InfraError(
+                        f"no answer from the {service} in {self.request_timeout}s; the request "
+                        f"is queued and will be handled when a {service} runs",
+                        retryable=True,
+                    ) from err
+        finally:
+            await sub.unsubscribe()
+        return msg.data
 
     def _key(self, key: str | None) -> str:
         return key or uuid.uuid4().hex
@@ -253,6 +285,49 @@ class Client:
         assert reply.command is not None
         return reply.command
 
+    # --- tasks --------------------------------------------------------------------
+
+    async def submit_task(self, manifest: TaskManifest, *, key: str | None = None) -> TaskView:
+        return await self.send_task(
+            tk.SubmitTask(key=self._key(key), tenant=self.tenant, manifest=manifest)
+        )
+
+    async def cancel_task(self, task_id: str, *, key: str | None = None) -> TaskView:
+        return await self.send_task(
+            tk.CancelTask(key=self._key(key), tenant=self.tenant, task_id=task_id)
+        )
+
+    async def task_records(self, task_id: str) -> list[Recorded]:
+        return await read_subject(
+            self.js, self.names.events_stream, self.names.events("task", task_id)
+        )
+
+    async def task_state(self, task_id: str) -> tk.Task | None:
+        state = fold(tk.evolve, (r.envelope for r in await self.task_records(task_id)), None)
+        return state if state is not None and state.tenant == self.tenant else None
+
+    async def show_task(self, task_id: str) -> TaskView:
+        state = await self.task_state(task_id)
+        if state is None:
+            raise Rejected("task_not_found", f"no task {task_id}")
+        return task_view(state)
+
+    async def list_tasks(self, *, state: str | None = None) -> list[TaskView]:
+        states = await self.fold_all("task", tk.evolve)
+        return sorted(
+            (
+                task_view(t)
+                for t in states.values()
+                if t is not None and t.tenant == self.tenant and (state is None or t.state == state)
+            ),
+            key=lambda v: v.submitted_at,
+        )
+
+    async def wait_for_task(self, task_id: str, check, *, timeout: float, what: str):
+        """Re-fold the task whenever one of its events arrives until `check(state)`
+        returns something."""
+        return await self._wait_for("task", task_id, self.task_state, check, timeout, what)
+
     # --- reading state (the same fold the services use) -------------------------
 
     async def sandbox_records(self, sandbox_id: str) -> list[Recorded]:
@@ -271,6 +346,21 @@ class Client:
         if state is None:
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
         return sandbox_view(state)
+
+    async def _owns(self, sandbox_id: str) -> bool:
+        """Whether the sandbox is this tenant's: its first event (one direct get)."""
+        try:
+            msg = await self.js.get_msg(
+                self.names.events_stream,
+                seq=1,
+                subject=self.names.events("sandbox", sandbox_id),
+                next=True,
+                direct=True,
+            )
+        except NotFoundError:
+            return False
+        created = decode_envelope(msg.data or b"").event
+        return isinstance(created, ev.SandboxCreated) and created.tenant == self.tenant
 
     async def fold_all(self, kind: str, evolve) -> dict:
         """Every aggregate of a kind, folded from the log: id -> state."""
@@ -299,7 +389,11 @@ class Client:
         return command_view(sandbox_id, state.commands[command_id])
 
     async def read_output(self, sandbox_id: str, command_id: str) -> dict[str, bytes]:
-        """The command's kept output, per stream, from the OUTPUT stream."""
+        """The command's kept output, per stream, from the OUTPUT stream.
+
+        Another tenant's sandbox is reported exactly like a missing one."""
+        if not await self._owns(sandbox_id):
+            raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         subject = self.names.output(sandbox_id, command_id) + ".*"
         for msg in await read_subjects(self.js, self.names.output_stream, subject, raw=True):
@@ -453,25 +547,28 @@ class Client:
     async def wait_for(self, sandbox_id: str, check, *, timeout: float, what: str):
         """Re-fold the sandbox whenever one of its events arrives (and every
         second regardless) until `check(state)` returns something."""
+        return await self._wait_for("sandbox", sandbox_id, self.sandbox_state, check, timeout, what)
+
+    async def _wait_for(self, kind: str, aggregate_id: str, read, check, timeout, what):
         changed = asyncio.Event()
 
         async def on_event(msg: Msg) -> None:
             changed.set()
 
-        sub = await self.nc.subscribe(self.names.events("sandbox", sandbox_id), cb=on_event)
+        sub = await self.nc.subscribe(self.names.events(kind, aggregate_id), cb=on_event)
         try:
             deadline = time.monotonic() + timeout
             while True:
                 changed.clear()
-                state = await self.sandbox_state(sandbox_id)
+                state = await read(aggregate_id)
                 if state is None:
-                    raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+                    raise Rejected(f"{kind}_not_found", f"no {kind} {aggregate_id}")
                 found = check(state)
                 if found is not None:
                     return found
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{sandbox_id}: waited {timeout}s for {what}")
+                    raise TimeoutError(f"{aggregate_id}: waited {timeout}s for {what}")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(1.0, left))
         finally:

@@ -239,7 +239,7 @@ class _Git:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=self.env,
-            process_group=0,
+            start_new_session=True,  # its own group (uvloop has no process_group=)
         )
         try:
             assert proc.stdout is not None and proc.stderr is not None

@@ -1,0 +1,167 @@
+"""`sandhold task submit|ls|show|watch|cancel`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+from nats.js.api import DeliverPolicy
+from sandhold.bus.codec import STREAM_HEADER
+from sandhold.client import Client
+from sandhold.domain import task as tk
+from sandhold.domain.errors import Rejected
+from sandhold.domain.fold import fold
+from sandhold.domain.task_manifest import ManifestError, parse_manifest
+from sandhold.domain.task_views import TaskView, task_view
+
+# How `task watch` (and `submit --wait`) exit: 0 completed, like `exec` otherwise.
+TASK_EXIT_CODES = {"completed": 0, "failed": 1, "timed_out": 124, "cancelled": 130}
+EXIT_BAD_MANIFEST = 2
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    task = sub.add_parser("task", help="submit, list, show, watch and cancel tasks")
+    actions = task.add_subparsers(dest="action", required=True)
+    submit = actions.add_parser("submit", help="submit a manifest (YAML or JSON; - for stdin)")
+    submit.add_argument("manifest")
+    submit.add_argument("--key", help="idempotency key (default: a new one)")
+    submit.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    ls = actions.add_parser("ls")
+    ls.add_argument("--state", choices=sorted(tk.TaskState.__args__))  # type: ignore[attr-defined]
+    for name in ("show", "watch", "cancel"):
+        actions.add_parser(name).add_argument("id")
+    actions.choices["cancel"].add_argument("--key", help="idempotency key")
+    for action in actions.choices.values():
+        action.add_argument("--json", action="store_true")
+
+
+async def run(args: argparse.Namespace, client: Client) -> int:
+    match args.action:
+        case "submit":
+            try:
+                manifest = _read_manifest(args.manifest)
+            except ManifestError as err:
+                print(f"sandhold: {err}", file=sys.stderr)
+                return EXIT_BAD_MANIFEST
+            view = await client.submit_task(manifest, key=args.key)
+            _print(view, args.json)
+            if args.watch:
+                return await watch(client, view.id, as_json=args.json)
+            return 0
+        case "ls":
+            views = await client.list_tasks(state=args.state)
+            if args.json:
+                _print_json(views)
+            else:
+                for view in views:
+                    _print(view, False)
+            return 0
+        case "show":
+            _print(await client.show_task(args.id), args.json)
+            return 0
+        case "watch":
+            return await watch(client, args.id, as_json=args.json)
+        case "cancel":
+            _print(await client.cancel_task(args.id, key=args.key), args.json)
+            return 0
+    raise AssertionError(args.action)
+
+
+def _read_manifest(path: str):
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as err:
+        raise ManifestError(f"cannot read {path}: {err.strerror}") from None
+    return parse_manifest(text)
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
+
+
+def _print(view: TaskView, as_json: bool) -> None:
+    if as_json:
+        _print_json(view)
+        return
+    extra = f" ({view.reason}: {view.detail})" if view.reason else ""
+    print(f"{view.id}  {view.name}  {view.state}{extra}")
+    for step in view.steps:
+        print(f"  {step.id}  {step.kind}  attempt {step.attempt}  {step.status}  {step.reason}")
+    for artifact in view.artifacts:
+        print(f"  artifact {artifact.path} ({artifact.size} bytes, {artifact.save_id})")
+
+
+async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
+    """Print the task's events as they happen (and its agent steps' output),
+    until it ends; exit with its outcome."""
+    following: set[str] = set()
+    subs = []
+    changed = asyncio.Event()
+
+    async def on_event(_msg) -> None:
+        changed.set()
+
+    async def on_chunk(msg) -> None:
+        stream = (msg.headers or {}).get(STREAM_HEADER, "stdout")
+        target = sys.stderr if stream == "stderr" else sys.stdout
+        target.write(msg.data.decode("utf-8", "replace"))
+        target.flush()
+
+    subs.append(await client.nc.subscribe(client.names.events("task", task_id), cb=on_event))
+    try:
+        seen = 0
+        while True:
+            changed.clear()
+            records = await client.task_records(task_id)
+            state = fold(tk.evolve, (r.envelope for r in records), None)
+            if state is None or state.tenant != client.tenant:
+                raise Rejected("task_not_found", f"no task {task_id}")
+            for record in records[seen:]:
+                _print_event(record.envelope, as_json)
+            seen = len(records)
+            for step in state.steps.values():
+                if as_json or not step.command_id or step.command_id in following:
+                    continue
+                following.add(step.command_id)
+                if step.done:  # ended before we looked: its recorded output
+                    sys.stdout.write(step.output)
+                    continue
+                assert step.sandbox_id is not None
+                subject = client.names.output(step.sandbox_id, step.command_id) + ".*"
+                subs.append(
+                    await client.js.subscribe(
+                        subject,
+                        stream=client.names.output_stream,
+                        ordered_consumer=True,
+                        deliver_policy=DeliverPolicy.ALL,
+                        cb=on_chunk,
+                    )
+                )
+            if state.terminal:
+                await client.nc.flush()
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), 2.0)
+    finally:
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+    view = task_view(state)
+    if not as_json:
+        _print(view, False)
+    return TASK_EXIT_CODES.get(view.state, 1)
+
+
+def _print_event(envelope, as_json: bool) -> None:
+    if as_json:
+        _print_json(envelope)
+    else:
+        stamp = time.strftime("%H:%M:%S", time.localtime(envelope.time))
+        body = msgspec.json.encode(envelope.event).decode()
+        print(f"{stamp} {envelope.type} {body if len(body) < 300 else body[:300] + '…'}")
+    sys.stdout.flush()

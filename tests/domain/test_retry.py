@@ -5,16 +5,11 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sandhold.domain.retry import (
-    DEFAULT_RETRY_POLICY,
-    RetryPolicy,
-    backoff_delay,
-    retry_budget,
-)
+from sandhold.domain.retry import backoff_delay, retry_budget
+from sandhold.domain.task_manifest import RetryPolicy
 
 attempts = st.integers(min_value=1, max_value=5000)
 jitters = st.floats(min_value=0, max_value=1, exclude_max=True)
@@ -93,19 +88,11 @@ def test_the_default_budgets_follow_the_seed() -> None:
     assert retry_budget("network") == 3
     assert retry_budget("placement") == 2
     assert retry_budget("permanent") == 0
-    assert retry_budget("network", DEFAULT_RETRY_POLICY) == 3
 
 
-def test_a_policy_sets_the_transient_budgets_but_permanent_stays_zero() -> None:
+def test_the_manifest_policy_sets_the_transient_budgets_but_permanent_stays_zero() -> None:
+    assert retry_budget("network", RetryPolicy()) == 3
     policy = RetryPolicy(network=5, placement=0)
     assert retry_budget("network", policy) == 5
     assert retry_budget("placement", policy) == 0
     assert retry_budget("permanent", policy) == 0
-
-
-def test_a_policy_is_decoded_strictly_from_a_manifest_section() -> None:
-    assert msgspec.json.decode(b'{"network": 1}', type=RetryPolicy) == RetryPolicy(network=1)
-    with pytest.raises(msgspec.ValidationError, match="permanent"):
-        msgspec.json.decode(b'{"permanent": 2}', type=RetryPolicy)
-    with pytest.raises(msgspec.ValidationError, match="network"):
-        msgspec.json.decode(b'{"network": -1}', type=RetryPolicy)

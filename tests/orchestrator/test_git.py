@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import select
 import socket
 from pathlib import Path
 
 import pytest
-from sandhold.domain.retry import RetryPolicy, backoff_delay, retry_budget
+import uvloop
+from sandhold.domain.retry import backoff_delay, retry_budget
+from sandhold.domain.task_manifest import RetryPolicy
 from sandhold.orchestrator.git import CloneFailed, classify_stderr, clone
 
 from tests.conftest import wait_until
@@ -17,7 +20,7 @@ from tests.orchestrator.conftest import GitDaemon, GitRepo, ProxyFactory, git
 
 TIMEOUT_S = 60.0
 # Real backoff, kept short: these tests are about which failures are retried.
-FAST = RetryPolicy(base_s=0.01, cap_s=0.05)
+FAST = RetryPolicy(base_delay=0.01, max_delay=0.05)
 
 
 async def clone_with_retries(
@@ -32,7 +35,10 @@ async def clone_with_retries(
             if len(failures) > retry_budget(err.error_class, FAST):
                 raise
             delay = backoff_delay(
-                len(failures), base_s=FAST.base_s, cap_s=FAST.cap_s, jitter=random.random()
+                len(failures),
+                base_s=float(FAST.base_delay),
+                cap_s=float(FAST.max_delay),
+                jitter=random.random(),
             )
             await asyncio.sleep(delay)
 
@@ -269,6 +275,30 @@ async def test_a_cancelled_clone_kills_git_and_leaves_nothing(
         await task
     await wait_until(lambda: not group_exists(pgid), what="git's process group to be gone")
     assert_nothing_left(dest)
+
+
+def test_under_uvloop_as_in_the_service_a_hung_clone_is_killed_too(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        # Listening but never accepting: the kernel completes the handshake, no one answers.
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            url = f"git://127.0.0.1:{listener.getsockname()[1]}/x.git"
+            dest = tmp_path / "repo"
+            task = asyncio.create_task(clone(url, "main", dest, timeout_s=5.0))
+            await wait_until(
+                lambda: select.select([listener], [], [], 0)[0] or task.done(),
+                what="git to connect",
+            )
+            assert not task.done()
+            pgid = await hanging_git_group(dest)
+            with pytest.raises(CloneFailed) as caught:
+                await task
+            assert caught.value.reason == "timeout"
+            await wait_until(lambda: not group_exists(pgid), what="git's group to be gone")
+            assert_nothing_left(dest)
+
+    uvloop.run(scenario())
 
 
 async def test_an_empty_dest_is_filled(

@@ -8,41 +8,41 @@ replay never needs a random number generator.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, assert_never
-
-import msgspec
+from typing import Literal, Protocol, assert_never
 
 ErrorClass = Literal["network", "placement", "permanent"]
 """network: the remote was unreachable or hung up (transient).
 placement: a race for a host or a slot (transient, fewer tries).
 permanent: trying again cannot help (bad ref, missing program, bad manifest)."""
 
-Retries = Annotated[int, msgspec.Meta(ge=0, le=100)]
-DelaySeconds = Annotated[float, msgspec.Meta(ge=0, le=24 * 3600)]
 
-
-class RetryPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How often each transient class is retried, and the backoff between tries.
+class RetryBudgets(Protocol):
+    """Retries per transient class; the task manifest's `RetryPolicy` is one.
 
     Permanent errors have no field: they are never retried, whatever a manifest says.
     """
 
-    network: Retries = 3
-    placement: Retries = 2
-    base_s: DelaySeconds = 1.0
-    cap_s: DelaySeconds = 60.0
+    @property
+    def network(self) -> int: ...
+
+    @property
+    def placement(self) -> int: ...
 
 
-DEFAULT_RETRY_POLICY = RetryPolicy()
+DEFAULT_NETWORK_RETRIES = 3
+DEFAULT_PLACEMENT_RETRIES = 2
 
 
-def retry_budget(cls: ErrorClass, policy: RetryPolicy = DEFAULT_RETRY_POLICY) -> int:
-    """How many retries (after the first attempt) an error of class `cls` earns."""
+def retry_budget(cls: ErrorClass, policy: RetryBudgets | None = None) -> int:
+    """How many retries (after the first attempt) an error of class `cls` earns.
+
+    Without a `policy`, the defaults: network 3, placement 2.
+    """
     match cls:
         case "network":
-            return policy.network
+            return DEFAULT_NETWORK_RETRIES if policy is None else policy.network
         case "placement":
-            return policy.placement
+            return DEFAULT_PLACEMENT_RETRIES if policy is None else policy.placement
         case "permanent":
             return 0
         case _:

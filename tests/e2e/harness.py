@@ -21,11 +21,13 @@ SANDHOLD = str(Path(sys.executable).parent / "sandhold")
 class Up:
     """`sandhold up --data-dir DIR` in its own process group; stopped by PID."""
 
-    def __init__(self, data_dir: Path, *extra: str) -> None:
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.extra = list(extra)
+        self.env = env  # added to this process's environment, for every service
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
+        self.gateway_url = ""
         self.lines: queue.Queue[str] = queue.Queue()
 
     def start(self, timeout: float = 60.0) -> Up:
@@ -35,6 +37,7 @@ class Up:
             stderr=subprocess.STDOUT,
             text=True,
             process_group=0,
+            env={**os.environ, **self.env} if self.env else None,
         )
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
@@ -49,7 +52,10 @@ class Up:
                 continue
             seen.append(line)
             if line.startswith("sandhold is up: "):
-                self.url = line.split(": ", 1)[1].strip()
+                # sandhold is up: nats://127.0.0.1:P gateway http://127.0.0.1:Q
+                words = line.split(": ", 1)[1].split()
+                self.url = words[0]
+                self.gateway_url = words[-1] if "gateway" in words else ""
                 return self
         self.stop()
         raise AssertionError(f"sandhold up did not become ready: {seen}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from sandhold.bus.names import Names
@@ -19,14 +20,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--proof-window",
         type=float,
-        default=100.0,
+        default=float(os.environ.get("SANDHOLD_PROOF_WINDOW", "100")),
         help="after a restart, how old a claimed agent step may be for a re-send to "
         "prove whether its request had left (below the streams' 120 s duplicate window)",
     )
     p.add_argument(
         "--decision-wait",
         type=float,
-        default=60.0,
+        default=float(os.environ.get("SANDHOLD_DECISION_WAIT", "60")),
         help="after a restart, how long to wait for a request known to have left to be decided",
     )
     return p

@@ -58,7 +58,7 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0
 RepositoryUrl = Annotated[
     str,
     msgspec.Meta(
-        min_length=1, max_length=2048, pattern=r"^(git|https?|ssh|file)://[^\s]+$|^[^\s:]+@[^\s]+:"
+        min_length=1, max_length=2048, pattern=r"^(git|https?|ssh)://[^\s]+$|^[^\s:]+@[^\s]+:"
     ),
 ]
 GitRef = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._/@+-]+$")]
@@ -68,6 +68,8 @@ Env = dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], st
 
 
 class Repository(_Spec, frozen=True):
+    # git://, http(s)://, ssh:// or user@host:path. Not file:// or a path: a
+    # manifest must not read repositories on the orchestrator's own disk.
     url: RepositoryUrl
     ref: GitRef = "main"
 

@@ -516,6 +516,9 @@ def main(argv: list[str] | None = None) -> None:
         "top": lambda a, c: top(c, interval=a.interval, once=a.once, as_json=a.json),
     }
     handler = handlers[args.group]
+    from sandhold.telemetry import tracing
+
+    tracing.configure("cli")  # a request made here starts its trace here, if tracing is on
     import uvloop
 
     code = uvloop.run(_with_client(args, lambda client: handler(args, client)))

@@ -15,6 +15,7 @@ from typing import Literal, NamedTuple
 
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
+from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope
 
 Kind = Literal["counter", "gauge", "histogram"]
@@ -88,21 +89,9 @@ BY_NAME = {m.name: m for m in CATALOG}
 
 Observer = Callable[[str, float, Labels], None]
 
-_TERMINAL = {
-    "task.completed": "completed",
-    "task.failed": "failed",
-    "task.cancelled": "cancelled",
-    "task.timed_out": "timed_out",
-}
-
 
 def labels(**pairs: str) -> Labels:
     return tuple(sorted(pairs.items()))
-
-
-class _Task(NamedTuple):
-    submitted_at: float
-    stage: str
 
 
 class LogMetrics:
@@ -119,7 +108,8 @@ class LogMetrics:
         }
         self.sandboxes: dict[str, sb.Sandbox] = {}
         self.hosts: dict[str, host_domain.Host] = {}
-        self.tasks: dict[str, _Task] = {}  # tasks not ended yet
+        self.tasks: dict[str, tk.Task] = {}  # tasks not ended yet
+        self._ended_tasks: set[str] = set()
         self._recovering_since: dict[str, float] = {}
         self._observers: list[Observer] = []
 
@@ -185,24 +175,27 @@ class LogMetrics:
             self._count("sandhold_hosts_lost_total")
 
     def _task(self, envelope: Envelope) -> None:
-        tid, event, at = envelope.aggregate_id, envelope.event, envelope.time
-        if envelope.type == "task.submitted":
-            if tid not in self.tasks:
-                self._count("tasks_submitted_total")
-                self.tasks[tid] = _Task(submitted_at=at, stage="pending")
+        tid = envelope.aggregate_id
+        if tid in self._ended_tasks:
+            return  # counted when it ended; nothing after that changes the numbers
+        before = self.tasks.get(tid)
+        after = tk.evolve(before, envelope)
+        if after is None:
             return
-        task = self.tasks.get(tid)
-        if task is None:
-            return  # ended already (or never submitted): nothing more counts
-        if envelope.type == "task.stage_entered":
-            self.tasks[tid] = task._replace(stage=event.stage)
-        elif envelope.type == "task.hang_warned":
+        if before is None:
+            self._count("tasks_submitted_total")
+        if envelope.type == "task.hang_warned":
             self._count("task_hang_warnings_total")
-        elif envelope.type in _TERMINAL:
-            status = _TERMINAL[envelope.type]
-            del self.tasks[tid]
-            self._count("tasks_completed_total", status=status)
-            self._observe("task_duration_seconds", at - task.submitted_at, status=status)
+        if after.terminal:
+            self.tasks.pop(tid, None)  # ended tasks are not kept
+            self._ended_tasks.add(tid)
+            ended_at = after.finished_at or envelope.time
+            self._count("tasks_completed_total", status=after.state)
+            self._observe(
+                "task_duration_seconds", ended_at - after.submitted_at, status=after.state
+            )
+        else:
+            self.tasks[tid] = after
 
     def _count(self, name: str, by: float = 1, **pairs: str) -> None:
         series = self.counters[name]
@@ -233,7 +226,7 @@ class LogMetrics:
             statuses[key] = statuses.get(key, 0) + 1
         return {
             "tasks_active": {(): len(self.tasks)},
-            "tasks_running": {(): sum(1 for t in self.tasks.values() if t.stage == "running")},
+            "tasks_running": {(): sum(1 for t in self.tasks.values() if t.state == "running")},
             "sandhold_sandboxes": phases,
             "sandhold_save_lag_seconds": lag,
             "sandhold_hosts": statuses,

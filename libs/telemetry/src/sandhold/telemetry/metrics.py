@@ -8,6 +8,7 @@ metrics service with `export_log_metrics`).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -87,8 +88,9 @@ def lease_renewal_failed(host: str) -> None:
 # --- the endpoint ------------------------------------------------------------------
 
 
-def serve(service: str, listen_on: int, *, addr: str = "0.0.0.0") -> int:
-    """Start this process's `/metrics` on `port` (0: any free one); returns the port."""
+def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
+    """Start this process's `/metrics` on `listen_on` (0: any free port) of `addr`
+    (default `SANDHOLD_METRICS_ADDR`, else every interface); returns the port."""
     global _instruments, _meter, port
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
@@ -117,6 +119,7 @@ def serve(service: str, listen_on: int, *, addr: str = "0.0.0.0") -> int:
     )
     _meter = provider.get_meter("sandhold")
     _instruments = _Instruments(_meter)
+    addr = addr or os.environ.get("SANDHOLD_METRICS_ADDR", "0.0.0.0")
     server, _ = start_http_server(listen_on, addr=addr)
     port = server.server_port
     return port

@@ -1,0 +1,173 @@
+"""The log-derived metrics fold, given events: counts per label, histogram
+values from envelope times, and the same numbers from any replay of the log."""
+
+from __future__ import annotations
+
+from sandhold.domain import events as ev
+from sandhold.domain.envelope import Envelope, wrap
+from sandhold.domain.task_manifest import load_manifest
+from sandhold.telemetry.log_metrics import LogMetrics, labels
+
+MANIFEST = load_manifest({"name": "t", "agent": {"command": ["true"]}})
+
+
+class Log:
+    """Envelopes in log order, each at a given time."""
+
+    def __init__(self) -> None:
+        self.envelopes: list[Envelope] = []
+
+    def add(self, aggregate_id: str, at: float, *events: ev.AnyEvent) -> None:
+        self.envelopes += wrap(
+            list(events),
+            aggregate_id=aggregate_id,
+            id_base=f"t{len(self.envelopes)}",
+            actor="test",
+            causation_id="c",
+            correlation_id="c",
+            time=at,
+        )
+
+    def folded(self, upto: int | None = None) -> LogMetrics:
+        metrics = LogMetrics()
+        for seq, envelope in enumerate(self.envelopes[:upto], start=1):
+            metrics.apply(seq, envelope)
+        return metrics
+
+
+def task(log: Log, task_id: str, at: float, *rest: tuple[float, ev.AnyEvent]) -> None:
+    log.add(
+        task_id,
+        at,
+        ev.TaskSubmitted(
+            task_id=task_id, request_key=task_id, request_digest="d", manifest=MANIFEST
+        ),
+    )
+    for when, event in rest:
+        log.add(task_id, when, event)
+
+
+def scripted() -> Log:
+    log = Log()
+    task(
+        log,
+        "ok",
+        100.0,
+        (101.0, ev.TaskStageEntered(stage="staging")),
+        (105.0, ev.TaskStageEntered(stage="running")),
+        (110.0, ev.TaskCompleted()),
+    )
+    task(
+        log,
+        "bad",
+        100.0,
+        (102.0, ev.TaskStageEntered(stage="running")),
+        (103.0, ev.TaskHangWarned(step_id="agent", command_id="c1", silent_s=1.0)),
+        (130.0, ev.TaskFailed(reason="exit_code")),
+    )
+    task(log, "slow", 100.0, (104.0, ev.TaskStageEntered(stage="running")))
+    task(log, "waiting", 100.0)
+    return log
+
+
+def test_tasks_are_counted_by_end_status_with_durations_from_envelope_times() -> None:
+    metrics = scripted().folded()
+    assert metrics.total("tasks_submitted_total") == 4
+    assert metrics.counters["tasks_completed_total"] == {
+        labels(status="completed"): 1,
+        labels(status="failed"): 1,
+    }
+    assert sorted(metrics.samples["task_duration_seconds"]) == [10.0, 30.0]
+    assert metrics.total("task_hang_warnings_total") == 1
+    gauges = metrics.gauges(now=200.0)
+    assert gauges["tasks_active"] == {(): 2}
+    assert gauges["tasks_running"] == {(): 1}
+
+
+def test_histogram_observers_see_every_value_once() -> None:
+    log = scripted()
+    metrics = LogMetrics()
+    seen: list[tuple[str, float, tuple]] = []
+    metrics.on_observation(lambda name, value, key: seen.append((name, value, key)))
+    for seq, envelope in enumerate(log.envelopes, start=1):
+        metrics.apply(seq, envelope)
+        metrics.apply(seq, envelope)  # a redelivery counts nothing twice
+    assert sorted(seen) == [
+        ("task_duration_seconds", 10.0, labels(status="completed")),
+        ("task_duration_seconds", 30.0, labels(status="failed")),
+    ]
+
+
+def test_commands_saves_hosts_and_recovery() -> None:
+    log = Log()
+    sid = "sb-1"
+    log.add(sid, 1.0, ev.SandboxCreated(sandbox_id=sid, request_key="k", request_digest="d"))
+    log.add(sid, 2.0, ev.SandboxPlaced(host="h1", generation=1))
+    log.add(sid, 3.0, ev.SandboxStarted(host="h1", generation=1))
+    for i, state in enumerate(["exited", "exited", "timed_out"]):
+        log.add(sid, 4.0, ev.CommandEnded(command_id=f"c{i}", state=state))
+    log.add(sid, 10.0, ev.SaveRequested(save_id="s1", kind="scheduled", host="h1", generation=1))
+    log.add(
+        sid,
+        10.5,
+        ev.SaveCaptured(
+            save_id="s1", host="h1", generation=1, freeze_ms=25.0, freeze_method="cgroup"
+        ),
+    )
+    log.add(
+        sid,
+        11.0,
+        ev.SaveUploaded(
+            save_id="s1",
+            host="h1",
+            generation=1,
+            total_bytes=10,
+            files=1,
+            uploaded_bytes=4096,
+            uploaded_chunks=1,
+            manifest_bytes=100,
+            duration_ms=5.0,
+        ),
+    )
+    log.add(sid, 12.0, ev.SaveCompleted(save_id="s1", total_bytes=10, files=1))
+    log.add(sid, 40.0, ev.SaveRequested(save_id="s2", kind="scheduled", host="h1", generation=1))
+    log.add(sid, 41.0, ev.SaveFailed(save_id="s2", stage="upload", reason="disk full"))
+    log.add("h1", 1.0, ev.HostRegistered(host="h1", epoch=1, capacity_sandboxes=1, memory_bytes=1))
+    log.add("h1", 50.0, ev.HostLost(host="h1", epoch=1, last_renewal_at=45.0, fence_at=52.0))
+    log.add(sid, 50.0, ev.SandboxLost(host="h1", generation=1, last_renewal_at=45.0, fence_at=52.0))
+    log.add(sid, 60.0, ev.SandboxRecoveryRequested(cause="command"))
+    log.add(sid, 61.0, ev.SandboxPlaced(host="h2", generation=2, restore_save_id="s1"))
+    log.add(sid, 63.5, ev.SandboxStarted(host="h2", generation=2))
+    metrics = log.folded()
+
+    assert metrics.counters["sandhold_commands_ended_total"] == {
+        labels(state="exited"): 2,
+        labels(state="timed_out"): 1,
+    }
+    assert metrics.total("sandhold_saves_completed_total", kind="scheduled") == 1
+    assert metrics.total("sandhold_save_failures_total", stage="upload") == 1
+    assert list(metrics.samples["sandhold_save_duration_seconds"]) == [2.0]
+    assert list(metrics.samples["sandhold_save_freeze_seconds"]) == [0.025]
+    assert metrics.total("sandhold_save_uploaded_bytes_total") == 4096
+    assert metrics.total("sandhold_hosts_lost_total") == 1
+    assert metrics.total("sandhold_sandboxes_lost_total") == 1
+    assert list(metrics.samples["sandhold_recovery_seconds"]) == [3.5]
+    gauges = metrics.gauges(now=100.0)
+    # Running again, from the save whose files were captured at 10.5.
+    assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 89.5}
+    assert gauges["sandhold_hosts"] == {labels(status="lost"): 1}
+    assert gauges["sandhold_sandboxes"] == {labels(phase="running"): 1}
+    assert gauges["sandhold_log_position"] == {(): len(log.envelopes)}
+
+
+def test_a_fold_resumed_after_a_redelivered_prefix_gives_the_same_numbers() -> None:
+    log = scripted()
+    whole = log.folded()
+    resumed = log.folded(upto=4)
+    # The task "ok" ended with the 4th event, nothing else had yet.
+    assert resumed.counters["tasks_completed_total"] == {labels(status="completed"): 1}
+    for seq, envelope in enumerate(log.envelopes, start=1):  # from the start again
+        resumed.apply(seq, envelope)
+    assert resumed.counters == whole.counters
+    assert resumed.samples == whole.samples
+    assert resumed.gauges(now=500.0) == whole.gauges(now=500.0)

@@ -1,0 +1,314 @@
+"""The orchestrator killed at its fault points: what each kind of step promises.
+
+Each test runs its own `sandhold up` with `SANDHOLD_FAULT=<point>:<step>` set:
+the orchestrator SIGKILLs itself there once (a marker file makes the restarted
+one carry on), `sandhold up` restarts it, and the new runner walks the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from sandhold.client import Client, connect
+from sandhold.domain import task as tk
+from sandhold.domain.task_manifest import load_manifest
+
+from tests.conftest import wait_until
+from tests.e2e.harness import Up
+
+
+class Receiver:
+    """A local HTTP server recording every call's idempotency key."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        received = self.keys
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server API
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                received.append(self.headers.get("Idempotency-Key", ""))
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"noted")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with Receiver() as r:
+        yield r
+
+
+@pytest.fixture
+def counter() -> Iterator[Path]:
+    """A directory outside /tmp (sandboxes have a private /tmp) for side effects."""
+    path = Path("/var/tmp") / f"sandhold-test-{uuid.uuid4().hex[:12]}"
+    path.mkdir(parents=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Faulty:
+    """A `sandhold up` whose orchestrator dies once at `fault`."""
+
+    def __init__(self, data_dir: Path, fault: str | None, **env: str) -> None:
+        self.marker = data_dir.parent / "fault-fired"
+        extra = (
+            {"SANDHOLD_FAULT": fault, "SANDHOLD_FAULT_MARKER": str(self.marker)} if fault else {}
+        )
+        self.up = Up(data_dir, env={**extra, **env})
+
+    @property
+    def fired(self) -> bool:
+        return self.marker.exists()
+
+
+@pytest.fixture
+async def faulty(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[Faulty, Client]]:
+    marker = request.node.get_closest_marker("fault")
+    fault, env = (marker.args[0], marker.kwargs) if marker else (None, {})
+    f = Faulty(tmp_path / "data", fault, **env)
+    f.up.start()
+    try:
+        client = await connect(f.up.url)
+        try:
+            yield f, client
+        finally:
+            await client.close()
+    finally:
+        f.up.stop()
+
+
+async def _finished(client: Client, task_id: str, timeout: float = 90.0) -> tk.Task:
+    return await client.wait_for_task(
+        task_id, lambda s: s if s.terminal else None, timeout=timeout, what="the end"
+    )
+
+
+async def _types(client: Client, task_id: str) -> list[str]:
+    return [r.envelope.type for r in await client.task_records(task_id)]
+
+
+def _tool(receiver: Receiver, delivery: str) -> dict:
+    return {
+        "name": "hook",
+        "pipeline": [
+            {
+                "name": "notify",
+                "http": {"url": receiver.url, "body": "{{item}}"},
+                "delivery": delivery,
+            }
+        ],
+    }
+
+
+def _agent(counter: Path, seconds: float = 0.0) -> dict:
+    script = f"echo ran >> {counter}/work; sleep {seconds}; echo finished"
+    return {
+        "name": "agent-work",
+        "pipeline": [{"name": "work", "agent": {"command": ["sh", "-c", script]}}],
+    }
+
+
+def _runs(counter: Path) -> int:
+    path = counter / "work"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+# --- tool steps --------------------------------------------------------------------
+
+
+@pytest.mark.fault("before_output_recorded:notify")
+async def test_an_at_most_once_tool_step_interrupted_after_its_call_is_not_sent_again(
+    faulty, receiver: Receiver
+):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_tool(receiver, "at_most_once")))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "failed" and state.reason == "interrupted"
+    step = state.steps["notify"]
+    assert (step.status, step.reason, step.attempt) == ("failed", "interrupted", 1)
+    assert receiver.keys == [tk.step_key(view.id, "notify", 1)]  # fired once, never twice
+
+
+@pytest.mark.fault("after_claim:notify")
+async def test_an_at_most_once_tool_step_claimed_before_a_crash_fails_without_firing(
+    faulty, receiver: Receiver
+):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_tool(receiver, "at_most_once")))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "failed" and state.steps["notify"].reason == "interrupted"
+    assert receiver.keys == []
+
+
+@pytest.mark.fault("before_output_recorded:notify")
+async def test_an_at_least_once_tool_step_runs_again_with_the_same_idempotency_key(
+    faulty, receiver: Receiver
+):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_tool(receiver, "at_least_once")))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "completed"
+    assert state.steps["notify"].status == "finished" and state.steps["notify"].output == "noted"
+    key = tk.step_key(view.id, "notify", 1)
+    assert receiver.keys == [key, key]  # delivered twice, de-duplicable by the receiver
+
+
+# --- agent steps -------------------------------------------------------------------
+
+
+async def _commands(client: Client, state: tk.Task) -> list[str]:
+    assert state.sandbox_id is not None
+    sandbox = await client.sandbox_state(state.sandbox_id)
+    assert sandbox is not None
+    return sorted(sandbox.commands)
+
+
+@pytest.mark.fault("during_command:work")
+async def test_an_agent_step_re_attaches_to_its_command_after_a_crash(faulty, counter: Path):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter, seconds=2)))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "completed"
+    step = state.steps["work"]
+    assert step.status == "finished" and step.output.strip().endswith("finished")
+    assert _runs(counter) == 1
+    assert await _commands(client, state) == [step.command_id]
+    records = await client.task_records(view.id)
+    claims = [r for r in records if r.envelope.type == "task.step_claimed"]
+    assert len(claims) == 1
+    dispatches = [r.envelope.event for r in records if r.envelope.type == "task.step_dispatched"]
+    assert [d.fresh_after_crash for d in dispatches] == [False]
+
+
+@pytest.mark.fault("after_claim:work")
+async def test_a_stillborn_agent_step_is_dispatched_once_after_a_crash(faulty, counter: Path):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter)))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "completed"
+    records = await client.task_records(view.id)
+    dispatches = [r.envelope.event for r in records if r.envelope.type == "task.step_dispatched"]
+    assert [d.fresh_after_crash for d in dispatches] == [True]  # proved never sent, sent now
+    assert _runs(counter) == 1
+    assert await _commands(client, state) == [state.steps["work"].command_id]
+
+
+@pytest.mark.fault("after_send:work")
+async def test_an_agent_step_whose_request_left_before_the_crash_is_not_sent_again(
+    faulty, counter: Path
+):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter)))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "completed"
+    records = await client.task_records(view.id)
+    dispatches = [r.envelope.event for r in records if r.envelope.type == "task.step_dispatched"]
+    assert not any(d.fresh_after_crash for d in dispatches)
+    assert _runs(counter) == 1
+    assert await _commands(client, state) == [state.steps["work"].command_id]
+
+
+@pytest.mark.fault("after_claim:work", SANDHOLD_PROOF_WINDOW="0.001")
+async def test_an_agent_step_that_cannot_be_proven_unsent_fails_honestly(faulty, counter: Path):
+    # With no window in which JetStream's de-duplication can tell whether the
+    # request left, the restarted orchestrator must not guess: the step fails.
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter)))
+    state = await _finished(client, view.id)
+    assert f.fired
+    assert state.state == "failed" and state.reason == "interrupted"
+    assert "not dispatching it again" in state.steps["work"].detail
+    assert _runs(counter) == 0
+    assert await _commands(client, state) == []
+
+
+# --- cancellation survives crashes ---------------------------------------------------------
+
+
+async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stays(
+    faulty, counter: Path
+):
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter, seconds=120)))
+    running = await client.wait_for_task(
+        view.id,
+        lambda s: s if "work" in s.steps and s.steps["work"].status == "dispatched" else None,
+        timeout=60,
+        what="the command dispatched",
+    )
+    await wait_until(lambda: _runs(counter) == 1, timeout=30, what="the command to start")
+    pid = f.up.service_pid("orchestrator")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        cancel = asyncio.ensure_future(client.cancel_task(view.id, key="stop-it"))
+
+        async def stored() -> bool:
+            info = await client.js.stream_info(client.names.requests_stream)
+            return info.state.messages >= 1
+
+        await wait_until(stored, timeout=10, what="the cancel request stored")
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (await cancel).cancel_requested
+    state = await _finished(client, view.id)
+    assert state.state == "cancelled"
+    assert state.steps["work"].reason == "cancelled"
+    sandbox = await client.sandbox_state(running.sandbox_id or "")
+    assert sandbox is not None
+    command = sandbox.commands[running.steps["work"].command_id or ""]
+    ended = await client.wait_for(
+        sandbox.id,
+        lambda s: c if (c := s.commands[command.id]).ended else None,
+        timeout=60,
+        what="the command's end",
+    )
+    assert ended.state == "interrupted"
+    # Crash the orchestrator again: a cancelled task stays cancelled, nothing is appended.
+    before = await _types(client, view.id)
+    os.kill(f.up.service_pid("orchestrator"), signal.SIGKILL)
+    other = await client.submit_task(
+        load_manifest({"name": "after", "agent": {"command": ["true"]}})
+    )
+    assert (await _finished(client, other.id)).state == "completed"  # the new one is running
+    assert await _types(client, view.id) == before
+    assert before[-1] == "task.cancelled"
+    assert _runs(counter) == 1

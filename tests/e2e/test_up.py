@@ -82,7 +82,16 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
         runtime = up.runtime
         assert runtime["nats_url"] == up.url and up.url.startswith("nats://127.0.0.1:")
         pids = [runtime["nats_pid"], *runtime["services"].values()]
-        assert set(runtime["services"]) == {"scheduler", "saver", "recovery", "host-agent:local"}
+        assert set(runtime["services"]) == {
+            "scheduler",
+            "saver",
+            "recovery",
+            "orchestrator",
+            "metrics",
+            "gateway",
+            "host-agent:local",
+        }
+        assert runtime["gateway"]["url"] == up.gateway_url.rstrip("/")
         client = await connect(up.url)
         sandbox_id = await running_sandbox(client)
         done = up.cli("exec", sandbox_id, "--", "true")

@@ -7,8 +7,11 @@ events, so what it prints is what the services believed at that point.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
+import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
@@ -63,7 +66,26 @@ def until(records: list[Recorded], seq: int | None, moment: float | None) -> lis
     ]
 
 
-async def replay(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
+async def replay(
+    client: Client,
+    aggregate_id: str,
+    at: str | None,
+    as_json: bool,
+    *,
+    kind: str = "sandbox",
+    verify: bool = False,
+    read_model: Path | None = None,
+) -> int:
+    if verify:
+        if at is not None:
+            raise SystemExit("sandhold: --verify compares the current state; drop --at")
+        return await verify_read_model(client, kind, aggregate_id, read_model)
+    if kind == "task":
+        return await replay_task(client, aggregate_id, at, as_json)
+    return await replay_sandbox(client, aggregate_id, at, as_json)
+
+
+async def replay_sandbox(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
     seq, moment = parse_point(at)
     records = until(await client.sandbox_records(sandbox_id), seq, moment)
     state = fold(sb.evolve, (r.envelope for r in records), None)
@@ -86,6 +108,104 @@ async def replay(client: Client, sandbox_id: str, at: str | None, as_json: bool)
         for command in state.commands.values():
             print(f"  {command.id}  {command.state:<20} {' '.join(command.argv)[:60]}")
     return 0
+
+
+async def replay_task(client: Client, task_id: str, at: str | None, as_json: bool) -> int:
+    from sandhold.domain import task as tk
+
+    seq, moment = parse_point(at)
+    records = until(await _records(client, "task", task_id), seq, moment)
+    state = fold(tk.evolve, (r.envelope for r in records), None)
+    if state is None or state.tenant != client.tenant:
+        raise Rejected("task_not_found", f"no task {task_id} at that point")
+    as_of = records[-1]
+    if as_json:
+        out = {"as_of": {"seq": as_of.seq, "time": as_of.envelope.time}, "task": state}
+        sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    else:
+        print(
+            f"{state.id} as of seq {as_of.seq} ({_iso(as_of.envelope.time)}): {state.state}"
+            + (f" ({state.reason})" if state.reason else "")
+            + f", sandbox {state.sandbox_id or '-'}"
+        )
+        for step in state.steps.values():
+            print(f"  {step.id:<20} {step.status:<11} attempt {step.attempt}  {step.reason}")
+        for attempt in state.attempts:
+            print(f"  failed {attempt.operation} #{attempt.attempt}: {attempt.reason}")
+    return 0
+
+
+async def _records(client: Client, kind: str, aggregate_id: str) -> list[Recorded]:
+    return await read_subjects(
+        client.js, client.names.events_stream, client.names.events(kind, aggregate_id)
+    )
+
+
+async def verify_read_model(
+    client: Client, kind: str, aggregate_id: str, path: Path | None, *, timeout: float = 20.0
+) -> int:
+    """Fold the aggregate from the log and compare with the gateway's read model
+    once the read model has caught up with the aggregate's last event."""
+    from sandhold.gateway import readmodel
+
+    if path is None or not path.exists():
+        raise SystemExit(
+            "sandhold: no read model found: run `sandhold up` (its gateway keeps one) "
+            "or pass --read-model FILE"
+        )
+    records = await _records(client, kind, aggregate_id)
+    evolve = readmodel.KINDS[kind].evolve
+    state = fold(evolve, (r.envelope for r in records), None)
+    if state is None or state.tenant != client.tenant:
+        raise Rejected(f"{kind}_not_found", f"no {kind} {aggregate_id}")
+    last = records[-1].seq
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        deadline = time.monotonic() + timeout
+        while _position(db) < last:
+            if time.monotonic() > deadline:
+                print(
+                    f"sandhold: the read model is behind the log (at {_position(db)}, "
+                    f"{kind} {aggregate_id} is at {last}); is the gateway running?",
+                    file=sys.stderr,
+                )
+                return 1
+            await asyncio.sleep(0.1)
+        stored = readmodel.stored_rows(db, kind, aggregate_id)
+    finally:
+        db.close()
+    found = readmodel.differences(readmodel.expected_rows(kind, state, last), stored)
+    for line in found:
+        print(f"DIFFERENT {line}")
+    if found:
+        print(
+            f"sandhold: the read model differs from the log for {aggregate_id}; "
+            "`sandhold admin rebuild-read-model` rebuilds it from the log",
+            file=sys.stderr,
+        )
+        return 1
+    rows = sum(len(v) for v in stored.values())
+    print(f"{aggregate_id}: the read model matches the log ({len(records)} events, {rows} rows)")
+    return 0
+
+
+def _position(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT value FROM meta WHERE key = 'position'").fetchone()
+    return int(row[0]) if row else 0
+
+
+async def rebuild_read_model(client: Client, *, timeout: float) -> int:
+    """Ask the gateway to drop its read model and rebuild it from the log."""
+    from sandhold.gateway.service import rebuild_subject
+
+    try:
+        reply = await client.nc.request(rebuild_subject(client.names), b"{}", timeout=timeout)
+    except Exception as err:  # noqa: BLE001 - no responders, timeout
+        print(f"sandhold: no gateway answered ({err!r}); is it running?", file=sys.stderr)
+        return 1
+    result = msgspec.json.decode(reply.data)
+    sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+    return 0 if result.get("ok") else 1
 
 
 async def export(client: Client, sandbox_id: str | None, since: str | None) -> int:

@@ -384,7 +384,9 @@ class Client:
 
     async def show_command(self, sandbox_id: str, command_id: str) -> CommandView:
         state = await self.sandbox_state(sandbox_id)
-        if state is None or command_id not in state.commands:
+        if state is None:  # missing, or another tenant's: the same answer
+            raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+        if command_id not in state.commands:
             raise Rejected("command_not_found", f"no command {command_id} in {sandbox_id}")
         return command_view(sandbox_id, state.commands[command_id])
 

@@ -1,0 +1,57 @@
+"""`python -m sandhold.gateway --nats URL --data-dir DIR [--host H] [--port P]`"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sandhold.bus.names import Names
+from sandhold.bus.service import common_arguments, run_service
+from sandhold.gateway.service import Gateway
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandhold run gateway")
+    common_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    p.add_argument(
+        "--data-dir",
+        default=".sandhold",
+        help="where the read model and the token file live (default .sandhold)",
+    )
+    p.add_argument("--read-model", help="the read model's SQLite file (default DATA/gateway/...)")
+    p.add_argument("--tokens", help="the token file (default DATA/tokens.json)")
+    p.add_argument(
+        "--keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    def make(a: argparse.Namespace) -> Gateway:
+        data = Path(a.data_dir)
+        return Gateway(
+            a.nats,
+            Names(a.prefix),
+            host=a.host,
+            port=a.port,
+            read_model_path=Path(a.read_model) if a.read_model else read_model_path(data),
+            tokens_path=Path(a.tokens) if a.tokens else tokens_path(data),
+            keepalive_s=a.keepalive,
+            replicas=a.replicas,
+        )
+
+    run_service(make, parser(), argv)
+
+
+def read_model_path(data_dir: Path) -> Path:
+    return data_dir / "gateway" / "read-model.sqlite"
+
+
+def tokens_path(data_dir: Path) -> Path:
+    return data_dir / "tokens.json"
+
+
+if __name__ == "__main__":
+    main()

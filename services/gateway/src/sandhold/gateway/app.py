@@ -1,0 +1,98 @@
+"""The HTTP API: sandboxes, commands, saves, hosts, tasks and their events.
+
+Every `/api/v1` route needs `Authorization: Bearer <token>`; the token's
+tenant is the tenant of every request it makes (a `tenant` in a body is
+refused as an unknown field). Writes become the same requests the NATS API
+takes, published to the REQUESTS stream and acknowledged by JetStream before
+the scheduler decides; the reply is the answer. A single resource is read by
+folding its log (always current); lists come from the read model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from litestar import Litestar, Request, Response, get
+from litestar.exceptions import HTTPException
+from sandhold.gateway import routes_sandboxes
+from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
+from sandhold.gateway.web import Context, json_response
+
+log = logging.getLogger("sandhold.gateway")
+
+_encoder = msgspec.json.Encoder()
+
+
+def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
+    handlers = [
+        *routes_sandboxes.handlers(ctx),
+        *(extra_handlers or []),
+        _openapi_handler(ctx),
+        _health_handler(ctx),
+    ]
+    return Litestar(
+        route_handlers=handlers,
+        openapi_config=None,
+        exception_handlers={
+            ProblemError: _problem_response,
+            HTTPException: _http_problem,
+            Exception: _internal_problem,
+        },
+        request_max_body_size=1_000_000,
+        logging_config=None,
+    )
+
+
+def _openapi_handler(ctx: Context):
+    from sandhold.gateway.openapi import document
+
+    body = _encoder.encode(document())
+
+    @get("/openapi.json", sync_to_thread=False)
+    def openapi() -> Response:
+        return Response(content=body, media_type="application/json")
+
+    return openapi
+
+
+def _health_handler(ctx: Context):
+    @get("/healthz")
+    async def healthz() -> Response:
+        return json_response({"ok": True, "read_model_position": ctx.read_model.position})
+
+    return healthz
+
+
+def _problem_response(request: Request, exc: ProblemError) -> Response:
+    return Response(
+        content=_encoder.encode(exc.problem(request.url.path)),
+        status_code=exc.status,
+        media_type=PROBLEM_MEDIA_TYPE,
+        headers=exc.headers,
+    )
+
+
+_HTTP_CODES = {
+    400: "invalid_parameter",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+def _http_problem(request: Request, exc: HTTPException) -> Response:
+    code = _HTTP_CODES.get(exc.status_code, "invalid_request")
+    detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    problem = ProblemError(code, detail, status=exc.status_code, headers=dict(exc.headers or {}))
+    return _problem_response(request, problem)
+
+
+def _internal_problem(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _problem_response(
+        request, ProblemError("internal_error", "the gateway failed; see its log", status=500)
+    )

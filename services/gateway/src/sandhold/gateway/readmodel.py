@@ -1,0 +1,551 @@
+"""The read model: an SQLite projection of the event log for lists and filters.
+
+Rows and the consumer position are written in one transaction, so a batch is
+either wholly applied or not at all, and an event delivered again (a
+restarted consumer, a rebuild racing the live feed) is skipped by its stream
+sequence: redelivery changes nothing. Every row is derived from the same
+`evolve` the services fold with; the folded state itself is kept per
+aggregate (column `state`), so the projection continues from where it stopped
+and `sandhold replay --verify` can compare it with a fresh fold of the log.
+
+Dropping the file loses nothing: `rebuild()` replays the log from the start
+(`sandhold admin rebuild-read-model`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from sandhold.bus.append import last_sequence
+from sandhold.bus.codec import decode_envelope
+from sandhold.bus.names import Names
+from sandhold.domain import host as host_domain
+from sandhold.domain import sandbox as sb
+from sandhold.domain.views import command_view, save_view
+
+log = logging.getLogger("sandhold.gateway.readmodel")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    phase TEXT NOT NULL,
+    host TEXT,
+    generation INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    delete_requested INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    state BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_by_tenant ON sandboxes (tenant, created_at, id);
+CREATE TABLE IF NOT EXISTS commands (
+    sandbox_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    state TEXT NOT NULL,
+    queued_at REAL NOT NULL,
+    ended_at REAL,
+    view BLOB NOT NULL,
+    PRIMARY KEY (sandbox_id, id)
+);
+CREATE INDEX IF NOT EXISTS commands_by_sandbox ON commands (sandbox_id, queued_at, id);
+CREATE TABLE IF NOT EXISTS saves (
+    sandbox_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    requested_at REAL NOT NULL,
+    view BLOB NOT NULL,
+    PRIMARY KEY (sandbox_id, id)
+);
+CREATE INDEX IF NOT EXISTS saves_by_sandbox ON saves (sandbox_id, requested_at, id);
+CREATE TABLE IF NOT EXISTS hosts (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    state BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    state TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    sandbox_id TEXT,
+    seq INTEGER NOT NULL,
+    body BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
+"""
+
+TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
+
+_json = msgspec.json.Encoder(order="deterministic")
+
+
+class Kind(msgspec.Struct, frozen=True):
+    """How one aggregate kind is folded and stored."""
+
+    evolve: Callable[[Any, Any], Any]
+    decoder: msgspec.json.Decoder
+
+
+def _kinds() -> dict[str, Kind]:
+    kinds = {
+        "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox)),
+        "host": Kind(host_domain.evolve, msgspec.json.Decoder(host_domain.Host)),
+    }
+    try:  # tasks arrive with the orchestrator (issue 5)
+        from sandhold.domain import task as task_domain
+    except ImportError:  # pragma: no cover - a tree without tasks
+        return kinds
+    kinds["task"] = Kind(task_domain.evolve, msgspec.json.Decoder(task_domain.Task))
+    return kinds
+
+
+KINDS = _kinds()
+
+
+async def connect(path: Path) -> aiosqlite.Connection:
+    db = await aiosqlite.connect(path, isolation_level=None)
+    await db.execute("PRAGMA journal_mode=WAL")
+    await db.execute("PRAGMA synchronous=NORMAL")
+    await db.execute("PRAGMA busy_timeout=5000")
+    return db
+
+
+class ReadModel:
+    """The projection, its writer (one connection) and its reader (another).
+
+    WAL mode gives readers the last committed batch while a new one is written.
+    """
+
+    def __init__(self, path: Path, names: Names) -> None:
+        self.path = path
+        self.names = names
+        self.position = 0
+        self._writer: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
+        self._cache: dict[tuple[str, str], tuple[Any, int]] = {}
+        self._write_lock = asyncio.Lock()
+        self._advanced = asyncio.Condition()
+
+    async def open(self) -> ReadModel:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = await connect(self.path)
+        await self._writer.executescript(SCHEMA)
+        prefix = await self._meta("prefix")
+        if prefix is not None and prefix != self.names.prefix:
+            raise ValueError(
+                f"{self.path} holds the read model of prefix {prefix!r}, not {self.names.prefix!r}"
+            )
+        await self._writer.execute(
+            "INSERT OR IGNORE INTO meta VALUES ('prefix', ?)", (self.names.prefix,)
+        )
+        self.position = int(await self._meta("position") or 0)
+        self._reader = await connect(self.path)
+        return self
+
+    async def close(self) -> None:
+        for db in (self._reader, self._writer):
+            if db is not None:
+                with contextlib.suppress(Exception):
+                    await db.close()
+        self._reader = self._writer = None
+
+    async def _meta(self, key: str) -> str | None:
+        assert self._writer is not None
+        async with self._writer.execute("SELECT value FROM meta WHERE key = ?", (key,)) as cur:
+            row = await cur.fetchone()
+        return None if row is None else row[0]
+
+    # --- applying events -----------------------------------------------------
+
+    async def apply(self, messages: Iterable[tuple[int, str, bytes]]) -> int:
+        """Apply (stream sequence, subject, data) in one transaction; returns how
+        many were new. Messages at or below the position are skipped."""
+        async with self._write_lock:
+            return await self._apply_locked(messages)
+
+    async def _apply_locked(self, messages: Iterable[tuple[int, str, bytes]]) -> int:
+        assert self._writer is not None
+        await self._writer.execute("BEGIN IMMEDIATE")
+        try:
+            applied, position = await self._apply_in_transaction(messages, self.position)
+            await self._writer.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._writer.execute("ROLLBACK")
+            self._cache.clear()  # it may hold states the rollback undid
+            raise
+        await self._advance(position)
+        return applied
+
+    async def _apply_in_transaction(
+        self, messages: Iterable[tuple[int, str, bytes]], position: int
+    ) -> tuple[int, int]:
+        assert self._writer is not None
+        before: dict[tuple[str, str], Any] = {}
+        applied = 0
+        for seq, subject, data in messages:
+            if seq <= position:
+                continue  # delivered again: already in the rows
+            position = seq
+            tokens = subject.split(".")
+            if len(tokens) != 4 or tokens[1] != "ev" or tokens[2] not in KINDS:
+                continue
+            kind, aggregate_id = tokens[2], tokens[3]
+            try:
+                envelope = decode_envelope(data)
+            except msgspec.DecodeError:
+                log.error("undecodable event at %s seq %d: skipped", subject, seq)
+                continue
+            key = (kind, aggregate_id)
+            state, _ = await self._load(key)
+            if key not in before:
+                before[key] = state
+            new_state = KINDS[kind].evolve(state, envelope)
+            self._cache[key] = (new_state, seq)
+            applied += 1
+        for key, old in before.items():
+            await self._write(key, old)
+        await self._writer.execute(
+            "INSERT INTO meta VALUES ('position', ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (str(position),),
+        )
+        return applied, position
+
+    async def _load(self, key: tuple[str, str]) -> tuple[Any, int]:
+        if key in self._cache:
+            return self._cache[key]
+        assert self._writer is not None
+        kind, aggregate_id = key
+        table = {"sandbox": "sandboxes", "host": "hosts", "task": "tasks"}[kind]
+        column = "body" if kind == "task" else "state"
+        async with self._writer.execute(
+            f"SELECT {column}, seq FROM {table} WHERE id = ?", (aggregate_id,)
+        ) as cur:
+            row = await cur.fetchone()
+        if row is None:
+            found: tuple[Any, int] = (None, 0)
+        else:
+            decoded = KINDS[kind].decoder.decode(row[0])
+            found = (decoded, int(row[1]))
+        self._cache[key] = found
+        return found
+
+    async def _write(self, key: tuple[str, str], old: Any) -> None:
+        state, seq = self._cache[key]
+        if state is None:
+            return
+        kind = key[0]
+        if kind == "sandbox":
+            await self._write_sandbox(state, seq, old)
+        elif kind == "host":
+            await self._writer.execute(  # type: ignore[union-attr]
+                "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
+                (state.host, state.status, state.epoch, seq, _json.encode(state)),
+            )
+        else:
+            await self._writer.execute(  # type: ignore[union-attr]
+                "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    state.id,
+                    state.tenant,
+                    state.state,
+                    state.submitted_at,
+                    state.updated_at,
+                    state.sandbox_id,
+                    seq,
+                    _json.encode(state),
+                ),
+            )
+
+    async def _write_sandbox(self, s: sb.Sandbox, seq: int, old: sb.Sandbox | None) -> None:
+        db = self._writer
+        assert db is not None
+        await db.execute(
+            "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            sandbox_row(s, seq),
+        )
+        old_commands = old.commands if old is not None else {}
+        for command in s.commands.values():
+            if old_commands.get(command.id) is not command:  # frozen: changed = replaced
+                await db.execute(
+                    "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    command_row(s, command),
+                )
+        old_saves = old.saves if old is not None else {}
+        for record in s.saves.values():
+            if old_saves.get(record.id) is not record:
+                await db.execute(
+                    "INSERT OR REPLACE INTO saves VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    save_row(s, record),
+                )
+        for gone in old_saves.keys() - s.saves.keys():
+            await db.execute("DELETE FROM saves WHERE sandbox_id = ? AND id = ?", (s.id, gone))
+
+    async def _advance(self, position: int) -> None:
+        async with self._advanced:
+            self.position = position
+            self._advanced.notify_all()
+
+    async def wait_for(self, seq: int, timeout: float) -> bool:
+        """Wait until every event up to `seq` is in the rows (False on timeout)."""
+        async with self._advanced:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._advanced.wait_for(lambda: self.position >= seq), timeout
+                )
+        return self.position >= seq
+
+    # --- following the log ---------------------------------------------------
+
+    async def follow(self, js: JetStreamContext, *, batch: int = 256) -> None:
+        """Apply the log from the position on, forever. A consumer that goes away
+        (server restart, idle cleanup) is made again from the committed position."""
+        while True:
+            try:
+                await self._follow_once(js, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - keep projecting whatever happens
+                log.warning("read model consumer failed (%s); resuming from %d", err, self.position)
+                await asyncio.sleep(1.0)
+
+    async def _follow_once(self, js: JetStreamContext, batch: int) -> None:
+        sub = await self._subscribe(js, self.position + 1)
+        try:
+            idle = 0
+            while True:
+                try:
+                    msgs = await sub.fetch(batch, timeout=5)
+                except TimeoutError:
+                    idle += 1
+                    if idle % 6 == 0:
+                        await sub.consumer_info()  # raises if the consumer went away
+                    continue
+                idle = 0
+                await self.apply(_triples(msgs))
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _subscribe(self, js: JetStreamContext, start_seq: int):
+        return await js.pull_subscribe(
+            f"{self.names.prefix}.ev.>",
+            durable=None,
+            stream=self.names.events_stream,
+            config=ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=max(1, start_seq),
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=120.0,
+            ),
+        )
+
+    async def log_end(self, js: JetStreamContext) -> int:
+        return await last_sequence(js, self.names.events_stream, f"{self.names.prefix}.ev.>")
+
+    async def rebuild(self, js: JetStreamContext, *, batch: int = 512) -> dict[str, int]:
+        """Drop every row and replay the log from the start, in one transaction:
+        readers see the old rows until the new ones are complete."""
+        async with self._write_lock:
+            assert self._writer is not None
+            target = await self.log_end(js)
+            self._cache.clear()
+            await self._writer.execute("BEGIN IMMEDIATE")
+            try:
+                for table in TABLES:
+                    await self._writer.execute(f"DELETE FROM {table}")
+                position = 0
+                if target > 0:
+                    sub = await self._subscribe(js, 1)
+                    try:
+                        while position < target:
+                            msgs = await sub.fetch(batch, timeout=10)
+                            _, position = await self._apply_in_transaction(_triples(msgs), position)
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await sub.unsubscribe()
+                else:
+                    await self._apply_in_transaction([], 0)
+                await self._writer.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._writer.execute("ROLLBACK")
+                self._cache.clear()
+                raise
+            await self._advance(position)
+            return {"position": position, **await self.counts()}
+
+    # --- reading -------------------------------------------------------------
+
+    async def counts(self) -> dict[str, int]:
+        out = {}
+        for table in TABLES:
+            rows = await self.query(f"SELECT count(*) FROM {table}")
+            out[table] = int(rows[0][0])
+        return out
+
+    async def query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        assert self._reader is not None
+        async with self._reader.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+
+def _triples(msgs: list[Msg]) -> list[tuple[int, str, bytes]]:
+    return [(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+
+
+# Row shapes, shared with `sandhold replay --verify` (which rebuilds them from a
+# fresh fold and compares).
+
+
+def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
+    return (
+        s.id,
+        s.tenant,
+        s.phase,
+        s.host,
+        s.generation,
+        s.created_at,
+        int(s.delete_requested),
+        seq,
+        _json.encode(s),
+    )
+
+
+def command_row(s: sb.Sandbox, command: sb.Command) -> tuple:
+    return (
+        s.id,
+        command.id,
+        s.tenant,
+        command.state,
+        command.queued_at,
+        command.ended_at,
+        _json.encode(command_view(s.id, command)),
+    )
+
+
+def save_row(s: sb.Sandbox, record: Any) -> tuple:
+    return (
+        s.id,
+        record.id,
+        s.tenant,
+        record.kind,
+        record.state,
+        record.requested_at,
+        _json.encode(save_view(s.id, record)),
+    )
+
+
+# --- verifying: the rows a fresh fold gives, against the stored ones -----------------
+
+_COLUMNS = {
+    "sandboxes": (
+        "id",
+        "tenant",
+        "phase",
+        "host",
+        "generation",
+        "created_at",
+        "delete_requested",
+        "seq",
+        "state",
+    ),
+    "commands": ("sandbox_id", "id", "tenant", "state", "queued_at", "ended_at", "view"),
+    "saves": ("sandbox_id", "id", "tenant", "kind", "state", "requested_at", "view"),
+    "tasks": (
+        "id",
+        "tenant",
+        "state",
+        "submitted_at",
+        "updated_at",
+        "sandbox_id",
+        "seq",
+        "body",
+    ),
+}
+
+
+def expected_rows(kind: str, state: Any, seq: int) -> dict[str, list[tuple]]:
+    """What the read model must hold for an aggregate folded up to `seq`."""
+    if kind == "sandbox":
+        return {
+            "sandboxes": [sandbox_row(state, seq)],
+            "commands": sorted(command_row(state, c) for c in state.commands.values()),
+            "saves": sorted(save_row(state, r) for r in state.saves.values()),
+        }
+    return {
+        "tasks": [
+            (
+                state.id,
+                state.tenant,
+                state.state,
+                state.submitted_at,
+                state.updated_at,
+                state.sandbox_id,
+                seq,
+                _json.encode(state),
+            )
+        ]
+    }
+
+
+def stored_rows(db: Any, kind: str, aggregate_id: str) -> dict[str, list[tuple]]:
+    """The read model's rows for one aggregate (`db`: a sqlite3 connection)."""
+    if kind == "sandbox":
+        where = {"sandboxes": "id", "commands": "sandbox_id", "saves": "sandbox_id"}
+    else:
+        where = {"tasks": "id"}
+    out = {}
+    for table, key in where.items():
+        columns = ", ".join(_COLUMNS[table])
+        rows = db.execute(
+            f"SELECT {columns} FROM {table} WHERE {key} = ?", (aggregate_id,)
+        ).fetchall()
+        out[table] = sorted(tuple(r) for r in rows)
+    return out
+
+
+def differences(expected: dict[str, list[tuple]], stored: dict[str, list[tuple]]) -> list[str]:
+    """Human-readable differences, one per differing column or missing row."""
+    found = []
+    for table, rows in expected.items():
+        columns = _COLUMNS[table]
+        want = {row[:2]: row for row in rows}
+        have = {row[:2]: row for row in stored.get(table, [])}
+        for key in sorted(want.keys() | have.keys()):
+            name = "/".join(str(k) for k in key)
+            if key not in have:
+                found.append(f"{table} {name}: missing from the read model")
+            elif key not in want:
+                found.append(f"{table} {name}: in the read model, not in the log")
+            else:
+                for column, a, b in zip(columns, want[key], have[key], strict=True):
+                    if a != b:
+                        shown_a, shown_b = _short(a), _short(b)
+                        found.append(
+                            f"{table} {name} {column}: log {shown_a}, read model {shown_b}"
+                        )
+    return found
+
+
+def _short(value: Any) -> str:
+    text = value.decode(errors="replace") if isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

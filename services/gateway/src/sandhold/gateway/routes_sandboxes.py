@@ -1,0 +1,406 @@
+"""Sandboxes, their commands, saves and events; hosts."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.response import Stream
+from nats.js.errors import NotFoundError
+from sandhold.bus.codec import decode_envelope
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain.commands import END_STATES
+from sandhold.domain.views import sandbox_view, save_view
+from sandhold.gateway import bodies as b
+from sandhold.gateway.problems import FieldError, ProblemError
+from sandhold.gateway.sse import event_frames
+from sandhold.gateway.web import (
+    COMMAND_ID,
+    COMMAND_STATES,
+    MAX_LIMIT,
+    PHASES,
+    SANDBOX_ID,
+    SAVE_ID,
+    SAVE_KINDS,
+    SAVE_STATES,
+    Context,
+    call,
+    check_id,
+    decode_cursor,
+    encode_cursor,
+    fresh,
+    idempotency_key,
+    json_body,
+    json_response,
+    query_bool,
+    query_choice,
+    query_int,
+    tenant_of,
+)
+
+
+def handlers(ctx: Context) -> list:
+    def sid(value: str) -> str:
+        return check_id(value, SANDBOX_ID, "sandbox_not_found", "sandbox")
+
+    def cid(value: str) -> str:
+        return check_id(value, COMMAND_ID, "command_not_found", "command")
+
+    # --- sandboxes -------------------------------------------------------------
+
+    @post("/api/v1/sandboxes")
+    async def create_sandbox(request: Request) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        body = b.decode_json(await json_body(request), b.CreateSandboxBody, empty_ok=True)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.CreateSandbox(key=key, tenant=tenant, **b.request_fields(body))
+            )
+        )
+        view = reply.sandbox
+        return json_response(view, 201, headers={"Location": f"/api/v1/sandboxes/{view.id}"})
+
+    @get("/api/v1/sandboxes")
+    async def list_sandboxes(request: Request) -> Response:
+        tenant = tenant_of(ctx, request)
+        phase = query_choice(request, "phase", PHASES)
+        limit = query_int(request, "limit", 100, 1, MAX_LIMIT)
+        include_deleted = query_bool(request, "include_deleted")
+        after = decode_cursor(request)
+        await fresh(ctx)
+        sql = "SELECT state, created_at, id FROM sandboxes WHERE tenant = ?"
+        params: list = [tenant]
+        if phase is not None:
+            sql += " AND phase = ?"
+            params.append(phase)
+        elif not include_deleted:
+            sql += " AND phase != 'deleted'"
+        rows, next_cursor = await _page(ctx, sql, params, after, limit, "created_at")
+        return json_response(
+            b.SandboxPage(
+                items=[sandbox_view(_sandbox(r[0])) for r in rows], next_cursor=next_cursor
+            )
+        )
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}")
+    async def show_sandbox(request: Request, sandbox_id: str) -> Response:
+        client = ctx.client(tenant_of(ctx, request))
+        view = await call(client.show_sandbox(sid(sandbox_id)))
+        with contextlib.suppress(Exception):
+            view.storage = await client.storage()
+        return json_response(view)
+
+    async def _lifecycle(request: Request, sandbox_id: str, make) -> b.SandboxView:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        reply = await call(ctx.client(tenant).send(make(key, tenant, sid(sandbox_id))))
+        return reply.sandbox
+
+    @post("/api/v1/sandboxes/{sandbox_id:str}/start", status_code=200)
+    async def start_sandbox(request: Request, sandbox_id: str) -> Response:
+        view = await _lifecycle(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.StartSandbox(key=k, tenant=t, sandbox_id=s),
+        )
+        return json_response(view)
+
+    @post("/api/v1/sandboxes/{sandbox_id:str}/stop", status_code=200)
+    async def stop_sandbox(request: Request, sandbox_id: str) -> Response:
+        wait = query_int(request, "wait", 0, 0, 3600)
+        view = await _lifecycle(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.StopSandbox(key=k, tenant=t, sandbox_id=s),
+        )
+        client = ctx.client(view.tenant)
+        final = view.final_save
+        settled = view.phase in ("stopped", "failed", "deleted") and (
+            final is None or final.state in ("completed", "failed", "expired")
+        )
+        if wait and not settled:
+            with contextlib.suppress(TimeoutError):
+                view = await call(
+                    client.wait_for_phase(view.id, {"stopped", "failed", "deleted"}, timeout=wait)
+                )
+                if view.final_save is not None:
+                    await call(client.wait_for_save(view.id, view.final_save.id, timeout=wait))
+                view = await call(client.show_sandbox(view.id))
+            final = view.final_save
+            settled = view.phase in ("stopped", "failed", "deleted") and (
+                final is None or final.state in ("completed", "failed", "expired")
+            )
+        return json_response(
+            b.StopResult(
+                stopped=view.phase == "stopped",
+                phase=view.phase,
+                final_save=view.final_save,
+                settled=settled,
+                sandbox=view,
+            )
+        )
+
+    @delete("/api/v1/sandboxes/{sandbox_id:str}", status_code=202)
+    async def delete_sandbox(request: Request, sandbox_id: str) -> Response:
+        view = await _lifecycle(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.DeleteSandbox(key=k, tenant=t, sandbox_id=s),
+        )
+        return json_response(view, 202)
+
+    # --- snapshots and saves ---------------------------------------------------------
+
+    @post("/api/v1/sandboxes/{sandbox_id:str}/snapshots")
+    async def take_snapshot(request: Request, sandbox_id: str) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        body = b.decode_json(await json_body(request), b.SnapshotBody)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.SnapshotSandbox(
+                    key=key, tenant=tenant, sandbox_id=sid(sandbox_id), **b.request_fields(body)
+                )
+            )
+        )
+        save = reply.save
+        location = f"/api/v1/sandboxes/{save.sandbox_id}/saves/{save.id}"
+        return json_response(save, 202, headers={"Location": location})
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/saves")
+    async def list_saves(request: Request, sandbox_id: str) -> Response:
+        tenant = tenant_of(ctx, request)
+        kind = query_choice(request, "kind", SAVE_KINDS)
+        state = query_choice(request, "state", SAVE_STATES)
+        limit = query_int(request, "limit", 100, 1, MAX_LIMIT)
+        after = decode_cursor(request)
+        await _owned(ctx, tenant, sid(sandbox_id))
+        await fresh(ctx)
+        sql = "SELECT view, requested_at, id FROM saves WHERE sandbox_id = ? AND tenant = ?"
+        params: list = [sandbox_id, tenant]
+        for column, value in (("kind", kind), ("state", state)):
+            if value is not None:
+                sql += f" AND {column} = ?"
+                params.append(value)
+        rows, next_cursor = await _page(ctx, sql, params, after, limit, "requested_at")
+        return json_response(
+            b.SavePage(
+                items=[msgspec.json.decode(r[0], type=b.SaveView) for r in rows],
+                next_cursor=next_cursor,
+            )
+        )
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/saves/{save_id:str}")
+    async def show_save(request: Request, sandbox_id: str, save_id: str) -> Response:
+        client = ctx.client(tenant_of(ctx, request))
+        state = await call(client.sandbox_state(sid(sandbox_id)))
+        if state is None:
+            raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
+        record = state.saves.get(save_id) if SAVE_ID.match(save_id) else None
+        if record is None:
+            raise ProblemError("save_not_found", f"no save {save_id} in {sandbox_id}")
+        return json_response(save_view(state.id, record))
+
+    # --- commands ----------------------------------------------------------------
+
+    @post("/api/v1/sandboxes/{sandbox_id:str}/commands")
+    async def run_command(request: Request, sandbox_id: str) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        body = b.decode_json(await json_body(request), b.RunCommandBody)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.RunCommand(
+                    key=key, tenant=tenant, sandbox_id=sid(sandbox_id), **b.request_fields(body)
+                )
+            )
+        )
+        command = reply.command
+        location = f"/api/v1/sandboxes/{command.sandbox_id}/commands/{command.id}"
+        return json_response(command, 202, headers={"Location": location})
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/commands")
+    async def list_commands(request: Request, sandbox_id: str) -> Response:
+        tenant = tenant_of(ctx, request)
+        state = query_choice(request, "state", COMMAND_STATES)
+        limit = query_int(request, "limit", 100, 1, MAX_LIMIT)
+        after = decode_cursor(request)
+        await _owned(ctx, tenant, sid(sandbox_id))
+        await fresh(ctx)
+        sql = "SELECT view, queued_at, id FROM commands WHERE sandbox_id = ? AND tenant = ?"
+        params: list = [sandbox_id, tenant]
+        if state is not None:
+            sql += " AND state = ?"
+            params.append(state)
+        rows, next_cursor = await _page(ctx, sql, params, after, limit, "queued_at")
+        return json_response(
+            b.CommandPage(
+                items=[msgspec.json.decode(r[0], type=b.CommandView) for r in rows],
+                next_cursor=next_cursor,
+            )
+        )
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}")
+    async def show_command(request: Request, sandbox_id: str, command_id: str) -> Response:
+        client = ctx.client(tenant_of(ctx, request))
+        return json_response(await call(client.show_command(sid(sandbox_id), cid(command_id))))
+
+    @post("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}/cancel", status_code=200)
+    async def cancel_command(request: Request, sandbox_id: str, command_id: str) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.CancelCommand(
+                    key=key, tenant=tenant, sandbox_id=sid(sandbox_id), command_id=cid(command_id)
+                )
+            )
+        )
+        return json_response(reply.command)
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}/output")
+    async def command_output(request: Request, sandbox_id: str, command_id: str) -> Response:
+        client = ctx.client(tenant_of(ctx, request))
+        command = await call(client.show_command(sid(sandbox_id), cid(command_id)))
+        output = await call(client.read_output(sandbox_id, command_id))
+        return json_response(_output(command, output))
+
+    # --- events --------------------------------------------------------------------
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/events")
+    async def sandbox_events(request: Request, sandbox_id: str) -> Stream:
+        tenant = tenant_of(ctx, request)
+        after = last_event_id(request)
+        await _owned(ctx, tenant, sid(sandbox_id))
+        return sse_response(ctx, ctx.names.events("sandbox", sandbox_id), after)
+
+    # --- hosts -----------------------------------------------------------------------
+
+    @get("/api/v1/hosts")
+    async def list_hosts(request: Request) -> Response:
+        tenant_of(ctx, request)
+        await fresh(ctx)
+        rows = await ctx.read_model.query("SELECT state FROM hosts ORDER BY id")
+        return json_response(
+            b.HostList(items=[msgspec.json.decode(r[0], type=b.HostView) for r in rows])
+        )
+
+    return [
+        create_sandbox,
+        list_sandboxes,
+        show_sandbox,
+        start_sandbox,
+        stop_sandbox,
+        delete_sandbox,
+        take_snapshot,
+        list_saves,
+        show_save,
+        run_command,
+        list_commands,
+        show_command,
+        cancel_command,
+        command_output,
+        sandbox_events,
+        list_hosts,
+    ]
+
+
+# --- shared with the task routes --------------------------------------------------
+
+
+def last_event_id(request: Request) -> int:
+    """`Last-Event-ID` (a reconnecting EventSource), else `?after=`; 0 = from the start."""
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    raw = raw.strip()
+    if not raw.isdigit() or len(raw) > 19:
+        raise ProblemError(
+            "invalid_header",
+            "Last-Event-ID (or ?after=) is the id of an event this stream sent: a sequence number",
+            errors=[FieldError(field="Last-Event-ID", message="a non-negative integer")],
+        )
+    return int(raw)
+
+
+def sse_response(ctx: Context, subject: str, after: int) -> Stream:
+    return Stream(
+        event_frames(
+            ctx.js,
+            ctx.names.events_stream,
+            subject,
+            after=after,
+            keepalive_s=ctx.keepalive_s,
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def first_event(ctx: Context, kind: str, aggregate_id: str) -> ev.AnyEvent | None:
+    """The aggregate's first event (its creation), by one direct get."""
+    try:
+        msg = await ctx.js.get_msg(
+            ctx.names.events_stream,
+            seq=1,
+            subject=ctx.names.events(kind, aggregate_id),
+            next=True,
+            direct=True,
+        )
+    except NotFoundError:
+        return None
+    try:
+        return decode_envelope(msg.data or b"").event
+    except msgspec.DecodeError:
+        return None
+
+
+async def _owned(ctx: Context, tenant: str, sandbox_id: str) -> None:
+    created = await first_event(ctx, "sandbox", sandbox_id)
+    if not isinstance(created, ev.SandboxCreated) or created.tenant != tenant:
+        raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
+
+
+async def _page(ctx: Context, sql: str, params: list, after, limit: int, order: str):
+    if after is not None:
+        sql += f" AND ({order}, id) > (?, ?)"
+        params += after
+    sql += f" ORDER BY {order}, id LIMIT ?"
+    params.append(limit + 1)
+    rows = await ctx.read_model.query(sql, tuple(params))
+    more = len(rows) > limit
+    last = rows[limit - 1] if more else None
+    return rows[:limit], (encode_cursor(last[1], last[2]) if last else None)
+
+
+def _sandbox(state: bytes):
+    from sandhold.gateway.readmodel import KINDS
+
+    return KINDS["sandbox"].decoder.decode(state)
+
+
+def _output(command: b.CommandView, output: dict[str, bytes]) -> b.CommandOutput:
+    streams = {name: output.get(name, b"") for name in ("stdout", "stderr")}
+    try:
+        text = {name: data.decode() for name, data in streams.items()}
+        encoding = "utf-8"
+    except UnicodeDecodeError:
+        text = {name: base64.b64encode(data).decode() for name, data in streams.items()}
+        encoding = "base64"
+    kept = dict(command.output_kept)
+    missing = {name: max(0, kept.get(name, 0) - len(streams[name])) for name in streams}
+    ended = command.state in END_STATES
+    return b.CommandOutput(
+        command_id=command.id,
+        state=command.state,
+        ended=ended,
+        encoding=encoding,
+        stdout=text["stdout"],
+        stderr=text["stderr"],
+        kept_bytes=kept,
+        missing_bytes=missing,
+        output_complete=command.output_complete,
+        complete=ended and command.output_complete and not any(missing.values()),
+    )

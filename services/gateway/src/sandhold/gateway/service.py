@@ -1,0 +1,137 @@
+"""The gateway shell: NATS, the read model, and uvicorn serving the app.
+
+`run()` connects, opens (or rebuilds) the read model, starts following the
+log, serves HTTP, and announces itself on `<prefix>.svc.ready` with its port.
+`<prefix>.admin.rebuild-read-model` (core request/reply) rebuilds the read
+model from the log; `sandhold admin rebuild-read-model` sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import uvicorn
+from nats.aio.msg import Msg
+from sandhold.bus.names import Names
+from sandhold.bus.service import announce_ready, close_quickly, connect
+from sandhold.bus.streams import ensure_streams
+from sandhold.gateway.app import create_app
+from sandhold.gateway.readmodel import ReadModel
+from sandhold.gateway.tokens import Tokens
+from sandhold.gateway.web import Context
+
+log = logging.getLogger("sandhold.gateway")
+
+
+def rebuild_subject(names: Names) -> str:
+    return f"{names.prefix}.admin.rebuild-read-model"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the service shell owns signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Gateway:
+    name = "gateway"
+
+    def __init__(
+        self,
+        nats_url: str,
+        names: Names,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        read_model_path: Path,
+        tokens_path: Path,
+        keepalive_s: float = 15.0,
+        replicas: int = 1,
+    ) -> None:
+        self._url = nats_url
+        self._names = names
+        self._host = host
+        self._port = port
+        self._read_model_path = read_model_path
+        self._tokens_path = tokens_path
+        self._keepalive_s = keepalive_s
+        self._replicas = replicas
+        self._stopping = asyncio.Event()
+        self.port: int | None = None
+
+    async def run(self) -> None:
+        nc = await connect(self._url, name="sandhold-gateway")
+        read_model = ReadModel(self._read_model_path, self._names)
+        tasks: list[asyncio.Task] = []
+        try:
+            js = nc.jetstream()
+            await ensure_streams(js, self._names, replicas=self._replicas)
+            await read_model.open()
+            if read_model.position > await read_model.log_end(js):
+                # The log is not the one this read model was built from (a new server).
+                log.warning("read model is ahead of the log: rebuilding it")
+                await read_model.rebuild(js)
+            tasks.append(asyncio.create_task(read_model.follow(js)))
+
+            async def on_rebuild(msg: Msg) -> None:
+                try:
+                    counts = await read_model.rebuild(js)
+                    body = {"ok": True, **counts}
+                except Exception as err:  # noqa: BLE001 - reported to the caller
+                    log.exception("read model rebuild failed")
+                    body = {"ok": False, "error": str(err)}
+                await msg.respond(msgspec.json.encode(body))
+
+            await nc.subscribe(rebuild_subject(self._names), cb=on_rebuild)
+            ctx = Context(
+                nc,
+                self._names,
+                read_model,
+                Tokens(self._tokens_path),
+                keepalive_s=self._keepalive_s,
+            )
+            server = _Server(
+                uvicorn.Config(
+                    create_app(ctx),
+                    host=self._host,
+                    port=self._port,
+                    log_level="warning",
+                    access_log=False,
+                    lifespan="off",
+                    timeout_graceful_shutdown=2,
+                )
+            )
+            serving = asyncio.create_task(server.serve())
+            tasks.append(serving)
+            while not server.started:
+                if serving.done():
+                    await serving  # raises why it could not start (port in use)
+                    raise RuntimeError("the HTTP server stopped before it started")
+                await asyncio.sleep(0.02)
+            self.port = server.servers[0].sockets[0].getsockname()[1]
+            await announce_ready(nc, self._names, self.name, port=self.port, address=self._host)
+            log.info("gateway ready on http://%s:%d", self._host, self.port)
+            stop = asyncio.create_task(self._stopping.wait())
+            await asyncio.wait({stop, serving}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(serving), 5)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            await read_model.close()
+            await close_quickly(nc)
+
+    async def shutdown(self) -> None:
+        self._stopping.set()

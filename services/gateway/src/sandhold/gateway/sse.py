@@ -1,0 +1,147 @@
+"""Server-Sent Events straight from the log, resumable by stream sequence.
+
+Each SSE `id:` is the event's JetStream stream sequence, so `Last-Event-ID`
+names an exact point in the log: a reconnecting client gets every event after
+it, then live ones, from whichever gateway answers. Events are pulled in
+small batches and the next batch is fetched only once the previous one was
+written to the socket (uvicorn waits while the client's buffer is full), so a
+client that falls behind holds at most one batch in the gateway: it is served
+from the log at its own pace instead of queueing in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+log = logging.getLogger("sandhold.gateway.sse")
+
+BATCH = 64
+
+
+class EventRecord(msgspec.Struct, kw_only=True):
+    """One event with its envelope and stream sequence (the SSE `data:`; also a
+    line of `sandhold audit export`)."""
+
+    seq: int
+    subject: str
+    id: str
+    type: str
+    aggregate_id: str
+    time: float
+    actor: str
+    causation_id: str
+    correlation_id: str
+    trace_id: str | None = None
+    event: dict[str, object]
+
+
+class _RawEnvelope(msgspec.Struct, kw_only=True):
+    # Untyped event: the gateway forwards events it may not know yet.
+    id: str
+    aggregate_id: str
+    time: float
+    actor: str
+    causation_id: str
+    correlation_id: str
+    event: dict[str, object]
+    trace_id: str | None = None
+
+
+_raw_decoder = msgspec.json.Decoder(_RawEnvelope)
+_encoder = msgspec.json.Encoder()
+
+
+def record_of(seq: int, subject: str, data: bytes) -> EventRecord:
+    e = _raw_decoder.decode(data)
+    return EventRecord(
+        seq=seq,
+        subject=subject,
+        id=e.id,
+        type=str(e.event.get("type", "")),
+        aggregate_id=e.aggregate_id,
+        time=e.time,
+        actor=e.actor,
+        causation_id=e.causation_id,
+        correlation_id=e.correlation_id,
+        trace_id=e.trace_id,
+        event=e.event,
+    )
+
+
+def frame(record: EventRecord) -> bytes:
+    return (
+        f"id: {record.seq}\nevent: {record.type}\ndata: ".encode()
+        + _encoder.encode(record)
+        + b"\n\n"
+    )
+
+
+async def event_frames(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    after: int,
+    keepalive_s: float,
+    retry_ms: int = 1000,
+) -> AsyncIterator[bytes]:
+    """SSE frames for every event on `subject` after sequence `after`, then live
+    ones, with a keep-alive comment whenever nothing came for `keepalive_s`."""
+    yield f"retry: {retry_ms}\n: resuming after {after}\n\n".encode()
+    sent = after
+    while True:
+        sub = await _subscribe(js, stream, subject, sent + 1, keepalive_s)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(BATCH, timeout=keepalive_s)
+                except TimeoutError:
+                    yield b": keep-alive\n\n"
+                    await sub.consumer_info()  # raises if the consumer went away
+                    continue
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq <= sent:
+                        continue
+                    try:
+                        record = record_of(seq, msg.subject, msg.data)
+                    except msgspec.DecodeError:
+                        log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
+                        sent = seq
+                        continue
+                    yield frame(record)
+                    sent = seq
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a lost consumer is made again
+            log.info("event stream on %s: %s; resuming after %d", subject, err, sent)
+            await asyncio.sleep(0.5)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, sub._consumer)  # noqa: SLF001
+
+
+async def _subscribe(
+    js: JetStreamContext, stream: str, subject: str, start_seq: int, keepalive_s: float
+):
+    return await js.pull_subscribe(
+        subject,
+        durable=None,
+        stream=stream,
+        config=ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start_seq,
+            ack_policy=AckPolicy.NONE,
+            # The server drops the consumer of a client that vanished without a word.
+            inactive_threshold=max(30.0, 4 * keepalive_s),
+        ),
+    )

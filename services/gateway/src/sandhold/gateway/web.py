@@ -1,0 +1,215 @@
+"""What the HTTP handlers share: the context, auth, parameters, errors."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import re
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from sandhold.bus.names import Names
+from sandhold.client import Client
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.gateway.problems import FieldError, ProblemError
+from sandhold.gateway.readmodel import ReadModel
+from sandhold.gateway.tokens import Tokens
+
+log = logging.getLogger("sandhold.gateway")
+
+_encoder = msgspec.json.Encoder()
+SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{16}$")
+COMMAND_ID = re.compile(r"^cmd-[0-9a-f]{16}$")
+SAVE_ID = re.compile(r"^sv-[0-9a-f]{16}$")
+TASK_ID = re.compile(r"^tk-[0-9a-f]{16}$")
+_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+MAX_LIMIT = 500
+
+
+class Context:
+    """What every handler needs: the bus, the read model, the tokens."""
+
+    def __init__(
+        self,
+        nc: Any,
+        names: Names,
+        read_model: ReadModel,
+        tokens: Tokens,
+        *,
+        keepalive_s: float = 15.0,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.names = names
+        self.read_model = read_model
+        self.tokens = tokens
+        self.keepalive_s = keepalive_s
+        self.request_timeout = request_timeout
+
+    def client(self, tenant: str) -> Client:
+        return Client(self.nc, self.names, tenant=tenant, request_timeout=self.request_timeout)
+
+
+def json_response(value: object, status: int = 200, headers: dict[str, str] | None = None):
+    return Response(
+        content=_encoder.encode(value),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+# --- request helpers -------------------------------------------------------------
+
+
+def tenant_of(ctx: Context, request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    tenant = ctx.tokens.tenant_of(token.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        raise ProblemError(
+            "unauthorized",
+            "send `Authorization: Bearer <token>`; `sandhold token create` makes one",
+            headers={"WWW-Authenticate": 'Bearer realm="sandhold"'},
+        )
+    return tenant
+
+
+def idempotency_key(request: Request) -> str:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return uuid.uuid4().hex  # no key: every call is new work
+    if not _KEY.match(key):
+        raise ProblemError(
+            "invalid_header",
+            "Idempotency-Key: 1-200 printable ASCII characters without spaces",
+            errors=[FieldError(field="Idempotency-Key", message="must match ^[\\x21-\\x7e]+$")],
+        )
+    return key
+
+
+async def json_body(request: Request) -> bytes:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise ProblemError(
+            "unsupported_media_type",
+            f"send the body as application/json, not {media}",
+        )
+    return await request.body()
+
+
+def check_id(value: str, pattern: re.Pattern[str], code: str, what: str) -> str:
+    # An id that cannot exist is reported like one that does not.
+    if not pattern.match(value):
+        raise ProblemError(code, f"no {what} {value}")
+    return value
+
+
+def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ProblemError(
+            "invalid_parameter",
+            f"{name} must be an integer from {low} to {high}",
+            errors=[FieldError(field=name, message=f"integer {low}..{high}")],
+        )
+    return int(raw)
+
+
+def query_choice(request: Request, name: str, choices: frozenset[str]) -> str | None:
+    raw = request.query_params.get(name)
+    if raw is not None and raw not in choices:
+        raise ProblemError(
+            "invalid_parameter",
+            f"{name} must be one of {', '.join(sorted(choices))}",
+            errors=[FieldError(field=name, message="unknown value")],
+        )
+    return raw
+
+
+def query_bool(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise ProblemError("invalid_parameter", f"{name} must be true or false")
+    return raw in ("true", "1")
+
+
+def encode_cursor(*parts: object) -> str:
+    return base64.urlsafe_b64encode(msgspec.json.encode(list(parts))).decode().rstrip("=")
+
+
+def decode_cursor(request: Request) -> list | None:
+    raw = request.query_params.get("cursor")
+    if not raw:
+        return None
+    try:
+        parts = msgspec.json.decode(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+        if not isinstance(parts, list) or len(parts) != 2:
+            raise ValueError
+        return parts
+    except (ValueError, binascii.Error, msgspec.DecodeError) as err:
+        raise ProblemError(
+            "invalid_parameter", "cursor: pass back a next_cursor this API returned"
+        ) from err
+
+
+async def fresh(ctx: Context) -> None:
+    """Lists answer after the read model has what the log had when asked (a
+    write acknowledged before the list is in it), waiting at most a moment."""
+    end = await ctx.read_model.log_end(ctx.js)
+    await ctx.read_model.wait_for(end, 2.0)
+
+
+async def call(action: Awaitable[Any]) -> Any:
+    try:
+        return await action
+    except Rejected as err:
+        raise ProblemError(err.code, err.message) from err
+    except InfraError as err:
+        raise ProblemError(
+            "unavailable",
+            f"{err}; retry with the same Idempotency-Key to get the result",
+            retryable=True,
+            headers={"Retry-After": "1"},
+        ) from err
+
+
+# Phases, command states and save states a list can be filtered by.
+PHASES = frozenset(
+    {
+        "pending",
+        "placed",
+        "starting",
+        "running",
+        "stopping",
+        "stopped",
+        "failed",
+        "deleted",
+        "lost",
+        "recovering",
+    }
+)
+COMMAND_STATES = frozenset(
+    {
+        "queued",
+        "dispatched",
+        "running",
+        "exited",
+        "launch_failed",
+        "timed_out",
+        "interrupted",
+        "not_launched",
+        "resource_exhausted",
+        "infrastructure_lost",
+        "unknown",
+    }
+)
+SAVE_KINDS = frozenset({"scheduled", "snapshot", "final"})
+SAVE_STATES = frozenset({"requested", "captured", "uploaded", "completed", "failed", "expired"})

@@ -1,0 +1,125 @@
+"""The seed's chaos test, for real: ten tasks, the orchestrator and the scheduler
+killed with SIGKILL mid-execution and restarted; every task completes, every
+agent command ran exactly once, and no finished step ran again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sandhold.client import connect
+from sandhold.domain.task_manifest import load_manifest
+
+from tests.conftest import wait_until
+from tests.e2e.harness import Up
+from tests.orchestrator.conftest import GitDaemon, GitRepo, git
+
+TASKS = 10
+
+
+@pytest.fixture
+def counter() -> Iterator[Path]:
+    path = Path("/var/tmp") / f"sandhold-chaos-{uuid.uuid4().hex[:12]}"
+    path.mkdir(parents=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _manifest(url: str, counter: Path, i: int) -> dict:
+    def step(name: str, seconds: float) -> dict:
+        # Every run leaves a line outside the sandbox: the count is the truth.
+        script = f"echo {name} >> {counter}/{i}; cat README; sleep {seconds}"
+        return {"name": name, "agent": {"command": ["sh", "-c", script]}}
+
+    return {
+        "name": f"chaos-{i}",
+        "repository": {"url": url, "ref": "main"},
+        "pipeline": [step("prepare", 0), step("work", 4), step("finish", 0)],
+        "retry": {"base_delay": 0.2},
+    }
+
+
+def _lines(counter: Path, i: int) -> list[str]:
+    path = counter / str(i)
+    return path.read_text().splitlines() if path.exists() else []
+
+
+async def test_ten_tasks_survive_the_orchestrator_and_scheduler_killed_mid_run(
+    tmp_path: Path, git_repo: GitRepo, git_daemon: GitDaemon, counter: Path
+):
+    assert git("rev-parse", "main", cwd=git_repo.path) == git_repo.main
+    up = Up(tmp_path / "data").start()
+    try:
+        client = await connect(up.url)
+        try:
+            ids = [
+                (
+                    await client.submit_task(
+                        load_manifest(_manifest(git_daemon.url_for(git_repo.name), counter, i)),
+                        key=f"chaos-{i}",
+                    )
+                ).id
+                for i in range(TASKS)
+            ]
+
+            async def mid_run() -> bool:
+                # Some tasks have finished a step and are inside their long one.
+                states = [await client.task_state(i) for i in ids]
+                return (
+                    sum(
+                        1
+                        for s in states
+                        if s is not None
+                        and s.steps.get("prepare", None) is not None
+                        and s.steps["prepare"].status == "finished"
+                        and "work" in s.steps
+                    )
+                    >= 3
+                )
+
+            await wait_until(mid_run, timeout=90, interval=0.2, what="tasks inside their work step")
+            killed = {name: up.service_pid(name) for name in ("orchestrator", "scheduler")}
+            for pid in killed.values():
+                os.kill(pid, signal.SIGKILL)
+            await wait_until(
+                lambda: all(up.service_pid(n) != pid for n, pid in killed.items()),
+                timeout=30,
+                what="both restarted",
+            )
+
+            finals = await asyncio.gather(
+                *(
+                    client.wait_for_task(
+                        i, lambda s: s if s.terminal else None, timeout=180, what="the end"
+                    )
+                    for i in ids
+                )
+            )
+            assert [s.state for s in finals] == ["completed"] * TASKS, [
+                (s.id, s.state, s.reason, s.detail) for s in finals
+            ]
+            for i, state in enumerate(finals):
+                # Every agent command ran exactly once: once per step, in order.
+                assert _lines(counter, i) == ["prepare", "work", "finish"], i
+                assert all(r.attempt == 1 for r in state.steps.values())
+                assert all(r.status == "finished" for r in state.steps.values())
+                assert state.steps["prepare"].output.strip() == "three"  # README at main
+                records = await client.task_records(state.id)
+                claims = [
+                    r.envelope.event for r in records if r.envelope.type == "task.step_claimed"
+                ]
+                assert [c.step_id for c in claims] == ["prepare", "work", "finish"]
+                sandbox = await client.sandbox_state(state.sandbox_id or "")
+                assert sandbox is not None and len(sandbox.commands) == 3
+        finally:
+            await client.close()
+    finally:
+        up.stop()

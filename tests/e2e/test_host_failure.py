@@ -455,3 +455,66 @@ async def test_a_sandbox_waiting_for_room_is_placed_when_a_slot_frees(tmp_path: 
         await client.close()
         host.stop()
         up.stop()
+
+
+# --- tasks on a host that dies -----------------------------------------------------
+
+# The first attempt outlives the host; a retry (a new key, so a new command) ends at once.
+_LONG_FIRST_ATTEMPT = 'case "$SANDHOLD_STEP_KEY" in *:1) sleep 120;; *) echo recovered;; esac'
+
+
+@pytest.mark.parametrize("policy", ["fail", "recover_and_retry"])
+async def test_a_task_step_on_a_lost_host_is_never_rerun_silently(
+    cluster, client: Client, policy: str
+):
+    from sandhold.domain.task_manifest import load_manifest
+
+    up, h1, h2 = cluster
+    manifest = {
+        "name": "on-a-dying-host",
+        "agent": {"command": ["sh", "-c", _LONG_FIRST_ATTEMPT]},
+        "on_infrastructure_lost": policy,
+        "retry": {"base_delay": 0.1},
+    }
+    view = await client.submit_task(load_manifest(manifest))
+    task = await client.wait_for_task(
+        view.id,
+        lambda s: s if "agent" in s.steps and s.sandbox_id else None,
+        timeout=60,
+        what="the agent step claimed",
+    )
+    step = task.steps["agent"]
+    assert step.sandbox_id is not None and step.command_id is not None
+    await client.wait_for(
+        step.sandbox_id,
+        lambda s: (
+            s
+            if s.commands.get(step.command_id) and s.commands[step.command_id].state == "running"
+            else None
+        ),
+        timeout=60,
+        what="the command running on h1",
+    )
+    h2.start()
+    await wait_until(lambda: _live(client, "h2"), timeout=30, what="h2 live")
+    h1.fail()
+    final = await client.wait_for_task(
+        view.id, lambda s: s if s.terminal else None, timeout=90, what="the task's end"
+    )
+    losses = [a for a in final.attempts if a.error_class == "infrastructure_lost"]
+    assert len(losses) == 1 and losses[0].attempt == 1
+    if policy == "fail":
+        assert (final.state, final.reason) == ("failed", "infrastructure_lost")
+        assert final.steps["agent"].end_state == "infrastructure_lost"
+        assert final.steps["agent"].attempt == 1
+        assert losses[0].retry_at is None
+    else:
+        assert final.state == "completed", (final.reason, final.detail)
+        again = final.steps["agent"]
+        assert again.attempt == 2 and again.output.strip() == "recovered"
+        assert again.command_id != step.command_id
+        assert losses[0].retry_at is not None
+        sandbox = await client.sandbox_state(step.sandbox_id)
+        assert sandbox is not None and sandbox.recovered_from is not None
+        assert sandbox.commands[step.command_id].state == "infrastructure_lost"
+        assert sandbox.commands[again.command_id].host == "h2"

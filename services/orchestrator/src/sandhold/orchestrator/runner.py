@@ -225,7 +225,7 @@ class Runner:
 
     # --- retries ----------------------------------------------------------------------
 
-    async def _after_failure(
+    def _attempt_failed(
         self,
         operation: str,
         *,
@@ -234,12 +234,12 @@ class Runner:
         reason: str,
         detail: str,
         budget: int,
-    ) -> bool:
-        """Record a failed attempt; True when another attempt follows (after its backoff)."""
+    ) -> ev.TaskOperationFailed:
+        """A failed attempt with its cause; `retry_at` set when another follows
+        (the backoff chosen now is recorded, so a restart waits the same)."""
         retry = self.state.manifest.retry
-        again = error_class != "permanent" and attempt <= budget
         retry_at = None
-        if again:
+        if error_class != "permanent" and attempt <= budget:
             delay = backoff_delay(
                 attempt,
                 base_s=float(retry.base_delay),
@@ -247,18 +247,20 @@ class Runner:
                 jitter=self._random.random(),
             )
             retry_at = time.time() + delay
-        await self._append(
-            ev.TaskOperationFailed(
-                operation=operation,
-                attempt=attempt,
-                error_class=error_class,  # type: ignore[arg-type]
-                reason=reason,
-                detail=detail[-2000:],
-                retry_at=retry_at,
-            ),
-            why=f"attempt-failed:{operation}:{attempt}",
+        return ev.TaskOperationFailed(
+            operation=operation,
+            attempt=attempt,
+            error_class=error_class,  # type: ignore[arg-type]
+            reason=reason,
+            detail=detail[-2000:],
+            retry_at=retry_at,
         )
-        return again
+
+    async def _after_failure(self, operation: str, **failure) -> bool:
+        """Record a failed attempt; True when another attempt follows (after its backoff)."""
+        event = self._attempt_failed(operation, **failure)
+        await self._append(event, why=f"attempt-failed:{operation}:{event.attempt}")
+        return event.retry_at is not None
 
     async def _wait_for_retry(self, operation: str) -> int:
         """The next attempt's number, once the recorded backoff has passed."""
@@ -384,12 +386,12 @@ class Runner:
                 record = self.state.steps.get(instance.id)
                 if record is not None and record.status == "finished":
                     break  # adopted: its output is in the ledger
-                if record is not None and record.status == "failed":
-                    if not await self._retry_failed_step(instance, record):
-                        await self._fail(
-                            record.reason, f"step {record.id}: {record.detail or record.reason}"
-                        )
-                    continue
+                failed = record is not None and record.status == "failed"
+                if failed and not await self._retry_failed_step(instance, record):
+                    await self._fail(
+                        record.reason, f"step {record.id}: {record.detail or record.reason}"
+                    )
+                # A failed step that is retried goes on to its next attempt, claimed below.
                 if instance.step.kind == "http":
                     await self._http_step(instance, record)
                 else:
@@ -468,19 +470,18 @@ class Runner:
         transient = status is None or status >= 500 or status in (408, 429)
         reason = "http_error" if status is None else "http_status"
         detail = body if status is None else f"HTTP {status}: {body[:500]}"
-        await self._append(
-            ev.TaskStepFailed(
-                step_id=record.id, attempt=record.attempt, reason=reason, detail=detail
+        await self._record_step_failure(
+            record,
+            reason,
+            detail,
+            retry=self._attempt_failed(
+                record.id,
+                attempt=record.attempt,
+                error_class="network" if transient else "permanent",
+                reason=reason,
+                detail=detail,
+                budget=self.state.manifest.retry.network,
             ),
-            why=f"failed:{record.id}:{record.attempt}",
-        )
-        await self._after_failure(
-            record.id,
-            attempt=record.attempt,
-            error_class="network" if transient else "permanent",
-            reason=reason,
-            detail=detail,
-            budget=self.state.manifest.retry.network,
         )
 
     # --- agent steps ----------------------------------------------------------------------
@@ -622,17 +623,10 @@ class Runner:
             )
             return
         reason, detail = self._why_command_failed(record, command)
-        await self._record_step_failure(
-            record,
-            reason,
-            detail,
-            output=stdout,
-            exit_code=command.exit_code,
-            end_state=command.state,
-        )
+        retry = None
         if command.state == "infrastructure_lost":
             policy = self.state.manifest.on_infrastructure_lost
-            await self._after_failure(
+            retry = self._attempt_failed(
                 record.id,
                 attempt=record.attempt,
                 error_class="infrastructure_lost",
@@ -641,6 +635,15 @@ class Runner:
                 # `recover_and_retry`: once; the next command brings the sandbox back.
                 budget=1 if policy == "recover_and_retry" else 0,
             )
+        await self._record_step_failure(
+            record,
+            reason,
+            detail,
+            retry=retry,
+            output=stdout,
+            exit_code=command.exit_code,
+            end_state=command.state,
+        )
 
     def _why_command_failed(self, record: tk.StepRecord, command: sb.Command) -> tuple[str, str]:
         state = self.state
@@ -662,20 +665,28 @@ class Runner:
         return command.state, command.reason or f"{command.id} ended {command.state}"
 
     async def _record_step_failure(
-        self, record: tk.StepRecord, reason: str, detail: str, **extra: object
+        self,
+        record: tk.StepRecord,
+        reason: str,
+        detail: str,
+        *,
+        retry: ev.TaskOperationFailed | None = None,
+        **extra: object,
     ) -> None:
-        await self._append(
-            ev.TaskStepFailed(
-                step_id=record.id,
-                attempt=record.attempt,
-                reason=reason,
-                detail=detail,
-                **extra,  # type: ignore[arg-type]
-            ),
-            why=f"failed:{record.id}:{record.attempt}",
+        """The step's failure and, where a retry is decided, that decision: in
+        one append, so a restart never finds the one without the other."""
+        failed = ev.TaskStepFailed(
+            step_id=record.id,
+            attempt=record.attempt,
+            reason=reason,
+            detail=detail,
+            **extra,  # type: ignore[arg-type]
         )
+        events: list[ev.AnyEvent] = [failed] if retry is None else [failed, retry]
         if reason == "task_timeout":
-            await self._append(ev.TaskTimedOut(stage="running", detail=detail), why="timed-out")
+            events.append(ev.TaskTimedOut(stage="running", detail=detail))
+        await self._append(*events, why=f"failed:{record.id}:{record.attempt}")
+        if reason == "task_timeout":
             raise StageOver
 
     async def _watch(self, record: tk.StepRecord) -> sb.Command:

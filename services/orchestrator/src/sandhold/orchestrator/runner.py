@@ -23,6 +23,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -309,7 +310,9 @@ class Runner:
             staged = await store_seed(
                 self._store,
                 checkout,
-                save_id=rq.save_id_for(sandbox_id, "seed"),
+                # A fresh id per staging: one that crashed before `task.staged` may
+                # have stored a (different) manifest under its id already.
+                save_id=rq.save_id_for(sandbox_id, f"seed:{uuid.uuid4().hex}"),
                 sandbox_id=sandbox_id,
                 spool=checkout.parent / "spool",
             )

@@ -73,7 +73,7 @@ def test_the_golden_logs_hold_every_event_type(envelopes: list[Envelope]) -> Non
     every_tag = {t.__struct_config__.tag for t in ev.AnyEvent.__args__}  # type: ignore[attr-defined]
     later = [
         msgspec.json.decode(line, type=Envelope)
-        for path in sorted(GOLDEN.parent.glob("sandbox_v*.jsonl"))
+        for path in sorted(GOLDEN.parent.glob("*_v*.jsonl"))
         if path != GOLDEN
         for line in path.read_bytes().splitlines()
     ]

@@ -1,0 +1,69 @@
+"""Replay the checked-in task log, so a change that breaks old task logs fails loudly.
+
+`golden/task_v1.jsonl` was written once by driving the task deciders (four
+tasks: completed with a retried clone and a retried tool step, cancelled after
+a hang warning, timed out, failed on a bad ref) and is never regenerated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+from sandhold.domain import task as tk
+from sandhold.domain.envelope import Envelope
+from sandhold.domain.fold import fold
+
+GOLDEN = Path(__file__).parent / "golden" / "task_v1.jsonl"
+A, B, C, D = (
+    "tk-8bd4c5c6bcb98df5",
+    "tk-a934a780c39c950c",
+    "tk-1c13b85c7a934d7a",
+    "tk-57d4573126d7f590",
+)
+
+
+@pytest.fixture(scope="module")
+def tasks() -> dict[str, tk.Task]:
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in GOLDEN.read_bytes().splitlines()]
+    states = {}
+    for task_id in (A, B, C, D):
+        state = fold(tk.evolve, [e for e in envelopes if e.aggregate_id == task_id], None)
+        assert state is not None
+        states[task_id] = state
+    return states
+
+
+def test_the_task_ids_still_follow_from_the_keys() -> None:
+    assert [tk.task_id_for("acme", f"golden-{k}") for k in "abcd"] == [A, B, C, D]
+
+
+def test_a_completed_task_keeps_its_ledger(tasks: dict[str, tk.Task]) -> None:
+    a = tasks[A]
+    assert (a.state, a.commit, a.sandbox_id) == ("completed", "a" * 40, "sb-00000000000000aa")
+    assert a.manifest.timeouts.task == 7200.0 and a.manifest.steps[0].agent.timeout == 600.0
+    assert [(x.operation, x.attempt, x.retry_at is not None) for x in a.attempts] == [
+        ("clone", 1, True),
+        ("notify", 1, True),
+    ]
+    build, notify = a.steps["build"], a.steps["notify"]
+    assert (build.status, build.output, build.command_id) == (
+        "finished",
+        "built 3 files\n",
+        "cmd-00000000000000b1",
+    )
+    assert (notify.status, notify.attempt, notify.http_status) == ("finished", 2, 200)
+    assert tk.outputs(a) == {"build": "built 3 files\n", "notify": "ok"}
+    assert [x.path for x in a.artifacts] == ["dist/app.tar"]
+    assert a.final_save_id == "sv-00000000000000a3"
+
+
+def test_the_other_endings_replay(tasks: dict[str, tk.Task]) -> None:
+    b, c, d = tasks[B], tasks[C], tasks[D]
+    assert (b.state, b.cancel_requested, b.hang_warnings) == ("cancelled", True, 1)
+    assert b.steps["agent"].hang_warned and b.steps["agent"].reason == "cancelled"
+    assert "stop-b" in b.requests
+    assert (c.state, c.failed_stage) == ("timed_out", "provisioning")
+    assert (d.state, d.reason, d.failed_stage) == ("failed", "clone_ref_not_found", "staging")
+    assert d.attempts[0].error_class == "permanent" and d.attempts[0].retry_at is None

@@ -15,7 +15,7 @@ import logging
 import msgspec
 from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
-from sandhold.gateway import routes_sandboxes
+from sandhold.gateway import routes_sandboxes, routes_tasks
 from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
 from sandhold.gateway.web import Context, json_response
 
@@ -27,6 +27,7 @@ _encoder = msgspec.json.Encoder()
 def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
     handlers = [
         *routes_sandboxes.handlers(ctx),
+        *routes_tasks.handlers(ctx),
         *(extra_handlers or []),
         _openapi_handler(ctx),
         _health_handler(ctx),

@@ -272,7 +272,59 @@ def paths() -> dict[str, dict[str, Any]]:
     }
 
 
-EXTRA_PATHS: list = []  # (paths, schema types) added by other route modules (tasks)
+def task_paths() -> dict[str, dict[str, Any]]:
+    from sandhold.domain.task_manifest import TaskManifest
+    from sandhold.domain.task_views import TaskView
+    from sandhold.gateway.routes_tasks import TASK_STATES, TaskPage
+
+    manifest = {"schema": _ref(TaskManifest)}
+    task_path = "/api/v1/tasks/{task_id}"
+    return {
+        "/api/v1/tasks": {
+            "post": _op(
+                "Submit a task manifest (YAML or JSON)",
+                _json(202, TaskView, "the task, pending"),
+                params=[IDEMPOTENCY_KEY],
+                body={"application/yaml": manifest, "application/json": manifest},
+                problems=WRITE,
+                tag="tasks",
+            ),
+            "get": _op(
+                "List the tenant's tasks",
+                _json(200, TaskPage, "a page of tasks"),
+                params=[_query("state", _enum(TASK_STATES), "only this state"), LIMIT, CURSOR],
+                problems=(400,),
+                tag="tasks",
+            ),
+        },
+        task_path: {
+            "get": _op(
+                "Show a task",
+                _json(200, TaskView, "the task"),
+                params=[TASK],
+                problems=(404,),
+                tag="tasks",
+            )
+        },
+        task_path + "/cancel": {
+            "post": _op(
+                "Cancel a task",
+                _json(200, TaskView, "the task"),
+                params=[TASK, IDEMPOTENCY_KEY],
+                problems=WRITE,
+                tag="tasks",
+            )
+        },
+        task_path + "/events": {
+            "get": _op(
+                "A task's events as Server-Sent Events, resumable",
+                SSE,
+                params=[TASK, LAST_EVENT_ID, AFTER],
+                problems=(400, 404),
+                tag="tasks",
+            )
+        },
+    }
 
 
 def _any(t: type) -> dict[str, Any]:
@@ -298,10 +350,12 @@ def document() -> dict[str, Any]:
         b.HostList,
         b.EventRecord,
     ]
-    all_paths = paths()
-    for extra_paths, extra_types in EXTRA_PATHS:
-        all_paths.update(extra_paths())
-        types += extra_types
+    from sandhold.domain.task_manifest import TaskManifest
+    from sandhold.domain.task_views import TaskView
+    from sandhold.gateway.routes_tasks import TaskPage
+
+    types += [TaskManifest, TaskView, TaskPage]
+    all_paths = {**paths(), **task_paths()}
     _, components = msgspec.json.schema_components(
         types, schema_hook=_any, ref_template="#/components/schemas/{name}"
     )

@@ -31,6 +31,7 @@ from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
+from sandhold.domain import task as task_domain
 from sandhold.domain.views import command_view, save_view
 
 log = logging.getLogger("sandhold.gateway.readmodel")
@@ -103,20 +104,11 @@ class Kind(msgspec.Struct, frozen=True):
     decoder: msgspec.json.Decoder
 
 
-def _kinds() -> dict[str, Kind]:
-    kinds = {
-        "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox)),
-        "host": Kind(host_domain.evolve, msgspec.json.Decoder(host_domain.Host)),
-    }
-    try:  # tasks arrive with the orchestrator (issue 5)
-        from sandhold.domain import task as task_domain
-    except ImportError:  # pragma: no cover - a tree without tasks
-        return kinds
-    kinds["task"] = Kind(task_domain.evolve, msgspec.json.Decoder(task_domain.Task))
-    return kinds
-
-
-KINDS = _kinds()
+KINDS = {
+    "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox)),
+    "host": Kind(host_domain.evolve, msgspec.json.Decoder(host_domain.Host)),
+    "task": Kind(task_domain.evolve, msgspec.json.Decoder(task_domain.Task)),
+}
 
 
 async def connect(path: Path) -> aiosqlite.Connection:

@@ -79,7 +79,7 @@ def handlers(ctx: Context) -> list:
             params.append(phase)
         elif not include_deleted:
             sql += " AND phase != 'deleted'"
-        rows, next_cursor = await _page(ctx, sql, params, after, limit, "created_at")
+        rows, next_cursor = await page(ctx, sql, params, after, limit, "created_at")
         return json_response(
             b.SandboxPage(
                 items=[sandbox_view(_sandbox(r[0])) for r in rows], next_cursor=next_cursor
@@ -186,7 +186,7 @@ def handlers(ctx: Context) -> list:
             if value is not None:
                 sql += f" AND {column} = ?"
                 params.append(value)
-        rows, next_cursor = await _page(ctx, sql, params, after, limit, "requested_at")
+        rows, next_cursor = await page(ctx, sql, params, after, limit, "requested_at")
         return json_response(
             b.SavePage(
                 items=[msgspec.json.decode(r[0], type=b.SaveView) for r in rows],
@@ -236,7 +236,7 @@ def handlers(ctx: Context) -> list:
         if state is not None:
             sql += " AND state = ?"
             params.append(state)
-        rows, next_cursor = await _page(ctx, sql, params, after, limit, "queued_at")
+        rows, next_cursor = await page(ctx, sql, params, after, limit, "queued_at")
         return json_response(
             b.CommandPage(
                 items=[msgspec.json.decode(r[0], type=b.CommandView) for r in rows],
@@ -363,7 +363,7 @@ async def _owned(ctx: Context, tenant: str, sandbox_id: str) -> None:
         raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
 
 
-async def _page(ctx: Context, sql: str, params: list, after, limit: int, order: str):
+async def page(ctx: Context, sql: str, params: list, after, limit: int, order: str):
     if after is not None:
         sql += f" AND ({order}, id) > (?, ?)"
         params += after

@@ -181,6 +181,13 @@ class Orchestrator:
             return
         self._runners[task_id] = asyncio.create_task(self._drive(task_id))
 
+    def _output_reader(self, task_id: str):
+        """Reads output as the task's tenant: clients see only their tenant's sandboxes."""
+        state, _ = self.tasks.get(task_id)
+        if state is None or state.tenant == self._client.tenant:
+            return self._client.read_output
+        return Client(self._client.nc, self._names, tenant=state.tenant).read_output
+
     async def _drive(self, task_id: str) -> None:
         """One runner at a time per task; one that fails is replaced by a new one,
         which treats whatever it finds claimed as interrupted (it was)."""
@@ -192,7 +199,7 @@ class Orchestrator:
                 sandboxes=self._sandboxes,
                 save_store=self._save_store,
                 work_dir=self._work_dir,
-                output_reader=self._client.read_output,
+                output_reader=self._output_reader(task_id),
                 last_output_at=self._last_output_at,
                 proof_window_s=self._proof_window_s,
                 decision_wait_s=self._decision_wait_s,

@@ -18,6 +18,7 @@ from sandhold.domain.errors import Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
+from sandhold.saves import SaveStore
 
 # How `task watch` (and `submit --wait`) exit: 0 completed, like `exec` otherwise.
 TASK_EXIT_CODES = {"completed": 0, "failed": 1, "timed_out": 124, "cancelled": 130}
@@ -35,6 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--state", choices=sorted(tk.TaskState.__args__))  # type: ignore[attr-defined]
     for name in ("show", "watch", "cancel"):
         actions.add_parser(name).add_argument("id")
+    artifact = actions.add_parser("artifact", help="write one of a task's artifacts to stdout")
+    artifact.add_argument("id")
+    artifact.add_argument("path", help="as listed by `task show`")
+    artifact.add_argument("-o", "--output", help="write to this file instead")
     actions.choices["cancel"].add_argument("--key", help="idempotency key")
     for action in actions.choices.values():
         action.add_argument("--json", action="store_true")
@@ -69,7 +74,28 @@ async def run(args: argparse.Namespace, client: Client) -> int:
         case "cancel":
             _print(await client.cancel_task(args.id, key=args.key), args.json)
             return 0
+        case "artifact":
+            data = await read_artifact(client, args.id, args.path)
+            if args.output:
+                Path(args.output).write_bytes(data)
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+            return 0
     raise AssertionError(args.action)
+
+
+async def read_artifact(client: Client, task_id: str, path: str) -> bytes:
+    """An artifact's bytes, from the task's Snapshot in the save store (each
+    chunk checked against its digest)."""
+    view = await client.show_task(task_id)
+    found = next((a for a in view.artifacts if a.path == path), None)
+    if found is None:
+        raise Rejected("artifact_not_found", f"task {task_id} has no artifact {path!r}")
+    store = SaveStore(client.js, client.names)
+    manifest = await store.get_manifest(found.save_id)
+    entry = next(e for e in manifest.entries if e.path.decode("utf-8", "replace") == path)
+    return b"".join([await store.get_chunk(digest) for digest in entry.chunks])
 
 
 def _read_manifest(path: str):

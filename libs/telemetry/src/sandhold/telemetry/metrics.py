@@ -12,7 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from sandhold.telemetry.log_metrics import CATALOG, Labels, LogMetrics
+from sandhold.telemetry.log_metrics import CATALOG, Labels, LogMetrics, Metric
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
@@ -20,31 +20,55 @@ if TYPE_CHECKING:
 _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
+# What one process sees, by the names Prometheus shows.
+PROCESS_CATALOG: tuple[Metric, ...] = (
+    Metric(
+        "sandhold_messages_handled_total",
+        "counter",
+        "Messages a consumer handled (or failed to), by consumer, type and outcome",
+    ),
+    Metric(
+        "sandhold_message_latency_seconds",
+        "histogram",
+        "Stored in JetStream to handled, by consumer and type: for the requests consumer, "
+        "a client request's latency up to the scheduler's reply",
+        _REQUEST_BUCKETS,
+    ),
+    Metric("sandhold_replies_total", "counter", "Replies to requests: ok, or the refusal's code"),
+    Metric("sandhold_redeliveries_total", "counter", "Messages a consumer got again"),
+    Metric(
+        "sandhold_dead_letters_total",
+        "counter",
+        "Messages given up on (terminated, never retried), by consumer",
+    ),
+    Metric("sandhold_lease_renewal_failures_total", "counter", "Failed lease renewals, by host"),
+)
+
+
+def _instrument_name(metric: Metric) -> str:
+    """OpenTelemetry's Prometheus exporter adds `_total` to counters and the
+    unit's `_seconds`: the instrument is named without them."""
+    return metric.name.removesuffix("_total").removesuffix("_seconds")
+
+
 class _Instruments:
     def __init__(self, meter: Meter) -> None:
-        self.handled = meter.create_counter(
-            "sandhold_messages_handled",
-            description="Messages a consumer handled (or failed to), by consumer, type, outcome",
-        )
-        self.latency = meter.create_histogram(
-            "sandhold_message_latency",
-            unit="s",
-            description="Stored in JetStream to handled, by consumer and type: for the "
-            "requests consumer, a client request's latency up to the scheduler's reply",
-        )
-        self.replies = meter.create_counter(
-            "sandhold_replies", description="Replies to client requests: ok, or the refusal's code"
-        )
-        self.redeliveries = meter.create_counter(
-            "sandhold_redeliveries", description="Messages a consumer got again, by consumer"
-        )
-        self.dead_letters = meter.create_counter(
-            "sandhold_dead_letters",
-            description="Messages given up on (terminated, never retried), by consumer",
-        )
-        self.lease_misses = meter.create_counter(
-            "sandhold_lease_renewal_failures", description="Lease renewals that failed, by host"
-        )
+        made = {}
+        for metric in PROCESS_CATALOG:
+            if metric.kind == "counter":
+                made[metric.name] = meter.create_counter(
+                    _instrument_name(metric), description=metric.help
+                )
+            else:
+                made[metric.name] = meter.create_histogram(
+                    _instrument_name(metric), unit="s", description=metric.help
+                )
+        self.handled = made["sandhold_messages_handled_total"]
+        self.latency = made["sandhold_message_latency_seconds"]
+        self.replies = made["sandhold_replies_total"]
+        self.redeliveries = made["sandhold_redeliveries_total"]
+        self.dead_letters = made["sandhold_dead_letters_total"]
+        self.lease_misses = made["sandhold_lease_renewal_failures_total"]
 
 
 _instruments: _Instruments | None = None
@@ -100,18 +124,12 @@ def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
 
     views = [
         View(
-            instrument_name=m.name.removesuffix("_seconds"),
+            instrument_name=_instrument_name(m),
             aggregation=ExplicitBucketHistogramAggregation(m.buckets),
         )
-        for m in CATALOG
+        for m in (*CATALOG, *PROCESS_CATALOG)
         if m.kind == "histogram"
     ]
-    views.append(
-        View(
-            instrument_name="sandhold_message_latency",
-            aggregation=ExplicitBucketHistogramAggregation(_REQUEST_BUCKETS),
-        )
-    )
     provider = MeterProvider(
         metric_readers=[PrometheusMetricReader()],
         resource=Resource.create({"service.name": f"sandhold-{service}"}),
@@ -142,12 +160,10 @@ def export_log_metrics(folded: LogMetrics, *, clock=time.time) -> None:
 
     histograms = {}
     for metric in CATALOG:
-        # OpenTelemetry's Prometheus exporter adds `_total` and the unit's `_seconds`.
+        name = _instrument_name(metric)
         if metric.kind == "counter":
             _meter.create_observable_counter(
-                metric.name.removesuffix("_total"),
-                callbacks=[counter(metric.name)],
-                description=metric.help,
+                name, callbacks=[counter(metric.name)], description=metric.help
             )
         elif metric.kind == "gauge":
             _meter.create_observable_gauge(
@@ -155,7 +171,7 @@ def export_log_metrics(folded: LogMetrics, *, clock=time.time) -> None:
             )
         else:
             histograms[metric.name] = _meter.create_histogram(
-                metric.name.removesuffix("_seconds"), unit="s", description=metric.help
+                name, unit="s", description=metric.help
             )
 
     def observe(name: str, value: float, key: Labels) -> None:

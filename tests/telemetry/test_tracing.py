@@ -42,18 +42,28 @@ async def test_one_request_is_one_trace_across_scheduler_and_host_agent(
             root = request_span(client_spans, "request command.run")
             trace_id = f"{root.context.trace_id:032x}"
 
-            def ended_reported() -> bool:
-                return any(s.name == "append command.ended" for s in receiver.trace(trace_id))
+            known_parents = {f"{root.context.span_id:016x}"}
+            expected = {
+                ("sandhold-scheduler", "append command.queued"),
+                ("sandhold-scheduler", "append command.dispatched"),
+                ("sandhold-host-agent", "append command.started"),
+                ("sandhold-host-agent", "append command.ended"),
+            }
 
-            await wait_until(ended_reported, timeout=30, what="the host-agent's spans")
+            def whole_trace() -> bool:
+                # Each service exports in its own batches: wait for all of them.
+                spans = receiver.trace(trace_id)
+                known = {s.span_id for s in spans} | known_parents
+                return expected <= {(s.service, s.name) for s in spans} and all(
+                    s.parent_span_id in known for s in spans
+                )
+
+            await wait_until(whole_trace, timeout=30, what="the services' spans, one tree")
             spans = receiver.trace(trace_id)
             assert {"sandhold-scheduler", "sandhold-host-agent"} <= {s.service for s in spans}
             # One tree: every span's parent is the client's request or another span of it.
-            known = {s.span_id for s in spans} | {f"{root.context.span_id:016x}"}
+            known = {s.span_id for s in spans} | known_parents
             assert all(s.parent_span_id in known for s in spans), spans
-            by_service = {(s.service, s.name) for s in spans}
-            assert ("sandhold-scheduler", "append command.queued") in by_service
-            assert ("sandhold-host-agent", "append command.started") in by_service
             # Other requests are traces of their own.
             create = request_span(client_spans, "request sandbox.create")
             assert create.context.trace_id != root.context.trace_id

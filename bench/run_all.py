@@ -21,6 +21,7 @@ SCRIPTS = [
     "create_running.py",
     "saves.py",
     "recovery.py",
+    "tracing_cost.py",
 ]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 

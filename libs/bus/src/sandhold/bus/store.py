@@ -159,16 +159,18 @@ class AggregateStore(Generic[S]):
     async def follow_up(self, aggregate_id: str, decide: Decide[S], *, why: str) -> Executed[S]:
         """A decision a service makes on its own (not for a request): it is caused
         by the state it was decided on, so two instances deciding it agree on ids."""
+        # No trace is continued here: a decision on a timer (a scheduled save, a
+        # host that stopped renewing) starts its own; one set off by an event runs
+        # in a reconcile pass that already continues that event's (`DirtyLoop`).
         _, seq = self.get(aggregate_id)
         cause = f"{aggregate_id}@{seq}"
-        with context.carry(self._traces.get(aggregate_id)):
-            return await self.execute(
-                aggregate_id,
-                decide,
-                id_base=f"{self._actor}:{why}",
-                causation_id=cause,
-                correlation_id=cause,
-            )
+        return await self.execute(
+            aggregate_id,
+            decide,
+            id_base=f"{self._actor}:{why}",
+            causation_id=cause,
+            correlation_id=cause,
+        )
 
     async def execute(
         self,

@@ -1,0 +1,788 @@
+"""Tasks end to end, without fault injection: `sandhold up` as real processes,
+a real `git daemon` on loopback, real sandboxes, a real local HTTP server.
+
+One `sandhold up` serves the module (each test makes its own tasks); tests
+wait for events with deadlines, never for a fixed time.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+import yaml
+from sandhold.bus.codec import REPLY_HEADER
+from sandhold.client import Client, connect
+from sandhold.domain import task as tk
+from sandhold.domain.errors import Rejected
+from sandhold.domain.task_manifest import load_manifest, parse_manifest
+from sandhold.domain.task_views import TaskReply
+
+from tests.conftest import ROOT, wait_until
+from tests.e2e.harness import Up
+from tests.orchestrator.conftest import GitDaemon, GitRepo, ProxyFactory, git
+
+QUICK_RETRY = {"base_delay": "0.1s", "max_delay": "0.5s"}
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    running = Up(tmp_path_factory.mktemp("up") / "data").start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+async def client(up: Up) -> AsyncIterator[Client]:
+    c = await connect(up.url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def manifest(**fields: Any):
+    """A manifest from fields, with a unique name and quick retries by default."""
+    fields.setdefault("name", f"t-{uuid.uuid4().hex[:8]}")
+    fields.setdefault("retry", QUICK_RETRY)
+    return load_manifest(fields)
+
+
+def sh(script: str, **extra: Any) -> dict[str, Any]:
+    return {"command": ["sh", "-c", script], **extra}
+
+
+async def submit(client: Client, **fields: Any) -> str:
+    view = await client.submit_task(manifest(**fields))
+    assert view.state == "pending"
+    return view.id
+
+
+async def ended(client: Client, task_id: str, timeout: float = 60.0) -> tk.Task:
+    try:
+        return await client.wait_for_task(
+            task_id, lambda s: s if s.terminal else None, timeout=timeout, what="the task's end"
+        )
+    except TimeoutError:
+        state = await client.task_state(task_id)
+        raise AssertionError(
+            f"{task_id} did not end in {timeout}s: {state and state.state}, "
+            f"steps {state and state.steps}, events {await event_types(client, task_id)}"
+        ) from None
+
+
+async def reached(client: Client, task_id: str, check, what: str, timeout: float = 60.0):
+    return await client.wait_for_task(task_id, check, timeout=timeout, what=what)
+
+
+async def events(client: Client, task_id: str) -> list[Any]:
+    return [r.envelope.event for r in await client.task_records(task_id)]
+
+
+async def event_types(client: Client, task_id: str) -> list[str]:
+    return [r.envelope.type for r in await client.task_records(task_id)]
+
+
+async def command_of(client: Client, task: tk.Task, step_id: str):
+    record = task.steps[step_id]
+    assert record.sandbox_id and record.command_id
+    sandbox = await client.sandbox_state(record.sandbox_id)
+    assert sandbox is not None
+    return sandbox.commands[record.command_id]
+
+
+def served_repo(git_repo: GitRepo, name: str, files: dict[str, str]) -> str:
+    """Another bare repo next to `git_repo` (so the same daemon serves it); its main sha."""
+    source = git_repo.path.parent.parent / f"{name}-source"
+    source.mkdir()
+    git("init", "--quiet", "--template=", "--initial-branch=main", ".", cwd=source)
+    for path, text in files.items():
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_text(text)
+    git("add", ".", cwd=source)
+    git("commit", "--quiet", "-m", "files", cwd=source)
+    bare = git_repo.path.parent / f"{name}.git"
+    bare.mkdir()
+    git("init", "--quiet", "--template=", "--bare", ".", cwd=bare)
+    git("push", "--quiet", str(bare), "main", cwd=source)
+    return git("rev-parse", "HEAD", cwd=source)
+
+
+# --- 1. a task with a repository completes -------------------------------------------
+
+
+LIFECYCLE = [
+    "task.submitted",
+    "task.stage_entered:staging",
+    "task.staged",
+    "task.stage_entered:provisioning",
+    "task.provisioned",
+    "task.stage_entered:running",
+    "task.step_claimed",
+    "task.step_dispatched",
+    "task.step_finished",
+    "task.stage_entered:completing",
+    "task.artifacts_collected",
+    "task.completed",
+]
+
+
+def lifecycle(records: list[Any]) -> list[str]:
+    out = []
+    for record in records:
+        name = record.envelope.type
+        if name == "task.stage_entered":
+            name += f":{record.envelope.event.stage}"
+        out.append(name)
+    return out
+
+
+async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_final_save(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    script = (
+        "cat README; mkdir -p out/deep; printf 12345 > out/result.txt; "
+        "printf abc > out/deep/more.txt; echo log > out/run.log"
+    )
+    task_id = await submit(
+        client,
+        repository={"url": git_daemon.url_for(git_repo.name), "ref": "main"},
+        agent=sh(script),
+        artifacts=["out/*.txt", "out/deep/*"],
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.commit == git_repo.main
+    assert task.seed_save_id is not None and task.final_save_id is not None
+    step = task.steps["agent"]
+    assert step.status == "finished" and step.exit_code == 0
+    assert step.output == "three\n"  # README at main, read from the workspace
+    sizes = {a.path: a.size for a in task.artifacts}
+    assert sizes == {"out/result.txt": 5, "out/deep/more.txt": 3}
+    assert {a.save_id for a in task.artifacts} == {task.snapshot_id}
+    assert lifecycle(await client.task_records(task_id)) == LIFECYCLE
+    view = await client.show_task(task_id)
+    assert view.state == "completed" and view.steps[0].output == "three\n"
+
+
+# --- 2. the CLI ------------------------------------------------------------------------
+
+
+def write_manifest(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_submit_watch_and_ls(up: Up, tmp_path: Path):
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    path = write_manifest(
+        tmp_path / "task.yaml",
+        f"name: {name}\nagent:\n  command: [sh, -c, 'echo hello from the agent']\n",
+    )
+    submitted = up.cli_json("task", "submit", path)
+    assert submitted["id"].startswith("tk-") and submitted["state"] == "pending"
+    watched = up.cli("task", "watch", submitted["id"])
+    assert watched.returncode == 0, watched.stderr
+    assert "hello from the agent" in watched.stdout
+    assert "task.completed" in watched.stdout
+    listed = up.cli_json("task", "ls", "--state", "completed")
+    assert submitted["id"] in {view["id"] for view in listed}
+    assert all(view["state"] == "completed" for view in listed)
+    shown = up.cli_json("task", "show", submitted["id"])
+    assert shown["name"] == name and shown["steps"][0]["output"] == "hello from the agent\n"
+
+
+def test_cli_watch_exits_1_when_the_agent_fails(up: Up, tmp_path: Path):
+    path = write_manifest(
+        tmp_path / "task.json",
+        json.dumps({"name": "fails", "agent": {"command": ["sh", "-c", "echo bad; exit 3"]}}),
+    )
+    submitted = up.cli_json("task", "submit", path)
+    watched = up.cli("task", "watch", submitted["id"])
+    assert watched.returncode == 1, watched.stdout
+    shown = up.cli_json("task", "show", submitted["id"])
+    assert shown["state"] == "failed" and shown["reason"] == "exit_code"
+    assert shown["steps"][0]["exit_code"] == 3
+
+
+def test_cli_submit_with_the_same_key_finds_the_same_task(up: Up, tmp_path: Path):
+    key = f"key-{uuid.uuid4().hex[:8]}"
+    first = write_manifest(tmp_path / "a.yaml", "name: same\nagent: {command: [echo, one]}\n")
+    other = write_manifest(tmp_path / "b.yaml", "name: same\nagent: {command: [echo, two]}\n")
+    submitted = up.cli_json("task", "submit", first, "--key", key)
+    again = up.cli_json("task", "submit", first, "--key", key)
+    assert again["id"] == submitted["id"]
+    conflict = up.cli("task", "submit", other, "--key", key, "--json")
+    assert conflict.returncode == 2 and "idempotency_conflict" in conflict.stderr
+    assert up.cli("task", "watch", submitted["id"]).returncode == 0
+
+
+# --- 3. malformed manifests ---------------------------------------------------------------
+
+GOOD_AGENT = "agent: {command: [echo, hi]}\n"
+MALFORMED = {
+    "unknown field": ("name: x\n" + GOOD_AGENT + "bogus: 1\n", "`bogus`"),
+    "bad duration": (
+        "name: x\n" + GOOD_AGENT + "timeouts: {clone: 10 minutes}\n",
+        "`clone`",
+    ),
+    "agent and pipeline": (
+        "name: x\n" + GOOD_AGENT + "pipeline: [{name: a, agent: {command: [echo]}}]\n",
+        "`pipeline`",
+    ),
+    "neither agent nor pipeline": ("name: x\n", "`agent`"),
+    "bad url": (
+        "name: x\n" + GOOD_AGENT + "repository: {url: 'not a url'}\n",
+        "$.repository.url",
+    ),
+    "file url": (
+        "name: x\n" + GOOD_AGENT + "repository: {url: 'file:///etc'}\n",
+        "$.repository.url",
+    ),
+    "cancel_after not after warn_after": (
+        "name: x\n" + GOOD_AGENT + "hang: {warn_after: 10s, cancel_after: 10s}\n",
+        "`cancel_after`",
+    ),
+    "not yaml": ("{{{: [\n", "not valid YAML or JSON"),
+    "empty command (json)": ('{"name": "x", "agent": {"command": []}}', "$.agent.command"),
+    "a step with both kinds": (
+        "name: x\npipeline: [{name: s1, agent: {command: [echo]}, http: {url: 'http://h'}}]\n",
+        "$.pipeline[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_manifest_exits_2_naming_the_field_and_creates_nothing(
+    up: Up, tmp_path: Path, case: str
+):
+    text, names_the_field = MALFORMED[case]
+    before = {view["id"] for view in up.cli_json("task", "ls")}
+    done = up.cli("task", "submit", write_manifest(tmp_path / "bad.yaml", text), "--json")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert names_the_field in done.stderr
+    assert done.stdout == ""
+    assert {view["id"] for view in up.cli_json("task", "ls")} == before
+
+
+async def test_a_malformed_request_on_nats_gets_malformed_request_and_creates_nothing(
+    up: Up, client: Client
+):
+    before = {view.id for view in await client.list_tasks()}
+    good = {"name": "raw", "agent": {"command": ["echo", "hi"]}}
+    payloads = [
+        b"this is not json",
+        json.dumps({"type": "task.submit", "key": "raw-1", "manifest": good, "x": 1}).encode(),
+        json.dumps(
+            {"type": "task.submit", "key": "raw-2", "manifest": {**good, "bogus": True}}
+        ).encode(),
+        json.dumps({"type": "task.submit", "key": "raw-3"}).encode(),
+    ]
+    nc = await nats.connect(up.url)
+    try:
+        js = nc.jetstream()
+        for payload in payloads:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox, max_msgs=1)
+            await js.publish(
+                client.names.request("task.submit"),
+                payload,
+                stream=client.names.requests_stream,
+                headers={REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex},
+            )
+            reply = msgspec.json.decode((await sub.next_msg(timeout=20)).data, type=TaskReply)
+            assert not reply.ok and reply.error is not None, payload
+            assert reply.error.code == "malformed_request", reply.error
+            assert reply.task is None
+    finally:
+        await nc.close()
+    assert {view.id for view in await client.list_tasks()} == before
+    for key in ("raw-1", "raw-2", "raw-3"):
+        assert await client.task_state(tk.task_id_for("default", key)) is None
+
+
+# --- 4. pipelines ----------------------------------------------------------------------
+
+
+def step_events(records: list[Any]) -> list[tuple[str, str]]:
+    return [
+        (r.envelope.type.removeprefix("task."), r.envelope.event.step_id)
+        for r in records
+        if r.envelope.type.startswith("task.step_")
+    ]
+
+
+async def test_a_pipeline_runs_its_steps_and_loop_items_in_order_rendering_from_the_ledger(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    task_id = await submit(
+        client,
+        repository={"url": git_daemon.url_for(git_repo.name)},
+        pipeline=[
+            {"name": "prepare", "agent": sh("echo prepared-$(cat README)")},
+            {
+                "name": "each",
+                "for_each": ["a", "b", "c"],
+                "agent": sh(
+                    "echo {{item}}-$SANDHOLD_ITEM-$FROM >> items.txt; paste -sd, items.txt",
+                    env={"FROM": "{{steps.prepare.output}}"},
+                ),
+            },
+            {
+                "name": "final",
+                "agent": {
+                    "command": ["echo", "{{ steps.prepare.output }}|{{steps.each[2].output}}"]
+                },
+            },
+        ],
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    outputs = {step_id: record.output for step_id, record in task.steps.items()}
+    assert outputs == {
+        "prepare": "prepared-three\n",
+        "each[0]": "a-a-prepared-three\n",
+        "each[1]": "a-a-prepared-three,b-b-prepared-three\n",
+        "each[2]": "a-a-prepared-three,b-b-prepared-three,c-c-prepared-three\n",
+        "final": "prepared-three|a-a-prepared-three,b-b-prepared-three,c-c-prepared-three\n",
+    }
+    # One at a time: each instance is claimed, dispatched and finished before the next.
+    order = ["prepare", "each[0]", "each[1]", "each[2]", "final"]
+    expected = [
+        (kind, step_id)
+        for step_id in order
+        for kind in ("step_claimed", "step_dispatched", "step_finished")
+    ]
+    assert step_events(await client.task_records(task_id)) == expected
+    assert [task.steps[s].index for s in order] == [None, 0, 1, 2, None]
+    assert len({task.steps[s].command_id for s in order}) == len(order)
+
+
+# --- 5. retries ----------------------------------------------------------------------------
+
+
+async def test_a_transient_clone_failure_is_retried_with_backoff_and_succeeds(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=2, how="reset")
+    task_id = await submit(
+        client,
+        repository={"url": proxy.url_for(git_repo.name)},
+        agent=sh("cat README"),
+        retry={"network": 3, "base_delay": "0.2s", "max_delay": "1s"},
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.commit == git_repo.main and task.steps["agent"].output == "three\n"
+    records = await client.task_records(task_id)
+    failed = [r for r in records if r.envelope.type == "task.operation_failed"]
+    assert [(r.envelope.event.operation, r.envelope.event.attempt) for r in failed] == [
+        ("clone", 1),
+        ("clone", 2),
+    ]
+    for record in failed:
+        event = record.envelope.event
+        assert event.error_class == "network" and event.reason == "network"
+        assert event.retry_at is not None and event.retry_at > record.envelope.time
+    # The next attempt waited for its recorded backoff.
+    staged_at = next(r.envelope.time for r in records if r.envelope.type == "task.staged")
+    assert staged_at >= failed[-1].envelope.event.retry_at
+    types = [r.envelope.type for r in records]
+    assert types.index("task.staged") > types.index("task.operation_failed")
+    assert proxy.connections >= 3
+
+
+async def test_a_bad_ref_fails_at_once_without_a_retry(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=0)
+    task_id = await submit(
+        client,
+        repository={"url": proxy.url_for(git_repo.name), "ref": "no-such-branch"},
+        agent=sh("cat README"),
+    )
+    task = await ended(client, task_id)
+    assert task.state == "failed" and task.reason == "clone_ref_not_found"
+    assert task.failed_stage == "staging"
+    [attempt] = task.attempts
+    assert attempt.operation == "clone" and attempt.error_class == "permanent"
+    assert attempt.retry_at is None
+    assert proxy.connections == 1
+    assert "task.staged" not in await event_types(client, task_id)
+    assert task.sandbox_id is None  # nothing was provisioned
+
+
+# --- 6. timeouts, each level -------------------------------------------------------------
+
+
+async def test_an_agent_steps_own_timeout_ends_its_command_timed_out_and_fails_the_task(
+    client: Client,
+):
+    task_id = await submit(client, agent=sh("echo started; exec sleep 60", timeout="1s"))
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "failed" and task.reason == "timed_out"
+    step = task.steps["agent"]
+    assert step.status == "failed" and step.reason == "timed_out"
+    assert step.end_state == "timed_out" and step.output == "started\n"
+    command = await command_of(client, task, "agent")
+    assert command.state == "timed_out" and command.timeout_s == 1.0
+
+
+async def test_the_running_stage_limit_fails_the_task_with_stage_timeout(client: Client):
+    task_id = await submit(client, agent=sh("exec sleep 60"), timeouts={"running": "2s"})
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "failed" and task.reason == "stage_timeout"
+    assert task.failed_stage == "running"
+    running_at = next(
+        r.envelope.time
+        for r in await client.task_records(task_id)
+        if r.envelope.type == "task.stage_entered" and r.envelope.event.stage == "running"
+    )
+    assert task.finished_at is not None and task.finished_at - running_at < 15
+    command = await command_of(client, task, "agent")
+    assert command.state == "timed_out"
+
+
+async def test_the_task_limit_ends_the_task_timed_out(client: Client):
+    task_id = await submit(client, agent=sh("exec sleep 60"), timeouts={"task": "4s"})
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "timed_out" and task.reason == "timed_out"
+    assert task.finished_at is not None and task.finished_at - task.submitted_at < 16
+    assert task.steps["agent"].status == "failed"
+    command = await command_of(client, task, "agent")
+    assert command.state == "timed_out"
+    assert (await event_types(client, task_id))[-1] == "task.timed_out"
+
+
+async def test_a_clone_that_hangs_is_timed_out_per_attempt_retried_then_failed(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=100, how="hang")
+    task_id = await submit(
+        client,
+        repository={"url": proxy.url_for(git_repo.name)},
+        agent=sh("cat README"),
+        timeouts={"clone": "1s"},
+        retry={"network": 2, "base_delay": "0.1s", "max_delay": "0.2s"},
+    )
+    task = await ended(client, task_id, timeout=40)
+    assert task.state == "failed" and task.reason == "clone_timeout"
+    assert [(a.operation, a.attempt, a.reason, a.error_class) for a in task.attempts] == [
+        ("clone", 1, "timeout", "network"),
+        ("clone", 2, "timeout", "network"),
+        ("clone", 3, "timeout", "network"),
+    ]
+    assert [a.retry_at is not None for a in task.attempts] == [True, True, False]
+    assert proxy.connections == 3
+
+
+# --- 7. hang detection --------------------------------------------------------------------
+
+
+async def test_a_silent_command_is_warned_then_cancelled_and_the_task_fails_hung(
+    client: Client,
+):
+    task_id = await submit(
+        client,
+        agent=sh("echo one line; exec sleep 60"),
+        hang={"warn_after": "1s", "cancel_after": "3s"},
+    )
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "failed" and task.reason == "hung", task.detail
+    records = await client.task_records(task_id)
+    warned = [r for r in records if r.envelope.type == "task.hang_warned"]
+    assert len(warned) == 1 and warned[0].envelope.event.step_id == "agent"
+    assert warned[0].envelope.event.silent_s >= 1.0
+    assert task.hang_warnings == 1 and task.steps["agent"].hang_warned
+    step = task.steps["agent"]
+    assert step.reason == "hung" and step.end_state == "interrupted"
+    command = await command_of(client, task, "agent")
+    assert command.state == "interrupted" and command.cancel_requested
+    claimed_at = step.claimed_at
+    assert step.finished_at is not None and step.finished_at - claimed_at >= 3.0
+
+
+async def test_a_command_that_keeps_printing_is_never_warned(client: Client):
+    task_id = await submit(
+        client,
+        agent=sh("i=0; while [ $i -lt 15 ]; do echo tick $i; i=$((i+1)); sleep 0.2; done"),
+        hang={"warn_after": "1s", "cancel_after": "2s"},
+    )
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.hang_warnings == 0 and not task.steps["agent"].hang_warned
+    assert "task.hang_warned" not in await event_types(client, task_id)
+    assert task.steps["agent"].output.count("tick") == 15
+
+
+# --- 8. cancel ------------------------------------------------------------------------------
+
+
+async def test_cancelling_a_running_task_interrupts_its_command(client: Client, up: Up):
+    task_id = await submit(client, agent=sh("echo started; exec sleep 60"))
+
+    async def command_running() -> bool:
+        state = await client.task_state(task_id)
+        record = state.steps.get("agent") if state else None
+        if record is None or record.sandbox_id is None:
+            return False
+        sandbox = await client.sandbox_state(record.sandbox_id)
+        command = sandbox.commands.get(record.command_id or "") if sandbox else None
+        return command is not None and command.state == "running"
+
+    await wait_until(command_running, timeout=30, what="the agent's command running")
+    view = await client.cancel_task(task_id, key=f"cancel-{task_id}")
+    assert view.cancel_requested and view.id == task_id
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "cancelled" and task.failed_stage == "running"
+    assert task.steps["agent"].status == "failed" and task.steps["agent"].reason == "cancelled"
+
+    async def command_ended():
+        sandbox = await client.sandbox_state(task.steps["agent"].sandbox_id or "")
+        command = sandbox.commands[task.steps["agent"].command_id or ""] if sandbox else None
+        return command if command is not None and command.ended else None
+
+    command = await wait_until(command_ended, timeout=30, what="the command's end")
+    assert command.state == "interrupted"
+    # The same cancel again: the same answer, nothing new in the ledger.
+    count = len(await client.task_records(task_id))
+    again = await client.cancel_task(task_id, key=f"cancel-{task_id}")
+    assert again.state == "cancelled" and again.cancel_requested
+    assert len(await client.task_records(task_id)) == count
+    assert (await event_types(client, task_id)).count("task.cancel_requested") == 1
+    # A cancelled task holds no host: its sandbox is stopped.
+    await client.wait_for_phase(task.sandbox_id, {"stopped"}, timeout=30)
+
+
+async def test_cancelling_a_finished_task_is_rejected(client: Client):
+    task_id = await submit(client, agent=sh("echo done"))
+    assert (await ended(client, task_id)).state == "completed"
+    with pytest.raises(Rejected) as caught:
+        await client.cancel_task(task_id)
+    assert caught.value.code == "task_finished"
+    assert "task.cancel_requested" not in await event_types(client, task_id)
+
+
+async def test_another_tenant_cannot_see_or_cancel_a_task(client: Client, up: Up):
+    task_id = await submit(client, agent=sh("exec sleep 60"))
+    other = await connect(up.url, tenant="other")
+    try:
+        with pytest.raises(Rejected) as caught:
+            await other.cancel_task(task_id)
+        assert caught.value.code == "task_not_found"
+        with pytest.raises(Rejected) as shown:
+            await other.show_task(task_id)
+        assert shown.value.code == "task_not_found"
+        assert task_id not in {view.id for view in await other.list_tasks()}
+    finally:
+        await other.close()
+    state = await client.task_state(task_id)
+    assert state is not None and not state.cancel_requested
+    await client.cancel_task(task_id)
+    assert (await ended(client, task_id, timeout=30)).state == "cancelled"
+
+
+# --- 9. HTTP tool steps ---------------------------------------------------------------------
+
+
+class Receiver:
+    """A local HTTP server (in a thread) that records each request and answers
+    from a script per path: a list of statuses, the last one repeated."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.script: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length).decode() if length else ""
+                with receiver._lock:
+                    seen = sum(1 for c in receiver.calls if c["path"] == self.path)
+                    receiver.calls.append(
+                        {
+                            "method": self.command,
+                            "path": self.path,
+                            "key": self.headers.get("Idempotency-Key"),
+                            "body": body,
+                        }
+                    )
+                    statuses = receiver.script.get(self.path, [200])
+                    status = statuses[min(seen, len(statuses) - 1)]
+                reply = f"{self.command} {self.path} -> {status}".encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            do_GET = do_POST = do_PUT = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def to(self, path: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [c for c in self.calls if c["path"] == path]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    running = Receiver()
+    running.thread.start()
+    try:
+        yield running
+    finally:
+        running.server.shutdown()
+        running.server.server_close()
+        running.thread.join(timeout=10)
+
+
+async def test_an_http_step_sends_its_request_with_an_idempotency_key(
+    client: Client, receiver: Receiver
+):
+    task_id = await submit(
+        client,
+        pipeline=[
+            {"name": "make", "agent": sh("echo made-it")},
+            {
+                "name": "notify",
+                "http": {
+                    "url": receiver.url("/hook/{{steps.make.output}}"),
+                    "headers": {"X-Step": "{{steps.make.output}}"},
+                    "body": '{"result": "{{steps.make.output}}"}',
+                },
+            },
+        ],
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    [call] = receiver.to("/hook/made-it")
+    assert call["method"] == "POST" and call["key"] == f"{task_id}:notify:1"
+    assert json.loads(call["body"]) == {"result": "made-it"}
+    step = task.steps["notify"]
+    assert step.status == "finished" and step.http_status == 200
+    assert step.output == "POST /hook/made-it -> 200"
+
+
+async def test_an_http_4xx_fails_the_task_at_once(client: Client, receiver: Receiver):
+    receiver.script["/refuse"] = [422]
+    task_id = await submit(
+        client,
+        pipeline=[{"name": "call", "http": {"url": receiver.url("/refuse"), "method": "PUT"}}],
+    )
+    task = await ended(client, task_id)
+    assert task.state == "failed" and task.reason == "http_status"
+    assert "HTTP 422" in task.steps["call"].detail
+    [attempt] = task.attempts
+    assert attempt.error_class == "permanent" and attempt.retry_at is None
+    assert len(receiver.to("/refuse")) == 1
+
+
+async def test_an_http_5xx_is_retried_with_a_new_key_per_attempt(
+    client: Client, receiver: Receiver
+):
+    receiver.script["/flaky"] = [503, 500, 200]
+    task_id = await submit(
+        client,
+        pipeline=[{"name": "call", "http": {"url": receiver.url("/flaky")}}],
+        retry={"network": 3, "base_delay": "0.1s", "max_delay": "0.3s"},
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    keys = [c["key"] for c in receiver.to("/flaky")]
+    assert keys == [f"{task_id}:call:{n}" for n in (1, 2, 3)]
+    assert [(a.operation, a.attempt, a.error_class) for a in task.attempts] == [
+        ("call", 1, "network"),
+        ("call", 2, "network"),
+    ]
+    assert all(a.retry_at is not None for a in task.attempts)
+    record = task.steps["call"]
+    assert record.attempt == 3 and record.status == "finished" and record.http_status == 200
+
+
+async def test_an_http_5xx_past_the_retry_budget_fails_the_task(client: Client, receiver: Receiver):
+    receiver.script["/down"] = [502]
+    task_id = await submit(
+        client,
+        pipeline=[{"name": "call", "http": {"url": receiver.url("/down")}}],
+        retry={"network": 1, "base_delay": "0.1s", "max_delay": "0.2s"},
+    )
+    task = await ended(client, task_id)
+    assert task.state == "failed" and task.reason == "http_status"
+    assert len(receiver.to("/down")) == 2
+    assert [a.retry_at is not None for a in task.attempts] == [True, False]
+
+
+# --- the examples, against a local repository -------------------------------------------------
+
+
+def example(name: str, **changes: Any) -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "examples" / name).read_text())
+    parse_manifest((ROOT / "examples" / name).read_text())  # valid as shipped
+    data["name"] = f"{data['name']}-{uuid.uuid4().hex[:6]}"
+    for path, value in changes.items():
+        target = data
+        *parents, leaf = path.split(".")
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        target[leaf] = value
+    return data
+
+
+async def test_the_task_example_runs_against_a_local_repository(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    data = example(
+        "task.yaml",
+        **{"repository.url": git_daemon.url_for(git_repo.name), "repository.ref": "main"},
+    )
+    task_id = (await client.submit_task(load_manifest(data))).id
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.commit == git_repo.main
+    assert {a.path for a in task.artifacts} >= {"out/files.txt", "out/status.txt"}
+    assert "README" in task.steps["agent"].output
+
+
+async def test_the_pipeline_example_runs_against_a_local_repository(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon, receiver: Receiver
+):
+    data = example(
+        "pipeline.yaml",
+        **{
+            "repository.url": git_daemon.url_for(git_repo.name),
+            "repository.ref": "main",
+            "pipeline.3.http.url": receiver.url("/hooks/sandhold"),
+        },
+    )
+    task_id = (await client.submit_task(load_manifest(data))).id
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.steps["check[0]"].output == "README: present\n"
+    assert task.steps["check[1]"].output == "LICENSE: missing\n"
+    summary = task.steps["summary"].output
+    assert summary.startswith("files: 1\n") and "Makefile: missing" in summary
+    [call] = receiver.to("/hooks/sandhold")
+    assert call["body"] == summary.strip() and call["key"] == f"{task_id}:notify:1"
+    assert {a.path for a in task.artifacts} == {"out/checks.txt", "out/summary.txt"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -23,6 +24,12 @@ class Gw:
         self.url = up.gateway_url
         self.tokens = tokens_by_tenant
 
+    def position(self) -> int:
+        """How far the gateway's read model has applied the log."""
+        with contextlib.closing(sqlite3.connect(f"file:{self.read_model}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'position'").fetchone()
+        return int(row[0]) if row else 0
+
     def headers(self, tenant: str = "acme", **extra: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[tenant]}", **extra}
 
@@ -34,12 +41,12 @@ class Gw:
         return Path(self.up.runtime["gateway"]["read_model"])
 
 
-def start_gateway_up(data_dir: Path, *extra: str) -> Gw:
+def start_gateway_up(data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> Gw:
     data_dir.mkdir(parents=True)
     made = {}
-    for tenant in ("acme", "globex"):
+    for tenant in ("acme", "globex", "default"):
         _, made[tenant] = tokens.create(data_dir / "tokens.json", tenant)
-    return Gw(Up(data_dir, *extra).start(), made)
+    return Gw(Up(data_dir, *extra, env=env).start(), made)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from sandhold.bus.names import Names
@@ -23,7 +24,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--read-model", help="the read model's SQLite file (default DATA/gateway/...)")
     p.add_argument("--tokens", help="the token file (default DATA/tokens.json)")
     p.add_argument(
-        "--keepalive", type=float, default=15.0, help="seconds between SSE keep-alive comments"
+        "--keepalive",
+        type=float,
+        default=float(os.environ.get("SANDHOLD_SSE_KEEPALIVE", "15")),
+        help="seconds between SSE keep-alive comments (default 15, SANDHOLD_SSE_KEEPALIVE)",
     )
     return p
 

@@ -58,6 +58,7 @@ CREATE TABLE IF NOT EXISTS commands (
     queued_at REAL NOT NULL,
     ended_at REAL,
     view BLOB NOT NULL,
+    record BLOB NOT NULL,
     PRIMARY KEY (sandbox_id, id)
 );
 CREATE INDEX IF NOT EXISTS commands_by_sandbox ON commands (sandbox_id, queued_at, id);
@@ -93,8 +94,11 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 """
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
+# A read model of another version is dropped and rebuilt from the log on open.
+SCHEMA_VERSION = "2"
 
 _json = msgspec.json.Encoder(order="deterministic")
+_command = msgspec.json.Decoder(sb.Command)
 
 
 class Kind(msgspec.Struct, frozen=True):
@@ -139,6 +143,11 @@ class ReadModel:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._writer = await connect(self.path)
         await self._writer.executescript(SCHEMA)
+        if await self._meta("schema") != SCHEMA_VERSION:
+            await self._writer.executescript(
+                "".join(f"DROP TABLE IF EXISTS {t};" for t in (*TABLES, "meta")) + SCHEMA
+            )
+            await self._writer.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
         prefix = await self._meta("prefix")
         if prefix is not None and prefix != self.names.prefix:
             raise ValueError(
@@ -236,6 +245,13 @@ class ReadModel:
             found: tuple[Any, int] = (None, 0)
         else:
             decoded = KINDS[kind].decoder.decode(row[0])
+            if kind == "sandbox":  # commands live in their own rows (see sandbox_row)
+                async with self._writer.execute(
+                    "SELECT id, record FROM commands WHERE sandbox_id = ? ORDER BY queued_at, id",
+                    (aggregate_id,),
+                ) as cur:
+                    commands = {r[0]: _command.decode(r[1]) for r in await cur.fetchall()}
+                decoded = msgspec.structs.replace(decoded, commands=commands)
             found = (decoded, int(row[1]))
         self._cache[key] = found
         return found
@@ -278,7 +294,7 @@ class ReadModel:
         for command in s.commands.values():
             if old_commands.get(command.id) is not command:  # frozen: changed = replaced
                 await db.execute(
-                    "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     command_row(s, command),
                 )
         old_saves = old.saves if old is not None else {}
@@ -409,6 +425,8 @@ def _triples(msgs: list[Msg]) -> list[tuple[int, str, bytes]]:
 
 
 def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
+    # The state without its commands: they are rows of their own, so a sandbox
+    # with many commands is not rewritten whole on every event.
     return (
         s.id,
         s.tenant,
@@ -418,7 +436,7 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
         s.created_at,
         int(s.delete_requested),
         seq,
-        _json.encode(s),
+        _json.encode(msgspec.structs.replace(s, commands={})),
     )
 
 
@@ -431,6 +449,7 @@ def command_row(s: sb.Sandbox, command: sb.Command) -> tuple:
         command.queued_at,
         command.ended_at,
         _json.encode(command_view(s.id, command)),
+        _json.encode(command),
     )
 
 
@@ -460,7 +479,16 @@ _COLUMNS = {
         "seq",
         "state",
     ),
-    "commands": ("sandbox_id", "id", "tenant", "state", "queued_at", "ended_at", "view"),
+    "commands": (
+        "sandbox_id",
+        "id",
+        "tenant",
+        "state",
+        "queued_at",
+        "ended_at",
+        "view",
+        "record",
+    ),
     "saves": ("sandbox_id", "id", "tenant", "kind", "state", "requested_at", "view"),
     "tasks": (
         "id",

@@ -7,6 +7,7 @@ import contextlib
 
 import msgspec
 from litestar import Request, Response, delete, get, post
+from litestar.params import FromPath
 from litestar.response import Stream
 from nats.js.errors import NotFoundError
 from sandhold.bus.codec import decode_envelope
@@ -80,28 +81,35 @@ def handlers(ctx: Context) -> list:
         elif not include_deleted:
             sql += " AND phase != 'deleted'"
         rows, next_cursor = await page(ctx, sql, params, after, limit, "created_at")
-        return json_response(
-            b.SandboxPage(
-                items=[sandbox_view(_sandbox(r[0])) for r in rows], next_cursor=next_cursor
+        items = [sandbox_view(_sandbox(r[0])) for r in rows]
+        if items:  # commands are rows of their own: count them there
+            marks = ", ".join("?" * len(items))
+            counts = await ctx.read_model.query(
+                "SELECT sandbox_id, state, count(*) FROM commands "
+                f"WHERE sandbox_id IN ({marks}) GROUP BY sandbox_id, state",
+                tuple(view.id for view in items),
             )
-        )
+            by_id = {view.id: view for view in items}
+            for sandbox, state, n in counts:
+                by_id[sandbox].commands[state] = n
+        return json_response(b.SandboxPage(items=items, next_cursor=next_cursor))
 
     @get("/api/v1/sandboxes/{sandbox_id:str}")
-    async def show_sandbox(request: Request, sandbox_id: str) -> Response:
+    async def show_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
         client = ctx.client(tenant_of(ctx, request))
         view = await call(client.show_sandbox(sid(sandbox_id)))
         with contextlib.suppress(Exception):
             view.storage = await client.storage()
         return json_response(view)
 
-    async def _lifecycle(request: Request, sandbox_id: str, make) -> b.SandboxView:
+    async def _lifecycle(request: Request, sandbox_id: FromPath[str], make) -> b.SandboxView:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         reply = await call(ctx.client(tenant).send(make(key, tenant, sid(sandbox_id))))
         return reply.sandbox
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/start", status_code=200)
-    async def start_sandbox(request: Request, sandbox_id: str) -> Response:
+    async def start_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
         view = await _lifecycle(
             request,
             sandbox_id,
@@ -110,7 +118,7 @@ def handlers(ctx: Context) -> list:
         return json_response(view)
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/stop", status_code=200)
-    async def stop_sandbox(request: Request, sandbox_id: str) -> Response:
+    async def stop_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
         wait = query_int(request, "wait", 0, 0, 3600)
         view = await _lifecycle(
             request,
@@ -145,7 +153,7 @@ def handlers(ctx: Context) -> list:
         )
 
     @delete("/api/v1/sandboxes/{sandbox_id:str}", status_code=202)
-    async def delete_sandbox(request: Request, sandbox_id: str) -> Response:
+    async def delete_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
         view = await _lifecycle(
             request,
             sandbox_id,
@@ -156,7 +164,7 @@ def handlers(ctx: Context) -> list:
     # --- snapshots and saves ---------------------------------------------------------
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/snapshots")
-    async def take_snapshot(request: Request, sandbox_id: str) -> Response:
+    async def take_snapshot(request: Request, sandbox_id: FromPath[str]) -> Response:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         body = b.decode_json(await json_body(request), b.SnapshotBody)
@@ -172,7 +180,7 @@ def handlers(ctx: Context) -> list:
         return json_response(save, 202, headers={"Location": location})
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/saves")
-    async def list_saves(request: Request, sandbox_id: str) -> Response:
+    async def list_saves(request: Request, sandbox_id: FromPath[str]) -> Response:
         tenant = tenant_of(ctx, request)
         kind = query_choice(request, "kind", SAVE_KINDS)
         state = query_choice(request, "state", SAVE_STATES)
@@ -195,7 +203,9 @@ def handlers(ctx: Context) -> list:
         )
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/saves/{save_id:str}")
-    async def show_save(request: Request, sandbox_id: str, save_id: str) -> Response:
+    async def show_save(
+        request: Request, sandbox_id: FromPath[str], save_id: FromPath[str]
+    ) -> Response:
         client = ctx.client(tenant_of(ctx, request))
         state = await call(client.sandbox_state(sid(sandbox_id)))
         if state is None:
@@ -208,7 +218,7 @@ def handlers(ctx: Context) -> list:
     # --- commands ----------------------------------------------------------------
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/commands")
-    async def run_command(request: Request, sandbox_id: str) -> Response:
+    async def run_command(request: Request, sandbox_id: FromPath[str]) -> Response:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         body = b.decode_json(await json_body(request), b.RunCommandBody)
@@ -224,7 +234,7 @@ def handlers(ctx: Context) -> list:
         return json_response(command, 202, headers={"Location": location})
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/commands")
-    async def list_commands(request: Request, sandbox_id: str) -> Response:
+    async def list_commands(request: Request, sandbox_id: FromPath[str]) -> Response:
         tenant = tenant_of(ctx, request)
         state = query_choice(request, "state", COMMAND_STATES)
         limit = query_int(request, "limit", 100, 1, MAX_LIMIT)
@@ -245,12 +255,16 @@ def handlers(ctx: Context) -> list:
         )
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}")
-    async def show_command(request: Request, sandbox_id: str, command_id: str) -> Response:
+    async def show_command(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Response:
         client = ctx.client(tenant_of(ctx, request))
         return json_response(await call(client.show_command(sid(sandbox_id), cid(command_id))))
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}/cancel", status_code=200)
-    async def cancel_command(request: Request, sandbox_id: str, command_id: str) -> Response:
+    async def cancel_command(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Response:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         reply = await call(
@@ -263,7 +277,9 @@ def handlers(ctx: Context) -> list:
         return json_response(reply.command)
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}/output")
-    async def command_output(request: Request, sandbox_id: str, command_id: str) -> Response:
+    async def command_output(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Response:
         client = ctx.client(tenant_of(ctx, request))
         command = await call(client.show_command(sid(sandbox_id), cid(command_id)))
         output = await call(client.read_output(sandbox_id, command_id))
@@ -272,7 +288,7 @@ def handlers(ctx: Context) -> list:
     # --- events --------------------------------------------------------------------
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/events")
-    async def sandbox_events(request: Request, sandbox_id: str) -> Stream:
+    async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream:
         tenant = tenant_of(ctx, request)
         after = last_event_id(request)
         await _owned(ctx, tenant, sid(sandbox_id))
@@ -357,7 +373,7 @@ async def first_event(ctx: Context, kind: str, aggregate_id: str) -> ev.AnyEvent
         return None
 
 
-async def _owned(ctx: Context, tenant: str, sandbox_id: str) -> None:
+async def _owned(ctx: Context, tenant: str, sandbox_id: FromPath[str]) -> None:
     created = await first_event(ctx, "sandbox", sandbox_id)
     if not isinstance(created, ev.SandboxCreated) or created.tenant != tenant:
         raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")

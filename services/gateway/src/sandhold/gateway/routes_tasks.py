@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import yaml
 from litestar import Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response import Stream
 from sandhold.domain import events as ev
 from sandhold.domain import task as tk
@@ -106,12 +107,12 @@ def handlers(ctx: Context) -> list:
         )
 
     @get("/api/v1/tasks/{task_id:str}")
-    async def show_task(request: Request, task_id: str) -> Response:
+    async def show_task(request: Request, task_id: FromPath[str]) -> Response:
         client = ctx.client(tenant_of(ctx, request))
         return json_response(await call(client.show_task(tid(task_id))))
 
     @post("/api/v1/tasks/{task_id:str}/cancel", status_code=200)
-    async def cancel_task(request: Request, task_id: str) -> Response:
+    async def cancel_task(request: Request, task_id: FromPath[str]) -> Response:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         view = await call(
@@ -122,7 +123,7 @@ def handlers(ctx: Context) -> list:
         return json_response(view)
 
     @get("/api/v1/tasks/{task_id:str}/events")
-    async def task_events(request: Request, task_id: str) -> Stream:
+    async def task_events(request: Request, task_id: FromPath[str]) -> Stream:
         tenant = tenant_of(ctx, request)
         after = last_event_id(request)
         submitted = await first_event(ctx, "task", tid(task_id))

@@ -5,8 +5,9 @@ names an exact point in the log: a reconnecting client gets every event after
 it, then live ones, from whichever gateway answers. Events are pulled in
 small batches and the next batch is fetched only once the previous one was
 written to the socket (uvicorn waits while the client's buffer is full), so a
-client that falls behind holds at most one batch in the gateway: it is served
-from the log at its own pace instead of queueing in memory.
+client that falls behind holds at most one batch (about 256 KiB) in the
+gateway: it is served from the log at its own pace instead of queueing in
+memory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 log = logging.getLogger("sandhold.gateway.sse")
 
-BATCH = 64
+BATCH = 64  # events per pull at most...
+BATCH_BYTES = 256 * 1024  # ...and about this many bytes: big events come fewer at a time
 
 
 class EventRecord(msgspec.Struct, kw_only=True):
@@ -96,16 +98,19 @@ async def event_frames(
     ones, with a keep-alive comment whenever nothing came for `keepalive_s`."""
     yield f"retry: {retry_ms}\n: resuming after {after}\n\n".encode()
     sent = after
+    batch = BATCH
     while True:
         sub = await _subscribe(js, stream, subject, sent + 1, keepalive_s)
         try:
             while True:
                 try:
-                    msgs = await sub.fetch(BATCH, timeout=keepalive_s)
+                    msgs = await sub.fetch(batch, timeout=keepalive_s)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
                     await sub.consumer_info()  # raises if the consumer went away
                     continue
+                size = sum(len(m.data) for m in msgs)
+                batch = max(1, min(BATCH, BATCH_BYTES * len(msgs) // max(1, size)))
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
                     if seq <= sent:

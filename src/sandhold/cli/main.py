@@ -333,7 +333,15 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one service alone against --nats URL")
     run.add_argument(
         "service",
-        choices=["scheduler", "host-agent", "saver", "recovery", "metrics", "orchestrator"],
+        choices=[
+            "scheduler",
+            "host-agent",
+            "saver",
+            "recovery",
+            "metrics",
+            "orchestrator",
+            "gateway",
+        ],
     )
     run.add_argument("service_args", nargs=argparse.REMAINDER)
 
@@ -575,6 +583,8 @@ def _run_service(args: argparse.Namespace) -> None:
         from sandhold.cli.metrics import main as service_main
     elif args.service == "orchestrator":
         from sandhold.orchestrator.__main__ import main as service_main
+    elif args.service == "gateway":
+        from sandhold.gateway.__main__ import main as service_main
     else:
         from sandhold.hostagent.__main__ import main as service_main
     service_main(service_args)

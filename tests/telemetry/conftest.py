@@ -10,7 +10,6 @@ from sandhold.telemetry import context
 from sandhold.telemetry.tracing import OtelTracer
 
 from tests.e2e.harness import Up
-from tests.telemetry.otlp import OtlpReceiver
 
 
 @pytest.fixture
@@ -25,15 +24,6 @@ def client_spans() -> Iterator[InMemorySpanExporter]:
     finally:
         context.install(None)
         provider.shutdown()
-
-
-@pytest.fixture
-def receiver() -> Iterator[OtlpReceiver]:
-    running = OtlpReceiver().start()
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

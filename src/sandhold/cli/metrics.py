@@ -1,4 +1,4 @@
-"""The metrics service: the log's facts as Prometheus metrics (decision 012).
+"""The metrics service: the log's facts as Prometheus metrics (decision 015).
 
 It folds every event of the EVENTS stream, from the first, into `LogMetrics`
 and serves them on `/metrics` with its own process metrics: counts are exact

@@ -83,6 +83,18 @@ def span(
             _fields.reset(token)
 
 
+@contextlib.contextmanager
+def working_on(**ids: str | None) -> Iterator[None]:
+    """Name what the code inside works on in every log line (no span: for work
+    that lasts long, like a task's runner)."""
+    named = {k: v for k, v in ids.items() if v is not None}
+    token = _fields.set({**_fields.get(), **named})
+    try:
+        yield
+    finally:
+        _fields.reset(token)
+
+
 def carry(parent: str | None) -> contextlib.AbstractContextManager[object]:
     """Continue `parent`'s trace without a span of our own (a reconcile pass that
     acts on what an event set off)."""

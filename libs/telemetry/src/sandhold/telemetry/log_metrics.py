@@ -1,4 +1,4 @@
-"""Metrics that are facts of the log, folded from it (decision 012).
+"""Metrics that are facts of the log, folded from it (decision 015).
 
 Counts and durations of tasks, commands, saves, hosts and recoveries are all
 in the events themselves (their envelope times, `freeze_ms`, `uploaded_bytes`

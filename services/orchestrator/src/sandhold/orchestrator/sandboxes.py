@@ -26,6 +26,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import Rejected
 from sandhold.domain.views import Reply
+from sandhold.telemetry import context
 
 T = TypeVar("T")
 _reply_decoder = msgspec.json.Decoder(Reply)
@@ -62,12 +63,16 @@ class Sandboxes:
         inbox = self._nc.new_inbox()
         sub = await self._nc.subscribe(inbox, max_msgs=1)
         msg_id = f"{request.tenant}:{request.key}:{rq.request_digest(request)}"
+        headers = {Header.MSG_ID: msg_id, REPLY_HEADER: inbox}
+        traceparent = context.traceparent()
+        if traceparent:  # the scheduler continues the task's trace
+            headers[context.TRACEPARENT] = traceparent
         try:
             ack = await self._js.publish(
                 self._names.request(rq.request_tag(request)),
                 rq.encode_request(request),
                 stream=self._names.requests_stream,
-                headers={Header.MSG_ID: msg_id, REPLY_HEADER: inbox},
+                headers=headers,
             )
         except BaseException:
             await sub.unsubscribe()

@@ -35,6 +35,7 @@ from sandhold.orchestrator.faults import check_configuration
 from sandhold.orchestrator.runner import Runner
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
+from sandhold.telemetry import context
 
 log = logging.getLogger("sandhold.orchestrator")
 
@@ -206,7 +207,12 @@ class Orchestrator:
             )
             self._live[task_id] = runner
             try:
-                await runner.run()
+                # The runner continues the trace its task was submitted in.
+                with (
+                    context.carry(self.tasks.trace_of(task_id)),
+                    context.working_on(task_id=task_id),
+                ):
+                    await runner.run()
                 return
             except asyncio.CancelledError:
                 raise

@@ -108,8 +108,10 @@ async def scripted_run(up: Up, client: Client) -> None:
     assert (await client.wait_for_save(sandbox.id, save.id, timeout=60)).state == "completed"
     agent = up.service_pid(f"host-agent:{view.host}")
     os.kill(agent, signal.SIGSTOP)  # its lease stops: recovery declares the host lost
-    await client.wait_for_phase(sandbox.id, {"lost"}, timeout=30)
-    os.kill(agent, signal.SIGKILL)  # gone for good (sandhold up starts a new one)
+    try:
+        await client.wait_for_phase(sandbox.id, {"lost"}, timeout=30)
+    finally:
+        os.kill(agent, signal.SIGKILL)  # gone for good (sandhold up starts a new one)
     # A command brings it back on the other host.
     recovered = await client.exec(sandbox.id, ["true"], wait_timeout=60)
     assert recovered.command.state == "exited"

@@ -113,7 +113,8 @@ async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: 
             log.exception("handling %s on %s failed; it will be redelivered", what, msg.subject)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1)
-    metrics.message_handled(what, msg.subject, outcome, time.time() - stored_ns / 1e9)
+    if stored_ns is not None:
+        metrics.message_handled(what, msg.subject, outcome, time.time() - stored_ns / 1e9)
 
 
 async def dead_letter(msg: Msg, what: str) -> None:
@@ -123,11 +124,15 @@ async def dead_letter(msg: Msg, what: str) -> None:
     await msg.term()
 
 
-def delivery(msg: Msg) -> tuple[int, int]:
+def delivery(msg: Msg) -> tuple[int, int | None]:
     """(times delivered, when stored in ns since the epoch) from the reply subject
     `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ns>.<pending>` (or with a
-    domain and account hash in front); parsed by hand as `stream_sequence` does."""
-    tokens = msg.reply.split(".")
-    if len(tokens) == 9:
-        return int(tokens[4]), int(tokens[7])
-    return int(tokens[6]), int(tokens[9])
+    domain and account hash in front); parsed by hand as `stream_sequence` does.
+    A subject of another shape counts as a first delivery of unknown age."""
+    tokens = (msg.reply or "").split(".")
+    try:
+        if len(tokens) == 9:
+            return int(tokens[4]), int(tokens[7])
+        return int(tokens[6]), int(tokens[9])
+    except (IndexError, ValueError):
+        return 1, None

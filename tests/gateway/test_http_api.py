@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import httpx
 
 from tests.conftest import wait_until
@@ -235,3 +238,18 @@ async def test_events_of_a_new_sandbox_stream_in_order(acme: httpx.AsyncClient):
             break
     assert types == ["sandbox.created", "sandbox.placed", "sandbox.starting", "sandbox.started"]
     await acme.delete(f"/api/v1/sandboxes/{created['id']}")
+
+
+async def test_without_the_bus_requests_are_503_problems(tmp_path):
+    from tests.gateway.conftest import start_gateway_up
+
+    gw = start_gateway_up(tmp_path / "data", "--hosts", "0")
+    try:
+        async with gw.http() as http:
+            assert (await http.get("/api/v1/sandboxes")).status_code == 200
+            os.kill(gw.up.runtime["nats_pid"], signal.SIGKILL)
+            for method, path in (("POST", "/api/v1/sandboxes"), ("GET", "/api/v1/sandboxes")):
+                body = problem(await http.request(method, path, timeout=60), 503, "unavailable")
+                assert body["retryable"] is True
+    finally:
+        gw.up.stop()

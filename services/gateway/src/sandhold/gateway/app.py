@@ -15,6 +15,7 @@ import logging
 import msgspec
 from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
+from nats.errors import Error as NatsError
 from sandhold.gateway import routes_sandboxes, routes_tasks
 from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
 from sandhold.gateway.web import Context, json_response
@@ -93,6 +94,18 @@ def _http_problem(request: Request, exc: HTTPException) -> Response:
 
 
 def _internal_problem(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, NatsError | TimeoutError | ConnectionError):
+        # NATS unreachable or slow: nothing was half-done (publishes are acked or not)
+        log.warning("NATS unavailable on %s %s: %r", request.method, request.url.path, exc)
+        return _problem_response(
+            request,
+            ProblemError(
+                "unavailable",
+                "the message bus did not answer; retry (with the same Idempotency-Key)",
+                retryable=True,
+                headers={"Retry-After": "1"},
+            ),
+        )
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return _problem_response(
         request, ProblemError("internal_error", "the gateway failed; see its log", status=500)

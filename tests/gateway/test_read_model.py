@@ -152,6 +152,9 @@ async def test_replay_verify_catches_a_corrupted_row(gw: Gw):
 
     replayed = gw.up.cli("replay", "task", task_id)
     assert replayed.returncode == 0 and "completed" in replayed.stdout, replayed.stderr
+    timeline = gw.up.cli("history", "task", task_id).stdout
+    for what in ("task.submitted", "task.step_claimed", "task.completed", "orchestrator"):
+        assert what in timeline, what
 
     assert gw.up.cli("admin", "rebuild-read-model").returncode == 0
     assert gw.up.cli("replay", "sandbox", sandbox_id, "--verify").returncode == 0

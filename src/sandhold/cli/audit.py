@@ -235,11 +235,11 @@ async def export(client: Client, sandbox_id: str | None, since: str | None) -> i
     return 0
 
 
-async def history(client: Client, sandbox_id: str) -> int:
+async def history(client: Client, aggregate_id: str, *, kind: str = "sandbox") -> int:
     """A readable timeline: who asked, what was decided, what happened on the host."""
-    records = await client.sandbox_records(sandbox_id)
+    records = await _records(client, kind, aggregate_id)
     if not records:
-        raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+        raise Rejected(f"{kind}_not_found", f"no {kind} {aggregate_id}")
     for record in records:
         e = record.envelope
         fields = msgspec.to_builtins(e.event)

@@ -396,8 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--read-model", help="the read model file (default: from runtime.json)")
 
-    hist = sub.add_parser("history", help="a readable timeline of a sandbox's events")
-    hist.add_argument("kind", choices=["sandbox"])
+    hist = sub.add_parser("history", help="a readable timeline of a sandbox's or a task's events")
+    hist.add_argument("kind", choices=["sandbox", "task"])
     hist.add_argument("id")
 
     audit = sub.add_parser("audit", help="export events with their envelopes")
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
         "replay": lambda a, c: audit.replay(
             c, a.id, a.at, a.json, kind=a.kind, verify=a.verify, read_model=_read_model(a)
         ),
-        "history": lambda a, c: audit.history(c, a.id),
+        "history": lambda a, c: audit.history(c, a.id, kind=a.kind),
         "audit": lambda a, c: audit.export(c, a.sandbox, a.since),
         "events": lambda a, c: audit.tail(c, a.sandbox, a.count),
         "top": lambda a, c: top(c, interval=a.interval, once=a.once, as_json=a.json),

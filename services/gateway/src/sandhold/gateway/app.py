@@ -19,6 +19,7 @@ from nats.errors import Error as NatsError
 from sandhold.gateway import routes_sandboxes, routes_tasks
 from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
 from sandhold.gateway.web import Context, json_response
+from sandhold.telemetry.asgi import TraceMiddleware
 
 log = logging.getLogger("sandhold.gateway")
 
@@ -43,6 +44,7 @@ def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
         },
         request_max_body_size=1_000_000,
         logging_config=None,
+        middleware=[TraceMiddleware],
     )
 
 

@@ -195,8 +195,9 @@ Goal: tracing off costs < 5% of the exec round trip → {share:.3%} {verdict(sha
 Tracing on vs off, p50 per round: {" / ".join(f"{r:.2f}×" for r in ratios)}
 (median {median(ratios):.2f}×).
 
-Reading: with tracing off no OpenTelemetry code runs at all — `tracing.configure` does
-not even import it — and each hook site is a contextvar set and reset (the ids log
+Reading: with tracing off no OpenTelemetry tracing code runs at all —
+`tracing.configure` does not even import it (the metrics each service records
+are on in both variants) — and each hook site is a contextvar set and reset (the ids log
 lines carry, and the caller's `traceparent` when a message brought one) plus two
 look-ups: {hooks:.0f} such sites per exec cost about {off_cost * 1e6:.0f} µs of a
 {ms(off_p50)} ms round trip. That is far below what comparing whole runs can resolve

@@ -133,3 +133,26 @@ async def test_resume_across_a_gateway_killed_and_restarted(gw: Gw, acme: httpx.
     assert reconnects >= 1
     assert received == await _log_seqs(gw, sandbox_id)  # every event once, in order
     assert types[-1] == "command.ended"
+
+
+async def test_a_dropped_stream_leaves_no_consumer_behind(gw: Gw, acme: httpx.AsyncClient):
+    sandbox_id = (await acme.post("/api/v1/sandboxes")).json()["id"]
+    subject = f"sh.ev.sandbox.{sandbox_id}"
+    async with nats_client(gw, "acme") as client:
+
+        async def consumers() -> int:
+            infos = await client.js.consumers_info(client.names.events_stream)
+            return sum(1 for i in infos if i.config.filter_subject == subject)
+
+        stream = sse_events(acme, sandbox_id)
+        assert (await anext(stream))["type"] == "sandbox.created"
+        assert await consumers() == 1
+        await stream.aclose()  # the client goes away mid-stream
+        await wait_until(
+            lambda: consumers_gone(consumers), timeout=10, what="the stream's consumer to go"
+        )
+    await acme.delete(f"/api/v1/sandboxes/{sandbox_id}")
+
+
+async def consumers_gone(consumers) -> bool:
+    return await consumers() == 0

@@ -129,10 +129,23 @@ async def event_frames(
             log.info("event stream on %s: %s; resuming after %d", subject, err, sent)
             await asyncio.sleep(0.5)
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await js.delete_consumer(stream, sub._consumer)  # noqa: SLF001
+            # A client that went away cancels us (Litestar's cancel scope cancels
+            # every await inside it): shield the clean-up, or the subscription
+            # and the consumer would outlive the connection.
+            cleanup = asyncio.ensure_future(_close(js, stream, sub))
+            _closing.add(cleanup)
+            cleanup.add_done_callback(_closing.discard)
+            await asyncio.shield(cleanup)
+
+
+_closing: set[asyncio.Future] = set()  # clean-ups running on after a cancellation
+
+
+async def _close(js: JetStreamContext, stream: str, sub) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(sub.unsubscribe(), 5)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(js.delete_consumer(stream, sub._consumer), 5)  # noqa: SLF001
 
 
 async def _subscribe(

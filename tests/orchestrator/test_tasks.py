@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -786,3 +787,182 @@ async def test_the_pipeline_example_runs_against_a_local_repository(
     [call] = receiver.to("/hooks/sandhold")
     assert call["body"] == summary.strip() and call["key"] == f"{task_id}:notify:1"
     assert {a.path for a in task.artifacts} == {"out/checks.txt", "out/summary.txt"}
+
+
+# --- edges -------------------------------------------------------------------------------------
+
+
+async def test_a_missing_executable_fails_the_task_at_once_without_a_retry(client: Client):
+    task_id = await submit(client, agent={"command": ["no-such-agent-program"]})
+    task = await ended(client, task_id)
+    assert task.state == "failed" and task.reason == "launch_failed", task.detail
+    assert "no-such-agent-program" in task.detail
+    assert task.steps["agent"].attempt == 1 and task.attempts == []
+
+
+async def test_an_agent_sees_the_environment_its_cwd_and_the_task_identity(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    served_repo(git_repo, "nested", {"src/app/main.txt": "inside\n", "README": "top\n"})
+    task_id = await submit(
+        client,
+        repository={"url": git_daemon.url_for("nested.git")},
+        environment={"SHARED": "from-task", "OVERRIDDEN": "task"},
+        agent=sh(
+            "cat main.txt; echo $SHARED $OVERRIDDEN $SANDHOLD_TASK_ID $SANDHOLD_STEP "
+            "$SANDHOLD_STEP_KEY",
+            cwd="src/app",
+            env={"OVERRIDDEN": "step"},
+        ),
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    assert task.steps["agent"].output == (
+        f"inside\nfrom-task step {task_id} agent {task_id}:agent:1\n"
+    )
+
+
+async def test_a_long_output_is_recorded_by_its_tail(client: Client):
+    task_id = await submit(client, agent=sh("seq 1 20000"))
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    output = task.steps["agent"].output
+    assert len(output.encode()) <= 16 * 1024 and output.endswith("19999\n20000\n")
+
+
+async def test_a_loop_of_http_calls_sends_each_item(client: Client, receiver: Receiver):
+    task_id = await submit(
+        client,
+        pipeline=[
+            {
+                "name": "each",
+                "for_each": ["x", "y"],
+                "http": {"url": receiver.url("/item/{{item}}"), "method": "GET"},
+            }
+        ],
+    )
+    task = await ended(client, task_id)
+    assert task.state == "completed", (task.reason, task.detail)
+    calls = [(c["method"], c["path"], c["key"]) for c in receiver.calls]
+    assert calls == [
+        ("GET", "/item/x", f"{task_id}:each[0]:1"),
+        ("GET", "/item/y", f"{task_id}:each[1]:1"),
+    ]
+
+
+async def test_cancelling_a_task_while_its_clone_hangs_ends_it_in_staging(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=100, how="hang")
+    task_id = await submit(
+        client, repository={"url": proxy.url_for(git_repo.name)}, agent=sh("cat README")
+    )
+    await wait_until(lambda: proxy.connections >= 1, timeout=30, what="the clone connecting")
+    await client.cancel_task(task_id)
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "cancelled" and task.failed_stage == "staging"
+    assert task.sandbox_id is None and task.attempts == []
+
+
+async def test_the_task_limit_applies_while_staging_too(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=100, how="hang")
+    task_id = await submit(
+        client,
+        repository={"url": proxy.url_for(git_repo.name)},
+        agent=sh("cat README"),
+        timeouts={"task": "2s"},
+    )
+    task = await ended(client, task_id, timeout=40)
+    assert task.state == "timed_out" and task.failed_stage == "staging"
+    assert task.sandbox_id is None
+    assert task.finished_at is not None and task.finished_at - task.submitted_at < 3.5
+
+
+def test_cli_watch_exits_with_each_outcome(up: Up, tmp_path: Path):
+    outcomes = {
+        "timed_out": ("agent: {command: [sleep, '30']}\ntimeouts: {task: 3s}\n", 124),
+        "cancelled": ("agent: {command: [sleep, '30']}\n", 130),
+    }
+    for state, (body, code) in outcomes.items():
+        path = write_manifest(
+            tmp_path / f"{state}.yaml", f"name: {state.replace('_', '-')}\n{body}"
+        )
+        task_id = up.cli_json("task", "submit", path)["id"]
+        if state == "cancelled":
+            cancelled = up.cli("task", "cancel", task_id, "--json")
+            assert cancelled.returncode == 0, cancelled.stderr
+        watched = up.cli("task", "watch", task_id)
+        assert watched.returncode == code, (state, watched.stdout, watched.stderr)
+        assert up.cli_json("task", "show", task_id)["state"] == state
+
+
+async def test_a_task_can_start_from_another_tasks_snapshot(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    first_id = await submit(
+        client,
+        repository={"url": git_daemon.url_for(git_repo.name)},
+        agent=sh("mkdir -p out; echo carried over > out/note.txt"),
+        artifacts=["out/*"],
+    )
+    first = await ended(client, first_id)
+    assert first.state == "completed" and first.snapshot_id is not None
+    second_id = await submit(
+        client, sandbox={"from_snapshot": first.snapshot_id}, agent=sh("cat out/note.txt README")
+    )
+    second = await ended(client, second_id)
+    assert second.state == "completed", (second.reason, second.detail)
+    assert second.steps["agent"].output == "carried over\nthree\n"
+    assert second.commit is None and second.seed_save_id is None
+
+
+async def test_a_failed_task_releases_its_sandbox(client: Client):
+    task_id = await submit(client, agent=sh("exit 5"))
+    task = await ended(client, task_id)
+    assert task.state == "failed" and task.steps["agent"].exit_code == 5
+    assert task.sandbox_id is not None
+    view = await client.wait_for_phase(task.sandbox_id, {"stopped"}, timeout=30)
+    assert view.phase == "stopped"
+
+
+def test_cli_lists_a_running_task_and_watch_streams_its_output(up: Up, tmp_path: Path):
+    script = "echo first; sleep 2; echo second; sleep 2; echo third"
+    path = write_manifest(
+        tmp_path / "stream.yaml", f"name: streams\nagent: {{command: [sh, -c, '{script}']}}\n"
+    )
+    task_id = up.cli_json("task", "submit", path)["id"]
+    deadline = time.monotonic() + 30
+    while task_id not in {v["id"] for v in up.cli_json("task", "ls", "--state", "running")}:
+        assert time.monotonic() < deadline, "the task was never listed as running"
+    watched = up.cli("task", "watch", task_id)
+    assert watched.returncode == 0, watched.stderr
+    out = watched.stdout
+    assert out.index("first") < out.index("second") < out.index("third")
+    assert out.count("third") >= 1
+    assert task_id not in {v["id"] for v in up.cli_json("task", "ls", "--state", "running")}
+
+
+async def test_the_stage_limit_ends_a_hanging_staging_on_time(
+    client: Client, git_repo: GitRepo, flaky_proxy: ProxyFactory
+):
+    proxy = await flaky_proxy(fail_first=100, how="hang")
+    task_id = await submit(
+        client,
+        repository={"url": proxy.url_for(git_repo.name)},
+        agent=sh("cat README"),
+        timeouts={"stage": "2s"},
+        retry={"network": 3, "base_delay": "0.1s", "max_delay": "0.2s"},
+    )
+    task = await ended(client, task_id, timeout=40)
+    assert task.state == "failed" and task.reason == "stage_timeout", task.reason
+    assert task.failed_stage == "staging"
+    staging_at = next(
+        r.envelope.time
+        for r in await client.task_records(task_id)
+        if r.envelope.type == "task.stage_entered"
+    )
+    # No clone attempt outlives the stage: the orchestrator's own work has no
+    # host to wait for, so its limit is kept to the second.
+    assert task.finished_at is not None and task.finished_at - staging_at < 3.5

@@ -104,14 +104,17 @@ class Runner:
             now = time.time()
             task_deadline = tk.deadline(state, "task")
             stage_deadline = tk.deadline(state, "stage")
-            if task_deadline is not None and now >= task_deadline + BACKSTOP_S:
+            # Only a running command is ended by its host (it carries the time
+            # left); any other stage's work is ours, so its limit is kept on time.
+            backstop = BACKSTOP_S if state.state == "running" else 0.0
+            if task_deadline is not None and now >= task_deadline + backstop:
                 await self._end_for_time(state, "task")
                 continue
-            if stage_deadline is not None and now >= stage_deadline + BACKSTOP_S:
+            if stage_deadline is not None and now >= stage_deadline + backstop:
                 await self._end_for_time(state, "stage")
                 continue
             limit = min(d for d in (task_deadline, stage_deadline, math.inf) if d is not None)
-            await self._advance_until(state, limit + BACKSTOP_S - now)
+            await self._advance_until(state, limit + backstop - now)
 
     async def _advance_until(self, state: tk.Task, seconds: float) -> None:
         self.changed.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import time
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -131,13 +132,15 @@ def handlers(ctx: Context) -> list:
             final is None or final.state in ("completed", "failed", "expired")
         )
         if wait and not settled:
+            deadline = time.monotonic() + wait
             with contextlib.suppress(TimeoutError):
                 view = await call(
                     client.wait_for_phase(view.id, {"stopped", "failed", "deleted"}, timeout=wait)
                 )
                 if view.final_save is not None:
-                    await call(client.wait_for_save(view.id, view.final_save.id, timeout=wait))
-                view = await call(client.show_sandbox(view.id))
+                    left = max(0.1, deadline - time.monotonic())
+                    await call(client.wait_for_save(view.id, view.final_save.id, timeout=left))
+            view = await call(client.show_sandbox(view.id))
             final = view.final_save
             settled = view.phase in ("stopped", "failed", "deleted") and (
                 final is None or final.state in ("completed", "failed", "expired")

@@ -36,9 +36,11 @@ class DirtyLoop:
         *,
         what: str,
         trace_of: Callable[[str], str | None] | None = None,
+        kind: str = "sandbox",
     ) -> None:
         self._handle = handle
         self._what = what
+        self._id_field = f"{kind}_id"  # how log lines of a pass name the aggregate
         # A pass continues the trace of the aggregate's latest event (`AggregateStore.trace_of`).
         self._trace_of = trace_of or (lambda _: None)
         self._dirty: set[str] = set()
@@ -55,7 +57,10 @@ class DirtyLoop:
             while self._dirty:
                 aggregate_id = self._dirty.pop()
                 try:
-                    with context.carry(self._trace_of(aggregate_id)):
+                    with (
+                        context.carry(self._trace_of(aggregate_id)),
+                        context.working_on(**{self._id_field: aggregate_id}),
+                    ):
                         await self._handle(aggregate_id)
                 except Exception:
                     log.exception("%s of %s failed; will retry", self._what, aggregate_id)

@@ -74,7 +74,8 @@ def test_a_schema_fuzzer_finds_no_server_error(gw0: Gw, tmp_path: Path):
             f"Authorization: Bearer {gw0.tokens['acme']}",
             "--checks",
             "not_a_server_error,response_schema_conformance,status_code_conformance,"
-            "content_type_conformance",
+            "content_type_conformance,response_headers_conformance,negative_data_rejection,"
+            "unsupported_method,allow_header_conformance,ignored_auth",
             "--exclude-path-regex",
             "/events$",  # endless streams; covered by their own tests
             "--max-examples",

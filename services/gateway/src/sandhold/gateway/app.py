@@ -11,9 +11,10 @@ folding its log (always current); lists come from the read model.
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
-from litestar import Litestar, Request, Response, get
+from litestar import HttpMethod, Litestar, Request, Response, get, route
 from litestar.exceptions import HTTPException
 from nats.errors import Error as NatsError
 from sandhold.gateway import routes_sandboxes, routes_tasks
@@ -34,8 +35,12 @@ def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
         _openapi_handler(ctx),
         _health_handler(ctx),
     ]
-    return Litestar(
-        route_handlers=handlers,
+    allowed = _methods_by_path(handlers)
+    # Litestar answers OPTIONS with only the first handler's methods when a path
+    # has several handlers: list them all (registered first, so they win).
+    options = [_options_handler(path, methods) for path, methods in allowed.items()]
+    app = Litestar(
+        route_handlers=[*options, *handlers],
         openapi_config=None,
         exception_handlers={
             ProblemError: _problem_response,
@@ -46,6 +51,29 @@ def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
         logging_config=None,
         middleware=[TraceMiddleware],
     )
+    app.state.allowed = [
+        (re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", path) + "$"), methods)
+        for path, methods in allowed.items()
+    ]
+    return app
+
+
+def _methods_by_path(handlers: list) -> dict[str, list[str]]:
+    allowed: dict[str, set[str]] = {}
+    for handler in handlers:
+        for path in handler.paths:
+            allowed.setdefault(path, set()).update(handler.http_methods)
+    return {path: sorted({*methods, "OPTIONS"}) for path, methods in allowed.items()}
+
+
+def _options_handler(path: str, methods: list[str]):
+    allow = ", ".join(methods)
+
+    @route(path, http_method=[HttpMethod.OPTIONS], include_in_schema=False)
+    async def options() -> Response:
+        return Response(content=b"", status_code=204, headers={"Allow": allow})
+
+    return options
 
 
 def _openapi_handler(ctx: Context):
@@ -91,7 +119,12 @@ _HTTP_CODES = {
 def _http_problem(request: Request, exc: HTTPException) -> Response:
     code = _HTTP_CODES.get(exc.status_code, "invalid_request")
     detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    problem = ProblemError(code, detail, status=exc.status_code, headers=dict(exc.headers or {}))
+    headers = {k: v for k, v in (exc.headers or {}).items() if k.lower() != "allow"}
+    if exc.status_code == 405:  # RFC 9110: say what is allowed
+        for pattern, methods in getattr(request.app.state, "allowed", []):
+            if pattern.match(request.url.path):
+                headers["Allow"] = ", ".join(methods)
+    problem = ProblemError(code, detail, status=exc.status_code, headers=headers)
     return _problem_response(request, problem)
 
 

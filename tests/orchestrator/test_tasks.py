@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 import uuid
@@ -966,3 +967,63 @@ async def test_the_stage_limit_ends_a_hanging_staging_on_time(
     # No clone attempt outlives the stage: the orchestrator's own work has no
     # host to wait for, so its limit is kept to the second.
     assert task.finished_at is not None and task.finished_at - staging_at < 3.5
+
+
+@pytest.fixture
+def garbage_server() -> Iterator[tuple[str, list[int]]]:
+    """A TCP server on loopback answering every request with bytes that are not HTTP."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                connections.append(1)
+                conn.recv(65536)
+                conn.sendall(b"this is not http\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/hook", connections
+    finally:
+        listener.close()
+        thread.join(timeout=10)
+
+
+async def test_an_answer_that_is_not_http_fails_the_step_as_a_network_error(
+    client: Client, garbage_server: tuple[str, list[int]]
+):
+    url, connections = garbage_server
+    task_id = await submit(
+        client,
+        pipeline=[{"name": "call", "http": {"url": url}}],
+        retry={"network": 1, "base_delay": "0.1s", "max_delay": "0.2s"},
+    )
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "failed" and task.reason == "http_error", task.detail
+    assert [(a.attempt, a.error_class) for a in task.attempts] == [(1, "network"), (2, "network")]
+    assert len(connections) == 2
+
+
+async def test_a_rendered_url_that_cannot_be_sent_fails_the_step_at_once(
+    client: Client, receiver: Receiver
+):
+    task_id = await submit(
+        client,
+        pipeline=[
+            {"name": "make", "agent": sh("echo two words")},
+            {"name": "call", "http": {"url": receiver.url("/x/{{steps.make.output}}")}},
+        ],
+    )
+    task = await ended(client, task_id, timeout=30)
+    assert task.state == "failed" and task.reason == "http_error", task.detail
+    assert len(task.attempts) == 1, task.attempts
+    [attempt] = task.attempts
+    assert attempt.error_class == "permanent" and attempt.retry_at is None
+    assert "InvalidURL" in task.steps["call"].detail
+    assert receiver.calls == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import http.client
 import logging
 import math
 import random
@@ -460,9 +461,14 @@ class Runner:
             record = await self._claim(instance, self._next_attempt(instance, record))
         assert step.http is not None
         call = _render_call(step.http, instance, tk.outputs(self.state))
+        permanent = False
         try:
             status, body = await asyncio.to_thread(_perform, call, record.idempotency_key)
-        except OSError as err:
+        except (ValueError, http.client.InvalidURL) as err:
+            # A rendered URL or header urllib will not send: sending again cannot help.
+            status, body, permanent = None, f"{type(err).__name__}: {err}", True
+        except (OSError, http.client.HTTPException) as err:
+            # No answer, or one that is not HTTP: transient, like a refused connection.
             status, body = None, f"{type(err).__name__}: {err}"
         fault("before_output_recorded", instance.id)
         if status is not None and 200 <= status < 300:
@@ -473,7 +479,7 @@ class Runner:
                 why=f"finished:{record.id}:{record.attempt}",
             )
             return
-        transient = status is None or status >= 500 or status in (408, 429)
+        transient = not permanent and (status is None or status >= 500 or status in (408, 429))
         reason = "http_error" if status is None else "http_status"
         detail = body if status is None else f"HTTP {status}: {body[:500]}"
         await self._record_step_failure(

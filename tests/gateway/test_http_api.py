@@ -77,6 +77,7 @@ async def test_a_token_sees_only_its_tenant(
         ("POST", "{base}/commands/{command_id}/cancel", None),
         ("POST", "{base}/commands", RUN),
         ("GET", "{base}/saves", None),
+        ("GET", "{base}/snapshots", None),
         ("GET", "{base}/saves/{save_id}", None),
         ("POST", "{base}/snapshots", {"name": "theirs"}),
         ("POST", "{base}/start", None),
@@ -92,6 +93,9 @@ async def test_a_token_sees_only_its_tenant(
             answers.append(problem(response, 404, "sandbox_not_found"))
         theirs, nobodys = answers
         assert theirs["detail"].replace(sandbox_id, missing) == nobodys["detail"], (method, path)
+
+    snapshots = (await acme.get(f"{base}/snapshots")).json()["items"]
+    assert [(s["id"], s["name"]) for s in snapshots] == [(save_id, "mine")]
 
     listed = (await globex.get("/api/v1/sandboxes", params={"include_deleted": "true"})).json()
     assert sandbox_id not in [s["id"] for s in listed["items"]]

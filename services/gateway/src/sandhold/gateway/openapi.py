@@ -180,13 +180,24 @@ def paths() -> dict[str, dict[str, Any]]:
             )
         },
         sandbox_path + "/snapshots": {
+            "get": _op(
+                "List a sandbox's Snapshots (its saves of kind snapshot)",
+                _json(200, b.SavePage, "a page of Snapshots"),
+                params=[
+                    SANDBOX,
+                    _query("state", _enum(web.SAVE_STATES), "only this state"),
+                    LIMIT,
+                    CURSOR,
+                ],
+                problems=(400, 404),
+            ),
             "post": _op(
                 "Take a Snapshot (a named, retained save) of a running sandbox",
                 _json(202, SaveView, "the Snapshot, requested"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
                 body=b.SnapshotBody,
                 problems=WRITE,
-            )
+            ),
         },
         sandbox_path + "/saves": {
             "get": _op(

@@ -182,10 +182,8 @@ def handlers(ctx: Context) -> list:
         location = f"/api/v1/sandboxes/{save.sandbox_id}/saves/{save.id}"
         return json_response(save, 202, headers={"Location": location})
 
-    @get("/api/v1/sandboxes/{sandbox_id:str}/saves")
-    async def list_saves(request: Request, sandbox_id: FromPath[str]) -> Response:
+    async def _saves(request: Request, sandbox_id: str, kind: str | None) -> Response:
         tenant = tenant_of(ctx, request)
-        kind = query_choice(request, "kind", SAVE_KINDS)
         state = query_choice(request, "state", SAVE_STATES)
         limit = query_int(request, "limit", 100, 1, MAX_LIMIT)
         after = decode_cursor(request)
@@ -204,6 +202,14 @@ def handlers(ctx: Context) -> list:
                 next_cursor=next_cursor,
             )
         )
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/saves")
+    async def list_saves(request: Request, sandbox_id: FromPath[str]) -> Response:
+        return await _saves(request, sandbox_id, query_choice(request, "kind", SAVE_KINDS))
+
+    @get("/api/v1/sandboxes/{sandbox_id:str}/snapshots")
+    async def list_snapshots(request: Request, sandbox_id: FromPath[str]) -> Response:
+        return await _saves(request, sandbox_id, "snapshot")
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/saves/{save_id:str}")
     async def show_save(
@@ -317,6 +323,7 @@ def handlers(ctx: Context) -> list:
         delete_sandbox,
         take_snapshot,
         list_saves,
+        list_snapshots,
         show_save,
         run_command,
         list_commands,

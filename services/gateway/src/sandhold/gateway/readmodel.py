@@ -218,7 +218,11 @@ class ReadModel:
             state, _ = await self._load(key)
             if key not in before:
                 before[key] = state
-            new_state = KINDS[kind].evolve(state, envelope)
+            try:
+                new_state = KINDS[kind].evolve(state, envelope)
+            except Exception:  # a poison event must not stall every list: skip it, loudly
+                log.exception("event at %s seq %d could not be applied: skipped", subject, seq)
+                continue
             self._cache[key] = (new_state, seq)
             applied += 1
         for key, old in before.items():

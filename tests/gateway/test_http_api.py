@@ -6,6 +6,7 @@ import os
 import signal
 
 import httpx
+import msgspec
 
 from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, problem, running_sandbox, sse_events
@@ -257,3 +258,23 @@ async def test_without_the_bus_requests_are_503_problems(tmp_path):
                 assert body["retryable"] is True
     finally:
         gw.up.stop()
+
+
+async def test_tokens_made_and_revoked_with_the_cli_take_effect_at_once(gw: Gw):
+    made = gw.up.cli("token", "create", "--tenant", "initech", "--name", "ci")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.strip()
+    assert token.startswith("sht_") and "shown once" in made.stderr
+    assert token not in (gw.up.data_dir / "tokens.json").read_text()  # only its hash is kept
+    listed = msgspec.json.decode(gw.up.cli("token", "ls", "--json").stdout)
+    assert {"name": "ci", "tenant": "initech"} in listed
+    assert gw.up.cli("token", "create", "--tenant", "initech", "--name", "ci").returncode == 2
+    assert gw.up.cli("token", "create", "--tenant", "no spaces").returncode == 2
+
+    async with httpx.AsyncClient(base_url=gw.url) as http:
+        auth = {"Authorization": f"Bearer {token}"}
+        created = await http.post("/api/v1/sandboxes", headers=auth)
+        assert created.status_code == 201 and created.json()["tenant"] == "initech"
+        assert gw.up.cli("token", "revoke", "ci").returncode == 0
+        problem(await http.get("/api/v1/sandboxes", headers=auth), 401, "unauthorized")
+    assert gw.up.cli("token", "revoke", "ci").returncode == 2

@@ -7,6 +7,8 @@ wait for events with deadlines, never for a fixed time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.server
 import json
 import socket
@@ -23,6 +25,7 @@ import pytest
 import yaml
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.client import Client, connect
+from sandhold.domain import requests as rq
 from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import load_manifest, parse_manifest
@@ -80,9 +83,17 @@ async def ended(client: Client, task_id: str, timeout: float = 60.0) -> tk.Task:
         )
     except TimeoutError:
         state = await client.task_state(task_id)
+        stuck = f"{state and state.state}, steps {state and state.steps}"
+        # What happened next, for the report: the ledger a while later.
+        with contextlib.suppress(TimeoutError):
+            await client.wait_for_task(
+                task_id, lambda s: s if s.terminal else None, timeout=75, what=""
+            )
+        records = await client.task_records(task_id)
+        t0 = records[0].envelope.time
+        ledger = [(r.envelope.type, round(r.envelope.time - t0, 2)) for r in records]
         raise AssertionError(
-            f"{task_id} did not end in {timeout}s: {state and state.state}, "
-            f"steps {state and state.steps}, events {await event_types(client, task_id)}"
+            f"{task_id} did not end in {timeout}s: {stuck}; ledger after 75s more: {ledger}"
         ) from None
 
 
@@ -1027,3 +1038,38 @@ async def test_a_rendered_url_that_cannot_be_sent_fails_the_step_at_once(
     assert attempt.error_class == "permanent" and attempt.retry_at is None
     assert "InvalidURL" in task.steps["call"].detail
     assert receiver.calls == []
+
+
+async def test_a_task_cancelled_while_provisioning_leaves_no_sandbox_running(
+    client: Client, git_repo: GitRepo, git_daemon: GitDaemon
+):
+    key = f"prov-{uuid.uuid4().hex[:8]}"
+    task_id = tk.task_id_for("default", key)
+    cancelled: list[asyncio.Task[Any]] = []
+
+    async def on_event(msg: Any) -> None:
+        event = msgspec.json.decode(msg.data)["event"]
+        if event["type"] == "task.stage_entered" and event["stage"] == "provisioning":
+            cancelled.append(asyncio.ensure_future(client.cancel_task(task_id)))
+
+    # Cancel the moment provisioning begins: the create request is then in flight.
+    sub = await client.nc.subscribe(client.names.events("task", task_id), cb=on_event)
+    try:
+        await client.submit_task(
+            manifest(repository={"url": git_daemon.url_for(git_repo.name)}, agent=sh("cat README")),
+            key=key,
+        )
+        task = await ended(client, task_id, timeout=30)
+    finally:
+        await sub.unsubscribe()
+    await asyncio.gather(*cancelled)
+    assert task.state == "cancelled" and task.failed_stage == "provisioning", task.failed_stage
+    sandbox_id = rq.sandbox_id_for("default", f"{task_id}:sandbox")
+
+    async def settled():
+        sandbox = await client.sandbox_state(sandbox_id)
+        return sandbox if sandbox is not None and sandbox.phase in ("stopped", "failed") else None
+
+    # The create left before the cancel did (the runner sends it on entering
+    # provisioning), so the sandbox exists: it must end stopped, not running.
+    await wait_until(settled, timeout=30, what=f"{sandbox_id} stopped")

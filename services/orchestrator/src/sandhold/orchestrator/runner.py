@@ -46,6 +46,7 @@ log = logging.getLogger("sandhold.orchestrator")
 
 OUTPUT_KEPT = 16 * 1024  # of a step's output, recorded in the ledger (its tail)
 BACKSTOP_S = 10.0  # after a deadline, how long the host gets to end a command itself
+RELEASE_WAIT_S = 60.0  # how long a task ended while provisioning waits for its sandbox
 
 
 class StageOver(Exception):
@@ -216,15 +217,24 @@ class Runner:
 
     async def _release(self, state: tk.Task) -> None:
         """A finished task holds no host: its sandbox is stopped (with its final save)."""
-        if state.state == "completed" or state.sandbox_id is None:
+        if state.state == "completed":
             return
-        sandbox = self._sandboxes.state(state.sandbox_id)
-        if sandbox is None or sandbox.phase not in sb.ACTIVE_PHASES:
+        sandbox_id = state.sandbox_id
+        if sandbox_id is None:
+            if state.failed_stage != "provisioning":
+                return
+            # It ended while its sandbox was being made: the create may still be
+            # decided after this, so wait for the sandbox (its id follows from the task).
+            sandbox_id = self._sandbox_id()
+            with contextlib.suppress(TimeoutError):
+                await self._sandboxes.wait(sandbox_id, lambda s: True, timeout=RELEASE_WAIT_S)
+        sandbox = self._sandboxes.state(sandbox_id)
+        if sandbox is None or sandbox.phase not in {"pending", *sb.ACTIVE_PHASES}:
             return
         with contextlib.suppress(Rejected):
             await self._sandboxes.send(
                 rq.StopSandbox(
-                    key=f"{state.id}:release", tenant=state.tenant, sandbox_id=state.sandbox_id
+                    key=f"{state.id}:release", tenant=state.tenant, sandbox_id=sandbox_id
                 )
             )
 

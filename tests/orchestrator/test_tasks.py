@@ -97,14 +97,6 @@ async def ended(client: Client, task_id: str, timeout: float = 60.0) -> tk.Task:
         ) from None
 
 
-async def reached(client: Client, task_id: str, check, what: str, timeout: float = 60.0):
-    return await client.wait_for_task(task_id, check, timeout=timeout, what=what)
-
-
-async def events(client: Client, task_id: str) -> list[Any]:
-    return [r.envelope.event for r in await client.task_records(task_id)]
-
-
 async def event_types(client: Client, task_id: str) -> list[str]:
     return [r.envelope.type for r in await client.task_records(task_id)]
 

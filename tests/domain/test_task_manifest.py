@@ -161,6 +161,14 @@ REFUSED = {
     "file url": (minimal(repository={"url": "file:///etc"}), "$.repository.url"),
     "a path as url": (minimal(repository={"url": "/srv/git/project.git"}), "$.repository.url"),
     "bad ref": (minimal(repository={"url": "git://h/p.git", "ref": "a b"}), "$.repository.ref"),
+    "a ref like an option": (
+        minimal(repository={"url": "git://h/p.git", "ref": "-x"}),
+        "$.repository.ref",
+    ),
+    "a url like an option": (
+        minimal(repository={"url": "-oProxyCommand=x@h:p"}),
+        "$.repository.url",
+    ),
     "cancel_after equal to warn_after": (
         minimal(hang={"warn_after": "10s", "cancel_after": "10s"}),
         "`cancel_after`",

@@ -55,13 +55,18 @@ class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+# Neither a URL nor a ref may start with "-": git would read it as an option.
 RepositoryUrl = Annotated[
     str,
     msgspec.Meta(
-        min_length=1, max_length=2048, pattern=r"^(git|https?|ssh)://[^\s]+$|^[^\s:]+@[^\s]+:"
+        min_length=1,
+        max_length=2048,
+        pattern=r"^(git|https?|ssh)://[^\s]+$|^[^\s:-][^\s:]*@[^\s]+:",
     ),
 ]
-GitRef = Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._/@+-]+$")]
+GitRef = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._/@+][A-Za-z0-9._/@+-]*$")
+]
 Glob = Annotated[str, msgspec.Meta(min_length=1, max_length=512, pattern=r"^[^/\x00][^\x00]*$")]
 Retries = Annotated[int, msgspec.Meta(ge=0, le=10)]
 Env = dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str]

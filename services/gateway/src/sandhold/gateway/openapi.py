@@ -113,7 +113,7 @@ SSE = {
     }
 }
 
-WRITE = (400, 404, 409, 415, 422, 503)
+WRITE = (400, 404, 409, 413, 415, 422, 503)  # 413: a body over 1 MB
 
 
 def paths() -> dict[str, dict[str, Any]]:

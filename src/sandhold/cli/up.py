@@ -37,8 +37,16 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_path: Path, ready_key: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        ready_key: str,
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
         self.name = name
+        self.pass_fds = pass_fds
         self.argv = argv
         self.log_path = log_path
         self.ready_key = ready_key
@@ -56,6 +64,7 @@ class Child:
                 stderr=log,
                 process_group=0,
                 preexec_fn=_die_with_parent,
+                pass_fds=self.pass_fds,
             )
 
     @property
@@ -80,8 +89,13 @@ class Runtime:
         self.names = Names(prefix)
         self.hosts = hosts
         self.service_args = service_args or {}
-        # Chosen once, so a restarted gateway is found where clients left it.
-        self.gateway_port = gateway_port or _free_port()
+        # Bound here, once, and handed to every gateway incarnation: no other
+        # process can take the port between choosing it and listening on it, and
+        # a restarted gateway is found where clients left it (connections made
+        # while it restarts wait in the backlog instead of being refused).
+        self.gateway_socket = socket.create_server(("127.0.0.1", gateway_port or 0), backlog=128)
+        self.gateway_socket.set_inheritable(True)
+        self.gateway_port = self.gateway_socket.getsockname()[1]
         self.server = NatsServer(self.data_dir / "nats")
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
@@ -148,12 +162,13 @@ class Runtime:
                     *common,
                     "--data-dir",
                     str(self.data_dir),
-                    "--port",
-                    str(self.gateway_port),
+                    "--fd",
+                    str(self.gateway_socket.fileno()),
                     *extra.get("gateway", []),
                 ],
                 logs / "gateway.log",
                 "gateway",
+                pass_fds=(self.gateway_socket.fileno(),),
             )
         )
         host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
@@ -216,6 +231,7 @@ class Runtime:
             return await self._serve()
         finally:
             await self._stop_children()
+            self.gateway_socket.close()
             self.server.stop()
             self.runtime_file.unlink(missing_ok=True)
 
@@ -289,12 +305,6 @@ class Runtime:
             if child.alive():
                 child.process.send_signal(signal.SIGTERM)
                 await _wait_exit(child, 30.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _first_token(data_dir: Path) -> None:

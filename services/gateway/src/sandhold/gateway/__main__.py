@@ -17,6 +17,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     p.add_argument(
+        "--fd",
+        type=int,
+        help="serve on this inherited listening socket instead of --host/--port",
+    )
+    p.add_argument(
         "--data-dir",
         default=".sandhold",
         help="where the read model and the token file live (default .sandhold)",
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             Names(a.prefix),
             host=a.host,
             port=a.port,
+            fd=a.fd,
             read_model_path=Path(a.read_model) if a.read_model else read_model_path(data),
             tokens_path=Path(a.tokens) if a.tokens else tokens_path(data),
             keepalive_s=a.keepalive,

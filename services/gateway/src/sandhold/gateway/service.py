@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class Gateway:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        fd: int | None = None,
         read_model_path: Path,
         tokens_path: Path,
         keepalive_s: float = 15.0,
@@ -59,6 +61,7 @@ class Gateway:
         self._names = names
         self._host = host
         self._port = port
+        self._fd = fd  # a listening socket handed down by `sandhold up`
         self._read_model_path = read_model_path
         self._tokens_path = tokens_path
         self._keepalive_s = keepalive_s
@@ -108,7 +111,8 @@ class Gateway:
                     timeout_graceful_shutdown=2,
                 )
             )
-            serving = asyncio.create_task(server.serve())
+            sockets = None if self._fd is None else [socket.socket(fileno=self._fd)]
+            serving = asyncio.create_task(server.serve(sockets=sockets))
             tasks.append(serving)
             while not server.started:
                 if serving.done():

@@ -134,9 +134,14 @@ class Runner:
             with contextlib.suppress(StageOver):
                 work.result()
             return
-        work.cancel()  # a cancel request or a deadline: the loop decides what follows
+        # A cancel request or a deadline: the loop decides what follows. On 3.11 a
+        # cancellation can be swallowed by a wait that completed at the same moment
+        # (asyncio.wait_for), so it is repeated until the work has really stopped.
+        while not work.done():
+            work.cancel()
+            await asyncio.wait({work}, timeout=1.0)
         with contextlib.suppress(asyncio.CancelledError, StageOver):
-            await work
+            work.result()
 
     async def _wait_for_cancel(self) -> None:
         while not self.state.cancel_requested:

@@ -155,7 +155,8 @@ class Sandboxes:
             if left <= 0:
                 raise TimeoutError(f"{sandbox_id}: not there after {timeout}s")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+                async with asyncio.timeout(left):  # unlike wait_for, never eats a cancel
+                    await changed.wait()
             if time.monotonic() - last_sync >= poll_s:
                 await self._store.sync(sandbox_id)
                 last_sync = time.monotonic()

@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from nats.js.errors import NotFoundError
-from sandhold.bus import leases
+from sandhold.bus import deadletters, leases
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume, dead_letter
@@ -115,6 +115,10 @@ class HostAgent:
                 durable=f"host-{self.host_id}",
                 stream=self._names.hostwork_stream,
                 config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_deliver=20),
+            )
+            # Work given up on is dropped: the scheduler sends again what state calls for.
+            await deadletters.watch(
+                nc, self._names.hostwork_stream, f"host-{self.host_id}", what="host work"
             )
             tasks = [asyncio.create_task(self._renew_lease()), asyncio.create_task(self._work(sub))]
             await announce_ready(nc, self._names, self.name, host=self.host_id, epoch=self.epoch)

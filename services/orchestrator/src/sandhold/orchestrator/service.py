@@ -19,6 +19,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
+from sandhold.bus import deadletters
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume
@@ -98,6 +99,9 @@ class Orchestrator:
                 ),
             )
             sub = await js.pull_subscribe_bind("orchestrator", self._names.requests_stream)
+            await deadletters.watch(
+                nc, self._names.requests_stream, "orchestrator", what="task requests"
+            )
             for task_id in self.tasks.ids():
                 self._ensure_runner(task_id)
             await announce_ready(nc, self._names, self.name)

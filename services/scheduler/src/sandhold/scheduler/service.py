@@ -16,7 +16,7 @@ import logging
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-from sandhold.bus import leases
+from sandhold.bus import deadletters, leases
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, consume, dead_letter, send_work
@@ -102,6 +102,7 @@ class Scheduler:
                 ),
             )
             sub = await js.pull_subscribe_bind(self._durable, self._names.requests_stream)
+            await deadletters.watch(nc, self._names.requests_stream, self._durable, what="requests")
             await announce_ready(nc, self._names, self.name)
             log.info("scheduler ready")
             tasks = [

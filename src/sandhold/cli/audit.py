@@ -45,7 +45,7 @@ def parse_point(at: str | None) -> tuple[int | None, float | None]:
     """`--at`: a stream sequence (digits) or an ISO-8601 time."""
     if at is None:
         return None, None
-    if at.isdigit():
+    if at.isascii() and at.isdigit():
         return int(at), None
     try:
         moment = datetime.fromisoformat(at.replace("Z", "+00:00"))

@@ -35,6 +35,7 @@ from sandhold.gateway.web import (
     encode_cursor,
     fresh,
     idempotency_key,
+    is_digits,
     json_body,
     json_response,
     query_bool,
@@ -342,7 +343,7 @@ def last_event_id(request: Request) -> int:
     """`Last-Event-ID` (a reconnecting EventSource), else `?after=`; 0 = from the start."""
     raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     raw = raw.strip()
-    if not raw.isdigit() or len(raw) > 19:
+    if not is_digits(raw) or len(raw) > 19:
         raise ProblemError(
             "invalid_header",
             "Last-Event-ID (or ?after=) is the id of an event this stream sent: a sequence number",

@@ -114,13 +114,19 @@ def query_int(request: Request, name: str, default: int, low: int, high: int) ->
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not is_digits(raw) or not low <= int(raw) <= high:
         raise ProblemError(
             "invalid_parameter",
             f"{name} must be an integer from {low} to {high}",
             errors=[FieldError(field=name, message=f"integer {low}..{high}")],
         )
     return int(raw)
+
+
+def is_digits(raw: str) -> bool:
+    """ASCII digits only: `str.isdigit()` is also true for '²' or '٣', which
+    `int()` refuses (a 500 instead of a 400)."""
+    return raw.isascii() and raw.isdigit()
 
 
 def query_choice(request: Request, name: str, choices: frozenset[str]) -> str | None:
@@ -151,13 +157,23 @@ def decode_cursor(request: Request) -> list | None:
         return None
     try:
         parts = msgspec.json.decode(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-        if not isinstance(parts, list) or len(parts) != 2:
+        if not isinstance(parts, list) or len(parts) != 2 or not all(map(_cursor_part, parts)):
             raise ValueError
         return parts
     except (ValueError, binascii.Error, msgspec.DecodeError) as err:
         raise ProblemError(
             "invalid_parameter", "cursor: pass back a next_cursor this API returned"
         ) from err
+
+
+def _cursor_part(value: object) -> bool:
+    # What SQLite can compare with an order column: a decoded cursor is the
+    # client's input, and a dict, a list or a 100-digit int would fail binding.
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**63
+    return isinstance(value, str | float)
 
 
 async def fresh(ctx: Context) -> None:

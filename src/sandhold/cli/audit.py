@@ -145,7 +145,12 @@ async def verify_read_model(
     client: Client, kind: str, aggregate_id: str, path: Path | None, *, timeout: float = 20.0
 ) -> int:
     """Fold the aggregate from the log and compare with the gateway's read model
-    once the read model has caught up with the aggregate's last event."""
+    once the read model has caught up with the aggregate's last event.
+
+    The aggregate may move on while we look (a command ends, a scheduled save):
+    the rows are read in one read transaction, and if they already hold an event
+    newer than the fold, the log is read again, so a live aggregate is never
+    reported as different."""
     from sandhold.gateway import readmodel
 
     if path is None or not path.exists():
@@ -153,25 +158,33 @@ async def verify_read_model(
             "sandhold: no read model found: run `sandhold up` (its gateway keeps one) "
             "or pass --read-model FILE"
         )
-    records = await _records(client, kind, aggregate_id)
     evolve = readmodel.KINDS[kind].evolve
-    state = fold(evolve, (r.envelope for r in records), None)
-    if state is None or state.tenant != client.tenant:
-        raise Rejected(f"{kind}_not_found", f"no {kind} {aggregate_id}")
-    last = records[-1].seq
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    deadline = time.monotonic() + timeout
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5, isolation_level=None)
     try:
-        deadline = time.monotonic() + timeout
-        while _position(db) < last:
-            if time.monotonic() > deadline:
-                print(
-                    f"sandhold: the read model is behind the log (at {_position(db)}, "
-                    f"{kind} {aggregate_id} is at {last}); is the gateway running?",
-                    file=sys.stderr,
-                )
-                return 1
-            await asyncio.sleep(0.1)
-        stored = readmodel.stored_rows(db, kind, aggregate_id)
+        while True:
+            records = await _records(client, kind, aggregate_id)
+            state = fold(evolve, (r.envelope for r in records), None)
+            if state is None or state.tenant != client.tenant:
+                raise Rejected(f"{kind}_not_found", f"no {kind} {aggregate_id}")
+            last = records[-1].seq
+            while _position(db) < last:
+                if time.monotonic() > deadline:
+                    print(
+                        f"sandhold: the read model is behind the log (at {_position(db)}, "
+                        f"{kind} {aggregate_id} is at {last}); is the gateway running?",
+                        file=sys.stderr,
+                    )
+                    return 1
+                await asyncio.sleep(0.1)
+            db.execute("BEGIN")  # one snapshot of every table
+            try:
+                stored = readmodel.stored_rows(db, kind, aggregate_id)
+            finally:
+                db.execute("COMMIT")
+            if _stored_seq(kind, stored) <= last or time.monotonic() > deadline:
+                break
+            # The read model applied events of this aggregate we have not read yet.
     finally:
         db.close()
     found = readmodel.differences(readmodel.expected_rows(kind, state, last), stored)
@@ -187,6 +200,13 @@ async def verify_read_model(
     rows = sum(len(v) for v in stored.values())
     print(f"{aggregate_id}: the read model matches the log ({len(records)} events, {rows} rows)")
     return 0
+
+
+def _stored_seq(kind: str, stored: dict[str, list[tuple]]) -> int:
+    """The sequence of the aggregate's last event the stored rows reflect."""
+    table, column = ("sandboxes", 7) if kind == "sandbox" else ("tasks", 6)
+    rows = stored.get(table) or []
+    return int(rows[0][column]) if rows else 0
 
 
 def _position(db: sqlite3.Connection) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,17 @@ class ReadModel:
     WAL mode gives readers the last committed batch while a new one is written.
     """
 
-    def __init__(self, path: Path, names: Names) -> None:
+    def __init__(self, path: Path, names: Names, *, cache_size: int = 2048) -> None:
         self.path = path
         self.names = names
         self.position = 0
         self._writer: aiosqlite.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
-        self._cache: dict[tuple[str, str], tuple[Any, int]] = {}
+        # Folded states of recently changed aggregates (least recently used first),
+        # so a busy sandbox is not read back for every batch. Bounded: the rows
+        # hold every aggregate, and a gateway must not keep the whole log in memory.
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cache_size = cache_size
         self._write_lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
 
@@ -195,6 +200,12 @@ class ReadModel:
         await self._advance(position)
         return applied
 
+    def _trim_cache(self) -> None:
+        # Only once a batch's states are written (`_write` needs each of them); an
+        # evicted state is read back from the rows, the transaction's own included.
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
     async def _apply_in_transaction(
         self, messages: Iterable[tuple[int, str, bytes]], position: int
     ) -> tuple[int, int]:
@@ -224,9 +235,11 @@ class ReadModel:
                 log.exception("event at %s seq %d could not be applied: skipped", subject, seq)
                 continue
             self._cache[key] = (new_state, seq)
+            self._cache.move_to_end(key)
             applied += 1
         for key, old in before.items():
             await self._write(key, old)
+        self._trim_cache()
         await self._writer.execute(
             "INSERT INTO meta VALUES ('position', ?) "
             "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -236,6 +249,7 @@ class ReadModel:
 
     async def _load(self, key: tuple[str, str]) -> tuple[Any, int]:
         if key in self._cache:
+            self._cache.move_to_end(key)
             return self._cache[key]
         assert self._writer is not None
         kind, aggregate_id = key

@@ -12,14 +12,18 @@ import os
 import shutil
 import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from sandhold.bus.append import append
 from sandhold.client import Client, connect
+from sandhold.domain import events as ev
 from sandhold.domain import task as tk
+from sandhold.domain.envelope import wrap
 from sandhold.domain.task_manifest import load_manifest
 
 from tests.conftest import wait_until
@@ -312,3 +316,55 @@ async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stay
     assert await _types(client, view.id) == before
     assert before[-1] == "task.cancelled"
     assert _runs(counter) == 1
+
+
+async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_after_a_crash(
+    faulty, counter: Path
+):
+    """The runner appends the task's end and then stops its sandbox: an orchestrator
+    killed between the two must not leave that sandbox holding a host forever."""
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter, seconds=300)))
+    running = await client.wait_for_task(
+        view.id,
+        lambda s: s if "work" in s.steps and s.steps["work"].status == "dispatched" else None,
+        timeout=60,
+        what="the command dispatched",
+    )
+    await wait_until(lambda: _runs(counter) == 1, timeout=30, what="the command to start")
+    pid = f.up.service_pid("orchestrator")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # What a runner appends when it ends the task, as if it died right after.
+        records = await client.task_records(view.id)
+        record = running.steps["work"]
+        ended = [
+            ev.TaskStepFailed(step_id="work", attempt=record.attempt, reason="timed_out"),
+            ev.TaskTimedOut(stage="running", detail="the task's limit passed"),
+        ]
+        await append(
+            client.js,
+            client.names.events_stream,
+            client.names.events("task", view.id),
+            wrap(
+                ended,
+                aggregate_id=view.id,
+                id_base="test:ended",
+                actor="orchestrator",
+                causation_id="test",
+                correlation_id="test",
+                time=time.time(),
+            ),
+            records[-1].seq,
+        )
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    sandbox = await client.wait_for(
+        running.sandbox_id or "",
+        lambda s: s if s.phase == "stopped" else None,
+        timeout=90,
+        what="the ended task's sandbox stopped by the restarted orchestrator",
+    )
+    assert sandbox.phase == "stopped"
+    assert (await _finished(client, view.id)).state == "timed_out"

@@ -49,6 +49,15 @@ BACKSTOP_S = 10.0  # after a deadline, how long the host gets to end a command i
 RELEASE_WAIT_S = 60.0  # how long a task ended while provisioning waits for its sandbox
 
 
+def sandbox_key(task_id: str) -> str:
+    """The key of the task's CreateSandbox: the sandbox id follows from it."""
+    return f"{task_id}:sandbox"
+
+
+def task_sandbox_id(state: tk.Task) -> str:
+    return rq.sandbox_id_for(state.tenant, sandbox_key(state.id))
+
+
 class StageOver(Exception):
     """The current stage's work appended the event that ends it (or the task)."""
 
@@ -292,10 +301,10 @@ class Runner:
     # --- staging ----------------------------------------------------------------------
 
     def _sandbox_key(self) -> str:
-        return f"{self.task_id}:sandbox"
+        return sandbox_key(self.task_id)
 
     def _sandbox_id(self) -> str:
-        return rq.sandbox_id_for(self.state.tenant, self._sandbox_key())
+        return task_sandbox_id(self.state)
 
     async def _staging(self, state: tk.Task) -> None:
         repository = state.manifest.repository

@@ -33,7 +33,7 @@ from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
-from sandhold.orchestrator.runner import Runner
+from sandhold.orchestrator.runner import Runner, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -179,12 +179,25 @@ class Orchestrator:
 
     def _ensure_runner(self, task_id: str) -> None:
         state, _ = self.tasks.get(task_id)
-        if state is None or (state.terminal and task_id not in self._runners):
+        if state is None:
             return
         running = self._runners.get(task_id)
         if running is not None and not running.done():
             return
+        if state.terminal and not self._holds_a_sandbox(state):
+            self._runners.pop(task_id, None)  # a finished runner is not kept forever
+            return
         self._runners[task_id] = asyncio.create_task(self._drive(task_id))
+
+    def _holds_a_sandbox(self, state: tk.Task) -> bool:
+        """An ended task whose sandbox is still up: the runner that ended it may
+        have stopped between appending the end and stopping the sandbox, so a
+        runner is started to release it (its stop key makes a repeat harmless)."""
+        if state.state == "completed":
+            return False
+        sandbox_id = state.sandbox_id or task_sandbox_id(state)
+        sandbox = self._sandboxes.state(sandbox_id)
+        return sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
 
     def _output_reader(self, task_id: str):
         """Reads output as the task's tenant: clients see only their tenant's sandboxes."""
@@ -217,6 +230,8 @@ class Orchestrator:
                     context.working_on(task_id=task_id),
                 ):
                     await runner.run()
+                if self._runners.get(task_id) is asyncio.current_task():
+                    del self._runners[task_id]
                 return
             except asyncio.CancelledError:
                 raise

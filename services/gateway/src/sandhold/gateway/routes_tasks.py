@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -82,7 +83,11 @@ def handlers(ctx: Context) -> list:
     async def submit_task(request: Request) -> Response:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
-        manifest = parse_body(await request.body(), request.headers.get("content-type", ""))
+        # Off the event loop: a 1 MB manifest is seconds of pure-Python YAML, and
+        # every other request and event stream of this gateway would wait for it.
+        manifest = await asyncio.to_thread(
+            parse_body, await request.body(), request.headers.get("content-type", "")
+        )
         view = await call(
             ctx.client(tenant).send_task(tk.SubmitTask(key=key, tenant=tenant, manifest=manifest))
         )

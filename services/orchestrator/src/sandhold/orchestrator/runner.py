@@ -709,8 +709,12 @@ class Runner:
         retry: ev.TaskOperationFailed | None = None,
         **extra: object,
     ) -> None:
-        """The step's failure and, where a retry is decided, that decision: in
-        one append, so a restart never finds the one without the other."""
+        """The step's failure and, where a retry is decided, that decision.
+
+        One append is not atomic (its events are published one by one), so the
+        retry decision goes first: a crash after it finds the step unfinished and
+        records its end again, whereas a failure recorded without its decision
+        would end the task although a retry was due."""
         failed = ev.TaskStepFailed(
             step_id=record.id,
             attempt=record.attempt,
@@ -718,7 +722,7 @@ class Runner:
             detail=detail,
             **extra,  # type: ignore[arg-type]
         )
-        events: list[ev.AnyEvent] = [failed] if retry is None else [failed, retry]
+        events: list[ev.AnyEvent] = [failed] if retry is None else [retry, failed]
         if reason == "task_timeout":
             events.append(ev.TaskTimedOut(stage="running", detail=detail))
         await self._append(*events, why=f"failed:{record.id}:{record.attempt}")

@@ -12,6 +12,7 @@ swaps in OpenTelemetry.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Literal, Protocol
@@ -37,12 +38,31 @@ class Tracer(Protocol):
     def traceparent(self) -> str | None: ...
 
 
+# W3C trace context, as OpenTelemetry's propagator reads it: a later version may
+# append fields (only the first four are carried on), version 00 may not.
+_TRACEPARENT = re.compile(
+    r"[ \t]*(?!ff)([0-9a-f]{2})-(?!0{32})([0-9a-f]{32})-(?!0{16})([0-9a-f]{16})"
+    r"-([0-9a-f]{2})(-.*)?[ \t]*"
+)
+
+
+def well_formed(parent: str) -> str | None:
+    """`parent` as a W3C `traceparent` (its first four fields), or None if it is not one.
+
+    The header comes from whoever sent the request: left unchecked, any string
+    would become the `trace_id` of every event the request causes."""
+    found = _TRACEPARENT.fullmatch(parent)
+    if found is None or (found[1] == "00" and found[5]):
+        return None
+    return "-".join(found.group(1, 2, 3, 4))
+
+
 class _Carrier:
     """Tracing off: pass the caller's context through, record nothing."""
 
     @contextlib.contextmanager
     def carry(self, parent: str) -> Iterator[None]:
-        token = _carried.set(parent)
+        token = _carried.set(well_formed(parent))
         try:
             yield
         finally:

@@ -47,6 +47,9 @@ STATUS: dict[str, tuple[int, str]] = {
     "snapshot_not_completed": (409, "Snapshot not completed"),
     "task_finished": (409, "Task already finished"),
     "malformed_request": (422, "Malformed request"),
+    # a poison request, dropped after max_deliver attempts (a dead letter): the
+    # server failed, the client did nothing wrong (the 409 default would say so)
+    "not_handled": (500, "Request could not be handled"),
     # the gateway's own
     "malformed_body": (400, "Body could not be parsed"),
     "invalid_request": (422, "Request does not match the schema"),

@@ -1065,3 +1065,38 @@ async def test_a_task_cancelled_while_provisioning_leaves_no_sandbox_running(
     # The create left before the cancel did (the runner sends it on entering
     # provisioning), so the sandbox exists: it must end stopped, not running.
     await wait_until(settled, timeout=30, what=f"{sandbox_id} stopped")
+
+
+async def test_a_task_with_much_recorded_output_is_still_answered(client: Client):
+    """A reply to a submit or cancel is one NATS message (1 MB by default): it
+    must fit however much output the task's ledger holds."""
+    body = b"x" * 16 * 1024
+
+    class Large(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Large)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/{{{{item}}}}"
+        items = [str(i) for i in range(80)]  # 80 recorded outputs of 16 KiB
+        m = manifest(
+            pipeline=[{"name": "large", "for_each": items, "http": {"url": url, "method": "GET"}}]
+        )
+        key = f"large-{uuid.uuid4().hex[:8]}"
+        view = await client.submit_task(m, key=key)
+        task = await ended(client, view.id)
+        assert task.state == "completed", (task.reason, task.detail)
+        again = await asyncio.wait_for(client.submit_task(m, key=key), 20)
+        assert (again.id, again.state) == (view.id, "completed")
+        assert len(again.steps) == len(items)
+    finally:
+        server.shutdown()
+        server.server_close()

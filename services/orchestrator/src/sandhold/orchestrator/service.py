@@ -168,7 +168,8 @@ class Orchestrator:
 
     async def _reply(self, reply_to: str | None, reply: TaskReply) -> None:
         if reply_to:
-            await self._js._nc.publish(reply_to, _encoder.encode(reply))
+            nc = self._js._nc
+            await nc.publish(reply_to, _fitting(reply, nc.max_payload))
 
     # --- runners ------------------------------------------------------------------
 
@@ -250,6 +251,22 @@ class Orchestrator:
         except NotFoundError:
             return None
         return raw.time.timestamp() if raw.time is not None else None
+
+
+def _fitting(reply: TaskReply, limit: int) -> bytes:
+    """The reply, in one message: a ledger's recorded outputs (16 KiB a step) can
+    outgrow it, so they are left out, then the steps (`task show` folds the
+    whole task from the log). A reply that does not fit is never delivered."""
+    data = _encoder.encode(reply)
+    view = reply.task
+    if len(data) <= limit or view is None:
+        return data
+    replace = msgspec.structs.replace
+    view = replace(view, steps=[replace(step, output="") for step in view.steps])
+    data = _encoder.encode(replace(reply, task=view))
+    if len(data) <= limit:
+        return data
+    return _encoder.encode(replace(reply, task=replace(view, steps=[], attempts=[])))
 
 
 def _error(code: str, message: str) -> TaskReply:

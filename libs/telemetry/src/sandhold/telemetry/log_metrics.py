@@ -212,26 +212,38 @@ class LogMetrics:
     # --- reading ----------------------------------------------------------------
 
     def gauges(self, now: float) -> dict[str, dict[Labels, float]]:
-        """The gauges as of `now` (save lag grows between events)."""
+        """The gauges as of `now` (save lag grows between events).
+
+        Safe to call from another thread (Prometheus scrapes from its own): the
+        fold's dicts are copied first, in one step the GIL does not interrupt,
+        since iterating them while the event loop adds a sandbox or ends a task
+        raises "dictionary changed size during iteration"."""
+        sandboxes = tuple(self.sandboxes.items())
+        hosts = tuple(self.hosts.values())
+        tasks = tuple(self.tasks.values())
         phases: dict[Labels, float] = {}
         lag: dict[Labels, float] = {}
-        for sid, state in self.sandboxes.items():
+        for sid, state in sandboxes:
             key = labels(phase=state.phase)
             phases[key] = phases.get(key, 0) + 1
             if state.phase == "running":
                 lag[labels(sandbox=sid)] = max(0.0, now - _files_as_of(state))
         statuses: dict[Labels, float] = {}
-        for host in self.hosts.values():
+        for host in hosts:
             key = labels(status=host.status)
             statuses[key] = statuses.get(key, 0) + 1
         return {
-            "tasks_active": {(): len(self.tasks)},
-            "tasks_running": {(): sum(1 for t in self.tasks.values() if t.state == "running")},
+            "tasks_active": {(): len(tasks)},
+            "tasks_running": {(): sum(1 for t in tasks if t.state == "running")},
             "sandhold_sandboxes": phases,
             "sandhold_save_lag_seconds": lag,
             "sandhold_hosts": statuses,
             "sandhold_log_position": {(): self.position},
         }
+
+    def counter_series(self, name: str) -> list[tuple[Labels, float]]:
+        """A counter's series, copied (safe from another thread, like `gauges`)."""
+        return list(self.counters[name].items())
 
     def total(self, name: str, **pairs: str) -> float:
         """A counter summed over every series whose labels include `pairs`."""

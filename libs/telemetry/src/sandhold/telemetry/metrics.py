@@ -151,7 +151,8 @@ def export_log_metrics(folded: LogMetrics, *, clock=time.time) -> None:
     from opentelemetry.metrics import Observation
 
     def counter(name: str):
-        return lambda _options: [Observation(v, dict(k)) for k, v in folded.counters[name].items()]
+        # Called from the Prometheus server's thread: read copies (`LogMetrics.gauges`).
+        return lambda _options: [Observation(v, dict(k)) for k, v in folded.counter_series(name)]
 
     def gauge(name: str):
         return lambda _options: [

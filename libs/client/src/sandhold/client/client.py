@@ -11,7 +11,7 @@ from collections.abc import Callable
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import Header
+from nats.js.api import Header, RawStreamMsg
 from nats.js.errors import NotFoundError
 from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
 from sandhold.bus.leases import SETTINGS_KEY
@@ -408,6 +408,43 @@ class Client:
                 buf += msg.data[len(buf) - offset :]
         return {k: bytes(v) for k, v in out.items()}
 
+    async def read_output_tail(
+        self, sandbox_id: str, command_id: str, *, limit: int, stream: str = "stdout"
+    ) -> bytes:
+        """The last `limit` bytes the command wrote to `stream` that OUTPUT still
+        holds, without reading the rest: a long output is never loaded whole, and
+        one whose first chunks the stream's limits dropped still has its tail.
+
+        A stream's chunks are ordered by offset like their sequences, so the first
+        chunk needed is found by bisecting sequences (a few direct gets)."""
+        if not await self._owns(sandbox_id):
+            raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
+        name = self.names.output_stream
+        subject = f"{self.names.output(sandbox_id, command_id)}.{stream}"
+        try:
+            last = await self.js.get_last_msg(name, subject, direct=True)
+        except NotFoundError:
+            return b""
+        want = _chunk_end(last) - limit  # the first byte wanted
+        lo, hi = 1, last.seq or 1
+        while lo < hi:  # the lowest sequence whose next chunk ends after `want`
+            mid = (lo + hi) // 2
+            probe = await self.js.get_msg(name, seq=mid, subject=subject, next=True, direct=True)
+            if _chunk_end(probe) > want:
+                hi = mid
+            else:
+                lo = (probe.seq or mid) + 1
+        tail = bytearray()
+        start: int | None = None
+        for msg in await read_subjects(self.js, name, subject, raw=True, start_seq=lo):
+            offset = int(msg.headers[OFFSET_HEADER])
+            if start is None:
+                start = offset
+            end = start + len(tail)
+            if offset <= end < offset + len(msg.data):
+                tail += msg.data[end - offset :]
+        return bytes(tail[-limit:]) if limit > 0 else b""
+
     # --- exec -----------------------------------------------------------------
 
     async def exec(
@@ -614,3 +651,8 @@ class _OutputPrinter:
 async def connect(url: str | list[str], *, prefix: str = "sh", tenant: str = "default") -> Client:
     nc = await bus_connect(url, name="sandhold-client")
     return Client(nc, Names(prefix), tenant=tenant)
+
+
+def _chunk_end(msg: RawStreamMsg) -> int:
+    """Where an OUTPUT chunk ends in its stream of bytes."""
+    return int((msg.headers or {})[OFFSET_HEADER]) + len(msg.data or b"")

@@ -33,7 +33,7 @@ from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
-from sandhold.orchestrator.runner import Runner, task_sandbox_id
+from sandhold.orchestrator.runner import OUTPUT_KEPT, Runner, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -201,11 +201,19 @@ class Orchestrator:
         return sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
 
     def _output_reader(self, task_id: str):
-        """Reads output as the task's tenant: clients see only their tenant's sandboxes."""
+        """Reads output as the task's tenant: clients see only their tenant's sandboxes.
+        Only the tail the ledger keeps is read: an output of gigabytes is never
+        loaded (nor timed out on) whole."""
         state, _ = self.tasks.get(task_id)
-        if state is None or state.tenant == self._client.tenant:
-            return self._client.read_output
-        return Client(self._client.nc, self._names, tenant=state.tenant).read_output
+        client = self._client
+        if state is not None and state.tenant != client.tenant:
+            client = Client(self._client.nc, self._names, tenant=state.tenant)
+
+        async def read(sandbox_id: str, command_id: str) -> dict[str, bytes]:
+            tail = await client.read_output_tail(sandbox_id, command_id, limit=OUTPUT_KEPT)
+            return {"stdout": tail}
+
+        return read
 
     async def _drive(self, task_id: str) -> None:
         """One runner at a time per task; one that fails is replaced by a new one,

@@ -82,8 +82,11 @@ async def follow_log(
             folded.apply(seq, decode_envelope(msg.data))
         except msgspec.DecodeError:
             log.error("undecodable event at %s seq %d: not counted", msg.subject, seq)
-        if seq >= target:
-            caught_up.set()
+        except Exception:
+            log.exception("event at %s seq %d could not be counted", msg.subject, seq)
+        finally:
+            if seq >= target:
+                caught_up.set()
 
     sub = await js.subscribe(
         subjects,

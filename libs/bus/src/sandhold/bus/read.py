@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Literal, overload
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import decode_envelope
 from sandhold.domain.envelope import Recorded
+
+log = logging.getLogger(__name__)
 
 
 @overload
@@ -50,10 +54,15 @@ async def read_subjects(
 
     async def on_msg(msg: Msg) -> None:
         seq = msg.metadata.sequence.stream
-        if seq <= last:
-            out.append(msg if raw else Recorded(seq, decode_envelope(msg.data)))
-        if seq >= last:
-            done.set()
+        try:
+            if seq <= last:
+                out.append(msg if raw else Recorded(seq, decode_envelope(msg.data)))
+        except msgspec.DecodeError:
+            # Skipped like the live projections skip it; the read must still end.
+            log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
+        finally:
+            if seq >= last:
+                done.set()
 
     sub = await js.subscribe(
         subject_filter,

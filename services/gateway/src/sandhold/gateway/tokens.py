@@ -93,7 +93,7 @@ class Tokens:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._by_digest: dict[str, str] = {}
 
     def _reload(self) -> None:
@@ -102,7 +102,9 @@ class Tokens:
         except FileNotFoundError:
             self._stamp, self._by_digest = None, {}
             return
-        stamp = (st.st_mtime_ns, st.st_size)
+        # Every write replaces the file (a new inode), so a revoke and a create of
+        # the same size within one timestamp tick still count as a change.
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         if stamp == self._stamp:
             return
         with contextlib.suppress(msgspec.DecodeError, OSError):

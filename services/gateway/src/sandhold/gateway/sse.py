@@ -99,9 +99,14 @@ async def event_frames(
     yield f"retry: {retry_ms}\n: resuming after {after}\n\n".encode()
     sent = after
     batch = BATCH
+    delay = 0.5
     while True:
-        sub = await _subscribe(js, stream, subject, sent + 1, keepalive_s)
+        sub = None
         try:
+            # Inside the try: while NATS is away, making the consumer fails too,
+            # and the stream waits and tries again rather than ending.
+            sub = await _subscribe(js, stream, subject, sent + 1, keepalive_s)
+            delay = 0.5
             while True:
                 try:
                     msgs = await sub.fetch(batch, timeout=keepalive_s)
@@ -127,15 +132,17 @@ async def event_frames(
             raise
         except Exception as err:  # noqa: BLE001 - a lost consumer is made again
             log.info("event stream on %s: %s; resuming after %d", subject, err, sent)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
         finally:
-            # A client that went away cancels us (Litestar's cancel scope cancels
-            # every await inside it): shield the clean-up, or the subscription
-            # and the consumer would outlive the connection.
-            cleanup = asyncio.ensure_future(_close(js, stream, sub))
-            _closing.add(cleanup)
-            cleanup.add_done_callback(_closing.discard)
-            await asyncio.shield(cleanup)
+            if sub is not None:
+                # A client that went away cancels us (Litestar's cancel scope cancels
+                # every await inside it): shield the clean-up, or the subscription
+                # and the consumer would outlive the connection.
+                cleanup = asyncio.ensure_future(_close(js, stream, sub))
+                _closing.add(cleanup)
+                cleanup.add_done_callback(_closing.discard)
+                await asyncio.shield(cleanup)
 
 
 _closing: set[asyncio.Future] = set()  # clean-ups running on after a cancellation

@@ -368,3 +368,28 @@ async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_a
     )
     assert sandbox.phase == "stopped"
     assert (await _finished(client, view.id)).state == "timed_out"
+
+
+async def test_a_runner_failing_while_nats_is_unreachable_is_replaced_once_it_is_back(
+    faulty, counter: Path
+):
+    """A runner that fails is replaced by a new one; the replacement must not
+    depend on NATS answering at that very moment (it did: the sync before it
+    raised and nothing drove the task any more)."""
+    f, client = faulty
+    view = await client.submit_task(load_manifest(_agent(counter, seconds=4)))
+    await client.wait_for_task(
+        view.id,
+        lambda s: s if "work" in s.steps and s.steps["work"].status == "dispatched" else None,
+        timeout=60,
+        what="the command dispatched",
+    )
+    nats_pid = int(f.up.runtime["nats_pid"])
+    os.kill(nats_pid, signal.SIGSTOP)  # every request times out, for a while
+    try:
+        await asyncio.sleep(30)  # noqa: ASYNC110 - an outage lasts a while, by design
+    finally:
+        os.kill(nats_pid, signal.SIGCONT)
+    # Whatever the outage did to the command, the task is driven to an end.
+    state = await _finished(client, view.id, timeout=90)
+    assert state.terminal

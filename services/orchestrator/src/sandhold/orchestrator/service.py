@@ -248,7 +248,11 @@ class Orchestrator:
                 log.exception("runner of %s failed; a new one resumes from the ledger", task_id)
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 30.0)
-                await self.tasks.sync(task_id)
+                # NATS may still be away (often why the runner failed): a sync that
+                # fails must not end this loop, or nothing drives the task any more.
+                # The next runner's appends are fenced; a stale cache only conflicts.
+                with contextlib.suppress(Exception):
+                    await self.tasks.sync(task_id)
             finally:
                 self._live.pop(task_id, None)
 

@@ -22,6 +22,7 @@ import pytest
 from sandhold.bus.append import append
 from sandhold.client import Client, connect
 from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
 from sandhold.domain import task as tk
 from sandhold.domain.envelope import wrap
 from sandhold.domain.task_manifest import load_manifest
@@ -393,3 +394,49 @@ async def test_a_runner_failing_while_nats_is_unreachable_is_replaced_once_it_is
     # Whatever the outage did to the command, the task is driven to an end.
     state = await _finished(client, view.id, timeout=90)
     assert state.terminal
+
+
+async def test_a_sandbox_created_after_its_task_ended_and_a_restart_is_released(
+    faulty, counter: Path
+):
+    """A task cancelled while its create request waits for a stopped scheduler:
+    the sandbox comes into being after the task ended (and after the runner that
+    would have waited for it was killed). It must not stay up holding a host."""
+    f, client = faulty
+    scheduler = f.up.service_pid("scheduler")
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        view = await client.submit_task(load_manifest(_agent(counter, seconds=300)))
+        await client.wait_for_task(
+            view.id,
+            lambda s: s if s.state == "provisioning" else None,
+            timeout=30,
+            what="provisioning",
+        )
+
+        async def create_stored() -> bool:
+            info = await client.js.stream_info(client.names.requests_stream)
+            return info.state.messages >= 1
+
+        await wait_until(create_stored, timeout=10, what="the create request stored")
+        await client.cancel_task(view.id)
+        state = await _finished(client, view.id, timeout=30)
+        assert state.state == "cancelled" and state.failed_stage == "provisioning"
+        orchestrator = f.up.service_pid("orchestrator")
+        os.kill(orchestrator, signal.SIGKILL)
+        await wait_until(
+            lambda: f.up.service_pid("orchestrator") != orchestrator,
+            timeout=30,
+            what="the orchestrator restarted",
+        )
+        await asyncio.sleep(2)  # noqa: ASYNC110 - let it start up before the create lands
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    sandbox_id = rq.sandbox_id_for("default", f"{view.id}:sandbox")
+
+    async def stopped() -> bool:
+        sandbox = await client.sandbox_state(sandbox_id)
+        return sandbox is not None and sandbox.phase == "stopped"
+
+    await wait_until(stopped, timeout=60, interval=0.5, what="the late sandbox stopped")
+    assert _runs(counter) == 0

@@ -67,6 +67,10 @@ class Orchestrator:
         self._stopping = asyncio.Event()
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._live: dict[str, Runner] = {}
+        # Each task's sandbox id (it follows from the task), and the last phase
+        # seen of it here: a sandbox that comes up after its task ended is released.
+        self._task_of_sandbox: dict[str, str] = {}
+        self._sandbox_up: dict[str, bool] = {}
 
     async def run(self) -> None:
         check_configuration()
@@ -104,6 +108,7 @@ class Orchestrator:
             )
             for task_id in self.tasks.ids():
                 self._ensure_runner(task_id)
+            sandbox_store.listen(self._sandbox_changed)
             await announce_ready(nc, self._names, self.name)
             log.info("orchestrator ready: %d unfinished task(s) resumed", len(self._runners))
             requests = asyncio.create_task(
@@ -177,6 +182,24 @@ class Orchestrator:
         runner = self._live.get(task_id)
         if runner is not None:
             runner.changed.set()
+        if task_id not in self._sandbox_up:
+            state, _ = self.tasks.get(task_id)
+            if state is not None:
+                self._task_of_sandbox[task_sandbox_id(state)] = task_id
+                self._sandbox_up[task_id] = False
+
+    def _sandbox_changed(self, sandbox_id: str) -> None:
+        """A task's sandbox that comes up after the task ended (its create was
+        decided late, after the runner stopped waiting or died) is released."""
+        task_id = self._task_of_sandbox.get(sandbox_id)
+        if task_id is None:
+            return
+        state, _ = self.tasks.get(task_id)
+        sandbox = self._sandboxes.state(sandbox_id)
+        up = sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
+        came_up, self._sandbox_up[task_id] = up and not self._sandbox_up[task_id], up
+        if came_up and state is not None and state.terminal:
+            self._ensure_runner(task_id)
 
     def _ensure_runner(self, task_id: str) -> None:
         state, _ = self.tasks.get(task_id)

@@ -206,6 +206,24 @@ def test_each_unhappy_end_is_terminal_with_its_reason_and_stage(end, state_name,
     assert state.reason == reason and state.failed_stage == "running"
 
 
+@pytest.mark.parametrize(
+    "late",
+    [
+        ev.TaskStageEntered(stage="running"),
+        ev.TaskFailed(reason="exit_code", stage="running"),
+        ev.TaskCompleted(final_save_id="sv-late"),
+        claimed("agent", attempt=2),
+    ],
+)
+def test_the_first_end_is_final_whatever_is_appended_after_it(late):
+    # Two writers (a second orchestrator, a runner re-appending its decision
+    # after a conflict) can append after the end: the fold keeps the first end.
+    ended = fold([*through_running(), ev.TaskCancelled(stage="running")])
+    state = fold([*through_running(), ev.TaskCancelled(stage="running"), late])
+    assert (state.state, state.reason, state.steps) == ("cancelled", "cancelled", ended.steps)
+    assert state.final_save_id is None
+
+
 def test_a_failed_attempt_is_kept_with_its_cause_and_retry_time():
     failure = ev.TaskOperationFailed(
         operation="clone",

@@ -192,6 +192,10 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
         )
     if state is None or not isinstance(event, ev.TaskEvent):
         return state
+    if state.terminal:
+        # The first end is final: whatever a second writer appended after it
+        # (another orchestrator, a decision re-appended after a conflict) is history.
+        return state
     state = replace(state, updated_at=at)
     match event:
         case ev.TaskStageEntered(stage=stage):

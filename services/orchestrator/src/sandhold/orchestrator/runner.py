@@ -97,10 +97,18 @@ class Runner:
         return state
 
     async def _append(self, *events: ev.AnyEvent, why: str) -> tk.Task:
-        """Append on the state the decision was made on; a conflict means someone
-        else moved the task: the runner re-reads and decides again."""
-        executed = await self._tasks.follow_up(self.task_id, lambda _s: list(events), why=why)
+        """Append on the state the decision was made on. On a conflict (a cancel
+        request came first) the same events are appended on the newer state,
+        unless the task has ended meanwhile (another writer ended it): then
+        nothing is appended and this stage's work stops."""
+
+        def decide(state: tk.Task | None) -> list[ev.AnyEvent]:
+            return [] if state is None or state.terminal else list(events)
+
+        executed = await self._tasks.follow_up(self.task_id, decide, why=why)
         assert executed.state is not None
+        if not executed.appended:
+            raise StageOver
         return executed.state
 
     async def run(self) -> None:
@@ -110,7 +118,8 @@ class Runner:
                 await self._release(state)
                 return
             if state.cancel_requested:
-                await self._cancel(state)
+                with contextlib.suppress(StageOver):  # it ended meanwhile
+                    await self._cancel(state)
                 continue
             now = time.time()
             task_deadline = tk.deadline(state, "task")
@@ -119,10 +128,12 @@ class Runner:
             # left); any other stage's work is ours, so its limit is kept on time.
             backstop = BACKSTOP_S if state.state == "running" else 0.0
             if task_deadline is not None and now >= task_deadline + backstop:
-                await self._end_for_time(state, "task")
+                with contextlib.suppress(StageOver):
+                    await self._end_for_time(state, "task")
                 continue
             if stage_deadline is not None and now >= stage_deadline + backstop:
-                await self._end_for_time(state, "stage")
+                with contextlib.suppress(StageOver):
+                    await self._end_for_time(state, "stage")
                 continue
             limit = min(d for d in (task_deadline, stage_deadline, math.inf) if d is not None)
             await self._advance_until(state, limit + backstop - now)

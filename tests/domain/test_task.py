@@ -264,6 +264,19 @@ def test_a_hang_warning_marks_the_step_and_counts():
     assert state.hang_warnings == 1 and state.steps["agent"].hang_warned
 
 
+def test_a_late_hang_warning_about_an_earlier_attempt_does_not_mark_the_retry():
+    state = fold(
+        [
+            *through_running(),
+            claimed(sandbox_id="sb-1", command_id="cmd-1"),
+            ev.TaskStepFailed(step_id="agent", attempt=1, reason="infrastructure_lost"),
+            claimed(attempt=2, sandbox_id="sb-1", command_id="cmd-2"),
+            ev.TaskHangWarned(step_id="agent", command_id="cmd-1", silent_s=31.0),
+        ]
+    )
+    assert state.steps["agent"].attempt == 2 and not state.steps["agent"].hang_warned
+
+
 def test_events_of_other_aggregates_and_before_submit_are_ignored():
     assert tk.evolve(None, envelopes([ev.TaskStageEntered(stage="staging")])[0]) is None
     state = fold(submitted())

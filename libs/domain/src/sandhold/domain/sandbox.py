@@ -80,6 +80,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     output_kept: dict[str, int] = {}
     output_complete: bool = True
     queued_at: float = 0.0
+    started_at: float | None = None  # when its host reported it running
     ended_at: float | None = None
 
     @property
@@ -253,7 +254,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
             return _update_command(state, cid, state="dispatched", host=host, generation=generation)
         case ev.CommandStarted(command_id=cid, pid=pid):
-            return _update_command(state, cid, state="running", pid=pid)
+            return _update_command(state, cid, state="running", pid=pid, started_at=envelope_time)
         case ev.CommandCancelRequested(command_id=cid, request_key=key, request_digest=digest):
             state = replace(state, requests=_remember(state, key, digest))
             return _update_command(state, cid, cancel_requested=True)

@@ -394,21 +394,24 @@ class Runner:
                         tenant=state.tenant,
                         sandbox_id=sandbox_id,
                     ),
-                    lambda s: s.phase != "failed",
+                    lambda s: s.phase not in ("failed", "lost", "stopped"),
                     sandbox_id=sandbox_id,
                 )
         except Rejected as err:
             await self._fail(f"provision_{err.code}", err.message)
         sandbox = await self._sandboxes.wait(
-            sandbox_id, lambda s: s if s.phase in ("running", "failed", "deleted") else None
+            # Lost (its host died while starting it) or stopped meanwhile: a failed
+            # placement attempt too, retried like a start that failed.
+            sandbox_id,
+            lambda s: s if s.phase in ("running", "failed", "deleted", "lost", "stopped") else None,
         )
         if sandbox.phase != "running":
             again = await self._after_failure(
                 "provision",
                 attempt=attempt,
                 error_class="placement",
-                reason="start_failed",
-                detail=sandbox.reason,
+                reason="start_failed" if sandbox.phase == "failed" else f"sandbox_{sandbox.phase}",
+                detail=sandbox.reason or f"the sandbox became {sandbox.phase} while starting",
                 budget=state.manifest.retry.placement,
             )
             if not again:
@@ -759,10 +762,10 @@ class Runner:
             except TimeoutError:
                 pass
             command = self._command(record)
-            if command is None or command.state not in ("running", "dispatched", "queued"):
-                continue
+            if command is None or command.state != "running":
+                continue  # silence counts only once it runs (not while queued or restored)
             last = await self._last_output_at(record.sandbox_id, record.command_id)
-            quiet_since = max(record.claimed_at, last or 0.0)
+            quiet_since = max(command.started_at or record.claimed_at, last or 0.0)
             silent = time.time() - quiet_since
             if silent >= warn_after and not warned:
                 warned = True

@@ -14,6 +14,7 @@ import pytest
 from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.fold import fold
+from sandhold.domain.task_manifest import TaskManifest
 
 GOLDEN = Path(__file__).parent / "golden" / "task_v1.jsonl"
 A, B, C, D = (
@@ -67,3 +68,22 @@ def test_the_other_endings_replay(tasks: dict[str, tk.Task]) -> None:
     assert (c.state, c.failed_stage) == ("timed_out", "provisioning")
     assert (d.state, d.reason, d.failed_stage) == ("failed", "clone_ref_not_found", "staging")
     assert d.attempts[0].error_class == "permanent" and d.attempts[0].retry_at is None
+
+
+def test_a_recorded_manifest_outside_todays_rules_still_replays() -> None:
+    # Rules for new manifests tighten; what was accepted stays readable. A newer
+    # writer's extra field is skipped like any unknown event field.
+    first = msgspec.json.decode(GOLDEN.read_bytes().splitlines()[0])
+    manifest = first["event"]["manifest"]
+    manifest.update(name="Not A Valid Name Today", priority=5)
+    manifest["repository"] = {"url": "file:///srv/app.git", "ref": "-weird", "mirror": True}
+    manifest["retry"]["network"] = 99
+    envelope = msgspec.json.decode(msgspec.json.encode(first), type=Envelope)
+    state = tk.evolve(None, envelope)
+    assert state is not None and state.state == "pending"
+    assert state.manifest.name == "Not A Valid Name Today"
+    assert state.manifest.repository is not None
+    assert state.manifest.repository.url == "file:///srv/app.git"
+    assert state.manifest.retry.network == 99
+    with pytest.raises(msgspec.ValidationError):  # a new request is still held to the rules
+        msgspec.convert(manifest, TaskManifest)

@@ -22,13 +22,16 @@ async def test_parsing_a_big_manifest_does_not_stall_other_requests(gw: Gw):
         submit = asyncio.create_task(
             http.post("/api/v1/tasks", content=body, headers={"Content-Type": "application/yaml"})
         )
-        worst = 0.0
+        worst, answered = 0.0, 0
         while not submit.done():
             t = time.monotonic()
-            assert (await probe.get("/healthz", timeout=30)).status_code == 200
+            assert (await probe.get("/healthz", timeout=60)).status_code == 200
             worst = max(worst, time.monotonic() - t)
+            answered += 1
             await asyncio.sleep(0.05)
         took = time.monotonic() - started
         problem(await submit, 422, "invalid_request")
-    assert took > 1.0, f"the manifest parsed in {took:.2f}s: too fast to tell"
-    assert worst < min(1.0, took / 2), f"/healthz waited {worst:.2f}s while a manifest parsed"
+    # Relative, so a loaded machine does not decide it: a parse on the event loop
+    # makes one probe wait about as long as the whole submission took.
+    assert answered >= 2, f"only {answered} probe(s) while the manifest parsed ({took:.2f}s)"
+    assert worst < 0.6 * took, f"/healthz waited {worst:.2f}s of the {took:.2f}s parse"

@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 from sandhold.domain.commands import CommandEndState
-from sandhold.domain.task_manifest import TaskManifest
+from sandhold.domain.task_manifest import RecordedManifest
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -280,7 +280,7 @@ class TaskSubmitted(TaskEvent, tag="task.submitted"):
     task_id: str
     request_key: str
     request_digest: str
-    manifest: TaskManifest
+    manifest: RecordedManifest  # as accepted; read leniently forever after
     tenant: str = "default"
 
 

@@ -18,7 +18,7 @@ from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import IdempotencyKey, Tenant
-from sandhold.domain.task_manifest import Step, TaskManifest
+from sandhold.domain.task_manifest import RecordedManifest, RecordedStep, TaskManifest
 
 TaskState = Literal[
     "pending",
@@ -137,7 +137,7 @@ class Attempt(msgspec.Struct, frozen=True, kw_only=True):
 class Task(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant: str
-    manifest: TaskManifest
+    manifest: RecordedManifest
     state: TaskState
     submitted_at: float
     stage_entered_at: float
@@ -358,12 +358,12 @@ class StepInstance(msgspec.Struct, frozen=True):
     """One execution unit: a step, or one item of a looping step."""
 
     id: str
-    step: Step
+    step: RecordedStep
     index: int | None
     item: str | None
 
 
-def instances(manifest: TaskManifest) -> list[StepInstance]:
+def instances(manifest: RecordedManifest) -> list[StepInstance]:
     """Every step instance in order; a loop's items one at a time."""
     out: list[StepInstance] = []
     for step in manifest.steps:

@@ -1,14 +1,20 @@
 """A task manifest: what a user submits (YAML or JSON), validated strictly.
 
-Unknown fields are refused and every error names the field it is about
+Two layers of the same shape. The `Recorded…` structs are the manifest as
+`task.submitted` keeps it: no value constraints, unknown fields ignored, so a
+log stays readable after the rules for *new* manifests tighten or a newer
+writer adds a field (events never become undecodable). Their strict
+subclasses (`TaskManifest`, `Step`, …) are what a request is decoded into:
+unknown fields are refused and every error names the field it is about
 (msgspec reports the path, e.g. ``at `$.timeouts```, and our own checks name
-the key inside it). Durations are seconds or strings like ``"90s"``, ``"10m"``,
-``"2h"``, ``"1h30m"``; they are normalised to seconds on decode, so the
-manifest recorded in `task.submitted` holds plain numbers.
+the key inside it). Durations are seconds or strings like ``"90s"``,
+``"10m"``, ``"2h"``, ``"1h30m"``; they are normalised to seconds on decode, so
+a recorded manifest holds plain numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -22,7 +28,7 @@ _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _MAX_DURATION = 30 * 86400.0
 
 
-def parse_duration(value: DurationInput, field: str) -> float:
+def parse_duration(value: DurationInput, field: str, *, check_range: bool = True) -> float:
     """Seconds from a number or a string like "1h30m"; raises ValueError naming `field`."""
     if isinstance(value, bool):
         raise ValueError(f"`{field}`: expected seconds or a duration like '30m', got {value!r}")
@@ -37,22 +43,122 @@ def parse_duration(value: DurationInput, field: str) -> float:
                 f"'1h30m', got {value!r}"
             )
         seconds = sum(float(n) * _UNIT[u] for n, u in parts)
-    if not 0 < seconds <= _MAX_DURATION:
+    if check_range and not 0 < seconds <= _MAX_DURATION:
         raise ValueError(f"`{field}`: must be more than 0 and at most 30 days, got {value!r}")
     return seconds
 
 
-class _Spec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of every manifest part: strict, and durations normalised to seconds."""
+class _Recorded(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every manifest part as recorded: lenient, durations as seconds."""
 
     _durations: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for name in self._durations:
             value = getattr(self, name)
-            if value is not None:
-                msgspec.structs.force_setattr(self, name, parse_duration(value, name))
+            if isinstance(value, str):  # recorded manifests hold numbers already
+                with contextlib.suppress(ValueError):
+                    seconds = parse_duration(value, name, check_range=False)
+                    msgspec.structs.force_setattr(self, name, seconds)
 
+
+def _strict_durations(part: _Recorded) -> None:
+    """What a new manifest must meet on top of its shape: durations in range."""
+    for name in part._durations:
+        value = getattr(part, name)
+        if value is not None:
+            msgspec.structs.force_setattr(part, name, parse_duration(value, name))
+
+
+# --- as recorded -----------------------------------------------------------------
+
+
+class RecordedRepository(_Recorded, frozen=True):
+    url: str
+    ref: str = "main"
+
+
+class RecordedSandboxSpec(_Recorded, frozen=True):
+    memory_limit_bytes: int | None = None
+    from_snapshot: str | None = None
+
+
+class RecordedAgentCommand(_Recorded, frozen=True):
+    command: list[str]
+    cwd: str | None = None
+    env: dict[str, str] = {}
+    timeout: DurationInput | None = None
+    _durations = ("timeout",)
+
+
+class RecordedHttpCall(_Recorded, frozen=True):
+    url: str
+    method: str = "POST"
+    headers: dict[str, str] = {}
+    body: str | None = None
+    timeout: DurationInput = 30.0
+    _durations = ("timeout",)
+
+
+class RecordedStep(_Recorded, frozen=True):
+    name: str
+    agent: RecordedAgentCommand | None = None
+    http: RecordedHttpCall | None = None
+    delivery: str = "at_least_once"
+    for_each: list[str] | None = None
+
+    @property
+    def kind(self) -> Literal["agent", "http"]:
+        return "agent" if self.agent is not None else "http"
+
+
+class RecordedTimeouts(_Recorded, frozen=True):
+    clone: DurationInput = 600.0
+    stage: DurationInput = 900.0
+    running: DurationInput | None = None
+    task: DurationInput = 86400.0
+    _durations = ("clone", "stage", "running", "task")
+
+
+class RecordedRetryPolicy(_Recorded, frozen=True):
+    network: int = 3
+    placement: int = 2
+    base_delay: DurationInput = 1.0
+    max_delay: DurationInput = 60.0
+    _durations = ("base_delay", "max_delay")
+
+
+class RecordedHangPolicy(_Recorded, frozen=True):
+    warn_after: DurationInput = 1800.0
+    cancel_after: DurationInput = 7200.0
+    _durations = ("warn_after", "cancel_after")
+
+
+class RecordedManifest(_Recorded, frozen=True):
+    name: str
+    agent: RecordedAgentCommand | None = None
+    pipeline: list[RecordedStep] = []
+    repository: RecordedRepository | None = None
+    sandbox: RecordedSandboxSpec = RecordedSandboxSpec()
+    environment: dict[str, str] = {}
+    timeouts: RecordedTimeouts = RecordedTimeouts()
+    retry: RecordedRetryPolicy = RecordedRetryPolicy()
+    hang: RecordedHangPolicy = RecordedHangPolicy()
+    artifacts: list[str] = []
+    on_infrastructure_lost: str = "fail"
+
+    @property
+    def steps(self) -> list[RecordedStep]:
+        if self.agent is not None:
+            return [RecordedStep(name="agent", agent=self.agent)]
+        return self.pipeline
+
+    def seconds(self, what: str) -> float:
+        """A normalised duration (the fields hold floats once decoded)."""
+        return float(getattr(self.timeouts, what))
+
+
+# --- as requested: the same shape, strictly ------------------------------------------
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
 # Neither a URL nor a ref may start with "-": git would read it as an option.
@@ -72,40 +178,40 @@ Retries = Annotated[int, msgspec.Meta(ge=0, le=10)]
 Env = dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str]
 
 
-class Repository(_Spec, frozen=True):
+class Repository(RecordedRepository, frozen=True, forbid_unknown_fields=True):
     # git://, http(s)://, ssh:// or user@host:path. Not file:// or a path: a
     # manifest must not read repositories on the orchestrator's own disk.
     url: RepositoryUrl
     ref: GitRef = "main"
 
 
-class SandboxSpec(_Spec, frozen=True):
+class SandboxSpec(RecordedSandboxSpec, frozen=True, forbid_unknown_fields=True):
     memory_limit_bytes: MemoryLimit | None = None
     from_snapshot: SaveId | None = None  # start from a Snapshot instead of a clone
 
 
-class AgentCommand(_Spec, frozen=True):
+class AgentCommand(RecordedAgentCommand, frozen=True, forbid_unknown_fields=True):
     """A command in the task's sandbox: the agent is any program of the user's."""
 
     command: Argv
-    cwd: str | None = None
     env: Env = {}
     timeout: DurationInput | None = None  # the operation limit for this command
-    _durations = ("timeout",)
+
+    def __post_init__(self) -> None:
+        _strict_durations(self)
 
 
-class HttpCall(_Spec, frozen=True):
+class HttpCall(RecordedHttpCall, frozen=True, forbid_unknown_fields=True):
     """A tool step the orchestrator performs itself: one HTTP request."""
 
     url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
     method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "POST"
-    headers: dict[str, str] = {}
-    body: str | None = None
-    timeout: DurationInput = 30.0
-    _durations = ("timeout",)
+
+    def __post_init__(self) -> None:
+        _strict_durations(self)
 
 
-class Step(_Spec, frozen=True):
+class Step(RecordedStep, frozen=True, forbid_unknown_fields=True):
     """One pipeline step: exactly one of `agent` (a command in the sandbox) or
     `http` (a tool step). `for_each` runs it once per item, one at a time."""
 
@@ -116,7 +222,6 @@ class Step(_Spec, frozen=True):
     for_each: Annotated[list[str], msgspec.Meta(min_length=1, max_length=1000)] | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if (self.agent is None) == (self.http is None):
             raise ValueError(f"step `{self.name}`: give exactly one of `agent` or `http`")
         if self.agent is not None and self.delivery != "at_least_once":
@@ -125,39 +230,28 @@ class Step(_Spec, frozen=True):
                 "never dispatched twice"
             )
 
-    @property
-    def kind(self) -> Literal["agent", "http"]:
-        return "agent" if self.agent is not None else "http"
+
+class Timeouts(RecordedTimeouts, frozen=True, forbid_unknown_fields=True):
+    def __post_init__(self) -> None:
+        _strict_durations(self)
 
 
-class Timeouts(_Spec, frozen=True):
-    clone: DurationInput = 600.0  # one git clone attempt
-    stage: DurationInput = 900.0  # staging, provisioning and completing, each
-    running: DurationInput | None = None  # the running stage; default: the task's limit
-    task: DurationInput = 86400.0  # the whole task, retries and waits included
-    _durations = ("clone", "stage", "running", "task")
-
-
-class RetryPolicy(_Spec, frozen=True):
+class RetryPolicy(RecordedRetryPolicy, frozen=True, forbid_unknown_fields=True):
     network: Retries = 3  # clone connection refused/reset/timed out, tool step errors
     placement: Retries = 2  # the sandbox could not be placed or started
-    base_delay: DurationInput = 1.0
-    max_delay: DurationInput = 60.0
-    _durations = ("base_delay", "max_delay")
-
-
-class HangPolicy(_Spec, frozen=True):
-    warn_after: DurationInput = 1800.0  # no output this long: a warning event
-    cancel_after: DurationInput = 7200.0  # no output this long: the command is cancelled
-    _durations = ("warn_after", "cancel_after")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        _strict_durations(self)
+
+
+class HangPolicy(RecordedHangPolicy, frozen=True, forbid_unknown_fields=True):
+    def __post_init__(self) -> None:
+        _strict_durations(self)
         if self.cancel_after <= self.warn_after:  # type: ignore[operator]
             raise ValueError("`cancel_after` must be longer than `warn_after`")
 
 
-class TaskManifest(_Spec, frozen=True):
+class TaskManifest(RecordedManifest, frozen=True, forbid_unknown_fields=True):
     name: Name
     agent: AgentCommand | None = None  # shorthand for a one-step pipeline named "agent"
     pipeline: Annotated[list[Step], msgspec.Meta(max_length=100)] = []
@@ -171,7 +265,6 @@ class TaskManifest(_Spec, frozen=True):
     on_infrastructure_lost: Literal["fail", "recover_and_retry"] = "fail"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if (self.agent is None) == (not self.pipeline):
             raise ValueError("give exactly one of `agent` (one command) or `pipeline` (steps)")
         names = [step.name for step in self.pipeline]
@@ -181,16 +274,6 @@ class TaskManifest(_Spec, frozen=True):
             raise ValueError(
                 "`repository` and `sandbox.from_snapshot` both name the starting files; give one"
             )
-
-    @property
-    def steps(self) -> list[Step]:
-        if self.agent is not None:
-            return [Step(name="agent", agent=self.agent)]
-        return self.pipeline
-
-    def seconds(self, what: str) -> float:
-        """A normalised duration (the fields hold floats once decoded)."""
-        return float(getattr(self.timeouts, what))
 
 
 class ManifestError(ValueError):

@@ -35,7 +35,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.retry import backoff_delay
-from sandhold.domain.task_manifest import HttpCall
+from sandhold.domain.task_manifest import RecordedHttpCall
 from sandhold.orchestrator.faults import fault
 from sandhold.orchestrator.git import CloneFailed, clone
 from sandhold.orchestrator.sandboxes import Sandboxes
@@ -838,7 +838,9 @@ class Runner:
         await self._append(ev.TaskCompleted(final_save_id=stopped.final_save_id), why="completed")
 
 
-def _render_call(call: HttpCall, instance: tk.StepInstance, scope: dict[str, str]) -> HttpCall:
+def _render_call(
+    call: RecordedHttpCall, instance: tk.StepInstance, scope: dict[str, str]
+) -> RecordedHttpCall:
     import msgspec
 
     def render(text: str) -> str:
@@ -852,7 +854,7 @@ def _render_call(call: HttpCall, instance: tk.StepInstance, scope: dict[str, str
     )
 
 
-def _perform(call: HttpCall, idempotency_key: str) -> tuple[int, str]:
+def _perform(call: RecordedHttpCall, idempotency_key: str) -> tuple[int, str]:
     """One HTTP request (in a thread); an HTTP error status is a result, not an error."""
     data = call.body.encode() if call.body is not None else None
     headers = {"Idempotency-Key": idempotency_key, "User-Agent": "sandhold-orchestrator"}

@@ -147,6 +147,10 @@ class Runtime:
                     *common,
                     "--work-dir",
                     str(self.data_dir / "orchestrator"),
+                    # One machine, one user's hooks (localhost included); a
+                    # standalone orchestrator allows public addresses only.
+                    "--http-egress",
+                    "any",
                     *extra.get("orchestrator", []),
                 ],
                 logs / "orchestrator.log",

@@ -30,6 +30,12 @@ def parser() -> argparse.ArgumentParser:
         default=float(os.environ.get("SANDHOLD_DECISION_WAIT", "60")),
         help="after a restart, how long to wait for a request known to have left to be decided",
     )
+    p.add_argument(
+        "--http-egress",
+        choices=["public", "any"],
+        default=os.environ.get("SANDHOLD_HTTP_EGRESS", "public"),
+        help="where http tool steps may go: public addresses only (default), or any",
+    )
     return p
 
 
@@ -42,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
             replicas=a.replicas,
             proof_window_s=a.proof_window,
             decision_wait_s=a.decision_wait,
+            http_egress=a.http_egress,
         ),
         parser(),
         argv,

@@ -22,8 +22,6 @@ import math
 import random
 import shutil
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,6 +36,7 @@ from sandhold.domain.retry import backoff_delay
 from sandhold.domain.task_manifest import RecordedHttpCall
 from sandhold.orchestrator.faults import fault
 from sandhold.orchestrator.git import CloneFailed, clone
+from sandhold.orchestrator.http_tool import HttpTool
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.orchestrator.staging import store_seed
 from sandhold.saves import SaveStore
@@ -75,6 +74,7 @@ class Runner:
         last_output_at: Callable[[str, str], Awaitable[float | None]],
         proof_window_s: float,
         decision_wait_s: float,
+        http: HttpTool,
     ) -> None:
         self.task_id = task_id
         self._tasks = tasks
@@ -85,6 +85,7 @@ class Runner:
         self._last_output_at = last_output_at
         self._proof_window_s = proof_window_s
         self._decision_wait_s = decision_wait_s
+        self._http = http
         self.changed = asyncio.Event()
         self._random = random.Random()
 
@@ -501,7 +502,7 @@ class Runner:
         call = _render_call(step.http, instance, tk.outputs(self.state))
         permanent = False
         try:
-            status, body = await asyncio.to_thread(_perform, call, record.idempotency_key)
+            status, body = await self._http.perform(call, record.idempotency_key)
         except (ValueError, http.client.InvalidURL) as err:
             # A rendered URL or header urllib will not send: sending again cannot help.
             status, body, permanent = None, f"{type(err).__name__}: {err}", True
@@ -852,16 +853,3 @@ def _render_call(
         body=render(call.body) if call.body is not None else None,
         headers={k: render(v) for k, v in call.headers.items()},
     )
-
-
-def _perform(call: RecordedHttpCall, idempotency_key: str) -> tuple[int, str]:
-    """One HTTP request (in a thread); an HTTP error status is a result, not an error."""
-    data = call.body.encode() if call.body is not None else None
-    headers = {"Idempotency-Key": idempotency_key, "User-Agent": "sandhold-orchestrator"}
-    headers.update(call.headers)
-    request = urllib.request.Request(call.url, data=data, method=call.method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=float(call.timeout)) as response:  # noqa: S310
-            return response.status, response.read(OUTPUT_KEPT).decode("utf-8", "replace")
-    except urllib.error.HTTPError as err:
-        return err.code, err.read(OUTPUT_KEPT).decode("utf-8", "replace")

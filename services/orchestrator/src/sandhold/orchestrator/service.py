@@ -33,6 +33,7 @@ from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
+from sandhold.orchestrator.http_tool import Egress, HttpTool
 from sandhold.orchestrator.runner import OUTPUT_KEPT, Runner, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
@@ -55,6 +56,7 @@ class Orchestrator:
         replicas: int = 1,
         proof_window_s: float = 100.0,
         decision_wait_s: float = 60.0,
+        http_egress: Egress = "public",
     ) -> None:
         self._url = nats_url
         self._names = names
@@ -64,6 +66,7 @@ class Orchestrator:
         # inside this margin a re-send shows whether a request had left.
         self._proof_window_s = proof_window_s
         self._decision_wait_s = decision_wait_s
+        self._http = HttpTool(egress=http_egress)
         self._stopping = asyncio.Event()
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._live: dict[str, Runner] = {}
@@ -122,6 +125,7 @@ class Orchestrator:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
         finally:
+            self._http.close()
             await close_quickly(
                 nc, getattr(self, "tasks", None), getattr(self, "_sandbox_store", None)
             )
@@ -253,6 +257,7 @@ class Orchestrator:
                 last_output_at=self._last_output_at,
                 proof_window_s=self._proof_window_s,
                 decision_wait_s=self._decision_wait_s,
+                http=self._http,
             )
             self._live[task_id] = runner
             try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 from nats.js.api import DeliverPolicy
 from sandhold.bus.codec import STREAM_HEADER
+from sandhold.bus.read import read_subjects
 from sandhold.client import Client
 from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
@@ -142,16 +143,22 @@ async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
 
     subs.append(await client.nc.subscribe(client.names.events("task", task_id), cb=on_event))
     try:
-        seen = 0
+        last_seq, state = 0, None
         while True:
             changed.clear()
-            records = await client.task_records(task_id)
-            state = fold(tk.evolve, (r.envelope for r in records), None)
+            # Only what came since the last read, folded onto what we have.
+            records = await read_subjects(
+                client.js,
+                client.names.events_stream,
+                client.names.events("task", task_id),
+                start_seq=last_seq + 1,
+            )
+            state = fold(tk.evolve, (r.envelope for r in records), state)
             if state is None or state.tenant != client.tenant:
                 raise Rejected("task_not_found", f"no task {task_id}")
-            for record in records[seen:]:
+            for record in records:
                 _print_event(record.envelope, as_json)
-            seen = len(records)
+            last_seq = records[-1].seq if records else last_seq
             for step in state.steps.values():
                 if as_json or not step.command_id or step.command_id in following:
                     continue

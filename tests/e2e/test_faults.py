@@ -11,7 +11,7 @@ import nats
 import pytest
 from sandhold.client import Client, connect
 from sandhold.domain.errors import Rejected
-from sandhold.domain.requests import command_id_for
+from sandhold.domain.requests import command_id_for, sandbox_id_for
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
@@ -108,6 +108,34 @@ async def test_scheduler_killed_between_requests_loses_none_and_launches_none_tw
         again = await client.exec(sandbox_id, ["sh", "-c", "echo a >> count"], key="req-a")
         assert again.command.id == first.command.id and again.command.state == "exited"
         assert sorted(_lines(count)) == ["a", "b"]
+    finally:
+        await client.close()
+
+
+async def test_a_request_taken_by_a_scheduler_that_dies_is_answered_to_the_same_call(
+    own_up: Up,
+):
+    # The scheduler is paused with a fetch outstanding: the request is delivered to
+    # it and never acked. Killed, it is redelivered to its successor after the ack
+    # wait, which must come well within the caller's 30 s wait for the answer.
+    client = await connect(own_up.url)
+    try:
+        pid = own_up.service_pid("scheduler")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            create = asyncio.ensure_future(client.create_sandbox(key="taken-then-dead"))
+
+            async def delivered() -> bool:
+                info = await client.js.consumer_info(client.names.requests_stream, "scheduler")
+                return info.num_ack_pending >= 1
+
+            await wait_until(delivered, timeout=15, what="the request delivered to the paused one")
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        view = await create  # the same call, answered by the restarted scheduler
+        assert view.id == sandbox_id_for("default", "taken-then-dead")
+        assert own_up.service_pid("scheduler") != pid
     finally:
         await client.close()
 

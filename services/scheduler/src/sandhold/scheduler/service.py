@@ -93,7 +93,9 @@ class Scheduler:
                 ConsumerConfig(
                     durable_name=self._durable,
                     ack_policy=AckPolicy.EXPLICIT,
-                    ack_wait=30,
+                    # Deciding takes milliseconds; a request delivered to a scheduler
+                    # that died reaches the next one well within a client's 30 s wait.
+                    ack_wait=10,
                     max_deliver=10,
                     filter_subjects=[
                         self._names.request("sandbox.>"),

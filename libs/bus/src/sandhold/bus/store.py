@@ -122,16 +122,17 @@ class AggregateStore(Generic[S]):
         except msgspec.DecodeError:
             log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
         else:
-            if seq > self._seqs.get(aggregate_id, 0):
-                self._note_trace(aggregate_id, (msg.headers or {}).get(context.TRACEPARENT))
-            self._apply(aggregate_id, seq, [envelope])
+            self._apply(aggregate_id, seq, [envelope], (msg.headers or {}).get(context.TRACEPARENT))
         self._high_water = max(self._high_water, seq)
         if self._high_water >= self._target:
             self._caught_up.set()
 
-    def _apply(self, aggregate_id: str, seq: int, envelopes: list[Envelope]) -> None:
+    def _apply(
+        self, aggregate_id: str, seq: int, envelopes: list[Envelope], traceparent: str | None
+    ) -> None:
         if seq <= self._seqs.get(aggregate_id, 0):
             return  # already applied (our own append, or a catch-up read)
+        self._note_trace(aggregate_id, traceparent)
         state = fold(self._evolve, envelopes, self._states.get(aggregate_id))
         if state is not None:
             self._states[aggregate_id] = state
@@ -150,8 +151,12 @@ class AggregateStore(Generic[S]):
                 )
             except NotFoundError:
                 break
-            self._note_trace(aggregate_id, (raw.headers or {}).get(context.TRACEPARENT))
-            self._apply(aggregate_id, raw.seq or 0, [decode_envelope(raw.data or b"")])
+            self._apply(
+                aggregate_id,
+                raw.seq or 0,
+                [decode_envelope(raw.data or b"")],
+                (raw.headers or {}).get(context.TRACEPARENT),
+            )
         return self.get(aggregate_id)
 
     # --- deciding -------------------------------------------------------------
@@ -265,9 +270,9 @@ class AggregateStore(Generic[S]):
             )
         except WrongSequence:
             return None
-        self._note_trace(aggregate_id, context.traceparent())
+        traceparent = context.traceparent()
         for envelope, new_seq in zip(envelopes, sequences, strict=True):
-            self._apply(aggregate_id, new_seq, [envelope])
+            self._apply(aggregate_id, new_seq, [envelope], traceparent)
         return envelopes
 
 

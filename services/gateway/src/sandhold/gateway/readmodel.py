@@ -289,16 +289,7 @@ class ReadModel:
         else:
             await self._writer.execute(  # type: ignore[union-attr]
                 "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    state.id,
-                    state.tenant,
-                    state.state,
-                    state.submitted_at,
-                    state.updated_at,
-                    state.sandbox_id,
-                    seq,
-                    _json.encode(state),
-                ),
+                task_row(state, seq),
             )
 
     async def _write_sandbox(self, s: sb.Sandbox, seq: int, old: sb.Sandbox | None) -> None:
@@ -483,6 +474,19 @@ def save_row(s: sb.Sandbox, record: Any) -> tuple:
     )
 
 
+def task_row(t: task_domain.Task, seq: int) -> tuple:
+    return (
+        t.id,
+        t.tenant,
+        t.state,
+        t.submitted_at,
+        t.updated_at,
+        t.sandbox_id,
+        seq,
+        _json.encode(t),
+    )
+
+
 # --- verifying: the rows a fresh fold gives, against the stored ones -----------------
 
 _COLUMNS = {
@@ -529,20 +533,7 @@ def expected_rows(kind: str, state: Any, seq: int) -> dict[str, list[tuple]]:
             "commands": sorted(command_row(state, c) for c in state.commands.values()),
             "saves": sorted(save_row(state, r) for r in state.saves.values()),
         }
-    return {
-        "tasks": [
-            (
-                state.id,
-                state.tenant,
-                state.state,
-                state.submitted_at,
-                state.updated_at,
-                state.sandbox_id,
-                seq,
-                _json.encode(state),
-            )
-        ]
-    }
+    return {"tasks": [task_row(state, seq)]}
 
 
 def stored_rows(db: Any, kind: str, aggregate_id: str) -> dict[str, list[tuple]]:

@@ -85,8 +85,6 @@ CATALOG: tuple[Metric, ...] = (
     Metric("sandhold_log_position", "gauge", "The last stream sequence folded into these metrics"),
 )
 
-BY_NAME = {m.name: m for m in CATALOG}
-
 Observer = Callable[[str, float, Labels], None]
 
 

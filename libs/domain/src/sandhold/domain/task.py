@@ -34,6 +34,9 @@ TaskState = Literal[
 TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled", "timed_out"})
 STAGES = ("staging", "provisioning", "running", "completing")
 
+# Of a step's output, the ledger records the tail: an agent's stdout, a tool's response.
+OUTPUT_KEPT = 16 * 1024
+
 TaskId = Annotated[str, msgspec.Meta(pattern=r"^tk-[0-9a-f]{16}$")]
 
 

@@ -153,10 +153,6 @@ class RecordedManifest(_Recorded, frozen=True):
             return [RecordedStep(name="agent", agent=self.agent)]
         return self.pipeline
 
-    def seconds(self, what: str) -> float:
-        """A normalised duration (the fields hold floats once decoded)."""
-        return float(getattr(self.timeouts, what))
-
 
 # --- as requested: the same shape, strictly ------------------------------------------
 
@@ -288,7 +284,7 @@ def load_manifest(data: Any) -> TaskManifest:
         raise ManifestError(f"invalid task manifest: {err}") from None
 
 
-def parse_manifest(text: str | bytes, *, content_type: str = "") -> TaskManifest:
+def parse_manifest(text: str | bytes) -> TaskManifest:
     """Parse YAML (a superset of JSON) and validate it; raises ManifestError."""
     import yaml  # only the edges parse YAML; the domain stays importable without it
 

@@ -25,10 +25,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+from sandhold.domain.task import OUTPUT_KEPT
 from sandhold.domain.task_manifest import RecordedHttpCall
 
 Egress = Literal["any", "public"]
-OUTPUT_KEPT = 16 * 1024
 
 
 class EgressDenied(ValueError):

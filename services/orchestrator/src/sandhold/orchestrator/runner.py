@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 from sandhold.bus.store import AggregateStore
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -43,7 +44,6 @@ from sandhold.saves import SaveStore
 
 log = logging.getLogger("sandhold.orchestrator")
 
-OUTPUT_KEPT = 16 * 1024  # of a step's output, recorded in the ledger (its tail)
 BACKSTOP_S = 10.0  # after a deadline, how long the host gets to end a command itself
 RELEASE_WAIT_S = 60.0  # how long a task ended while provisioning waits for its sandbox
 
@@ -70,7 +70,7 @@ class Runner:
         sandboxes: Sandboxes,
         save_store: SaveStore,
         work_dir: Path,
-        output_reader: Callable[[str, str], Awaitable[dict[str, bytes]]],
+        output_reader: Callable[[str, str], Awaitable[bytes]],
         last_output_at: Callable[[str, str], Awaitable[float | None]],
         proof_window_s: float,
         decision_wait_s: float,
@@ -455,7 +455,7 @@ class Runner:
         await asyncio.sleep(max(0.0, failures[-1].retry_at - time.time()))
         return True
 
-    def _next_attempt(self, instance: tk.StepInstance, record: tk.StepRecord | None) -> int:
+    def _next_attempt(self, record: tk.StepRecord | None) -> int:
         return 1 if record is None else record.attempt + 1
 
     async def _claim(self, instance: tk.StepInstance, attempt: int, **link: str) -> tk.StepRecord:
@@ -497,7 +497,7 @@ class Runner:
                 "%s: re-running at_least_once step %s after a restart", self.task_id, record.id
             )
         else:
-            record = await self._claim(instance, self._next_attempt(instance, record))
+            record = await self._claim(instance, self._next_attempt(record))
         assert step.http is not None
         call = _render_call(step.http, instance, tk.outputs(self.state))
         permanent = False
@@ -578,7 +578,7 @@ class Runner:
             if not await self._recover_agent_step(instance, record):
                 return
         else:
-            attempt = self._next_attempt(instance, record)
+            attempt = self._next_attempt(record)
             sandbox_id = self._sandbox_id()
             key = tk.step_key(self.task_id, instance.id, attempt)
             # The command is linked in the ledger before its request leaves.
@@ -663,8 +663,8 @@ class Runner:
         fault("during_command", instance.id)
         command = await self._watch(record)
         fault("before_output_recorded", instance.id)
-        output = await self._read_output(record.sandbox_id, record.command_id)
-        stdout = output.get("stdout", b"")[-OUTPUT_KEPT:].decode("utf-8", "replace")
+        tail = await self._read_output(record.sandbox_id, record.command_id)
+        stdout = tail.decode("utf-8", "replace")
         if command.state == "exited" and command.exit_code == 0:
             await self._append(
                 ev.TaskStepFinished(
@@ -842,8 +842,6 @@ class Runner:
 def _render_call(
     call: RecordedHttpCall, instance: tk.StepInstance, scope: dict[str, str]
 ) -> RecordedHttpCall:
-    import msgspec
-
     def render(text: str) -> str:
         return tk.render(text, item=instance.item, scope=scope)
 

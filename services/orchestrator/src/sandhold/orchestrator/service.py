@@ -34,7 +34,7 @@ from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
 from sandhold.orchestrator.http_tool import Egress, HttpTool
-from sandhold.orchestrator.runner import OUTPUT_KEPT, Runner, task_sandbox_id
+from sandhold.orchestrator.runner import Runner, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -236,9 +236,8 @@ class Orchestrator:
         if state is not None and state.tenant != client.tenant:
             client = Client(self._client.nc, self._names, tenant=state.tenant)
 
-        async def read(sandbox_id: str, command_id: str) -> dict[str, bytes]:
-            tail = await client.read_output_tail(sandbox_id, command_id, limit=OUTPUT_KEPT)
-            return {"stdout": tail}
+        async def read(sandbox_id: str, command_id: str) -> bytes:
+            return await client.read_output_tail(sandbox_id, command_id, limit=tk.OUTPUT_KEPT)
 
         return read
 

@@ -8,12 +8,15 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import msgspec
 from litestar import Request, Response
 from sandhold.bus.names import Names
 from sandhold.client import Client
+from sandhold.domain import sandbox as sb
+from sandhold.domain import saves as sv
+from sandhold.domain.commands import CommandState
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.gateway.problems import FieldError, ProblemError
 from sandhold.gateway.readmodel import ReadModel
@@ -197,35 +200,8 @@ async def call(action: Awaitable[Any]) -> Any:
         ) from err
 
 
-# Phases, command states and save states a list can be filtered by.
-PHASES = frozenset(
-    {
-        "pending",
-        "placed",
-        "starting",
-        "running",
-        "stopping",
-        "stopped",
-        "failed",
-        "deleted",
-        "lost",
-        "recovering",
-    }
-)
-COMMAND_STATES = frozenset(
-    {
-        "queued",
-        "dispatched",
-        "running",
-        "exited",
-        "launch_failed",
-        "timed_out",
-        "interrupted",
-        "not_launched",
-        "resource_exhausted",
-        "infrastructure_lost",
-        "unknown",
-    }
-)
-SAVE_KINDS = frozenset({"scheduled", "snapshot", "final"})
-SAVE_STATES = frozenset({"requested", "captured", "uploaded", "completed", "failed", "expired"})
+# Phases, command states and save states a list can be filtered by: the domain's own.
+PHASES = frozenset(get_args(sb.Phase))
+COMMAND_STATES = frozenset(v for part in get_args(CommandState) for v in get_args(part))
+SAVE_KINDS = frozenset(get_args(get_type_hints(sv.SaveRecord)["kind"]))
+SAVE_STATES = frozenset(get_args(sv.SaveState))

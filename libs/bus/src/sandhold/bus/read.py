@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.store import stream_sequence
 from sandhold.domain.envelope import Recorded
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ async def read_subjects(
     done = asyncio.Event()
 
     async def on_msg(msg: Msg) -> None:
-        seq = msg.metadata.sequence.stream
+        seq = stream_sequence(msg)
         try:
             if seq <= last:
                 out.append(msg if raw else Recorded(seq, decode_envelope(msg.data)))

@@ -136,9 +136,8 @@ async def replay_task(client: Client, task_id: str, at: str | None, as_json: boo
 
 
 async def _records(client: Client, kind: str, aggregate_id: str) -> list[Recorded]:
-    return await read_subjects(
-        client.js, client.names.events_stream, client.names.events(kind, aggregate_id)
-    )
+    read = client.task_records if kind == "task" else client.sandbox_records
+    return await read(aggregate_id)
 
 
 async def verify_read_model(

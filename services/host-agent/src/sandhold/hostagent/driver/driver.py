@@ -11,10 +11,19 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
+from sandhold.hostagent.driver.boxes import (
+    Boxes,
+    IsolationUnavailable,
+    SandboxSettings,
+    User,
+    command_cwd,
+    command_env,
+)
 from sandhold.hostagent.driver.cgroups import CgroupError, Cgroups, detect_cgroups
 from sandhold.hostagent.driver.handle import CommandHandle
 from sandhold.hostagent.driver.layout import HostLayout, check_id
@@ -37,6 +46,17 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _EXIT_MARGIN_S = 10.0
 
 
+Isolation = Literal["namespaces", "process"]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    cwd: str
+    env: dict[str, str]
+    box: dict[str, Any] | None
+    keep_visible: list[str]
+
+
 class SandboxNotFound(LookupError):
     """The sandbox was never created on this host (or has been destroyed)."""
 
@@ -49,8 +69,13 @@ class ProcessDriver:
         host_id: names this host's cgroups, so agents on one machine never collide.
         warm: how many idle supervisors to keep ready.
         cgroups: a backend; detected from the mounts when None.
-        isolate_tmp: give each command a private tmpfs on /tmp where possible.
+        isolate_tmp: give each command a private tmpfs on /tmp where possible
+            (the process driver; a namespaced sandbox always has its own /tmp).
         poll_interval_s: how often adopted commands (no doorbell) are looked at.
+        isolation: ``namespaces`` (the default: each sandbox in its own user,
+            pid, mount, net, ipc and uts namespaces, see ``boxes``) or
+            ``process``: commands run on the host as its root, UNISOLATED, for
+            development only.
     """
 
     def __init__(
@@ -62,6 +87,7 @@ class ProcessDriver:
         cgroups: Cgroups | None = None,
         isolate_tmp: bool = True,
         poll_interval_s: float = 0.05,
+        isolation: Isolation = "namespaces",
     ) -> None:
         self.layout = HostLayout(Path(root))
         self.host_id = check_id("host id", host_id)
@@ -71,6 +97,10 @@ class ProcessDriver:
         self._tmp_probe: tuple[bool, str] = (False, "not probed yet (call start())")
         self._poll_interval_s = poll_interval_s
         self._handles: dict[tuple[str, str], CommandHandle] = {}
+        self.isolation: Isolation = isolation
+        self.boxes = (
+            Boxes(self.layout, self.host_id, self.cgroups) if isolation == "namespaces" else None
+        )
 
     async def __aenter__(self) -> ProcessDriver:
         await self.start()
@@ -86,6 +116,11 @@ class ProcessDriver:
 
     async def start(self) -> None:
         (self.layout.root / "sandboxes").mkdir(parents=True, exist_ok=True)
+        if self.boxes is not None:
+            await self.boxes.start()
+            self._tmp_probe = (True, "")
+            await self._pool.start()
+            return
         probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
         self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())
 
@@ -107,29 +142,64 @@ class ProcessDriver:
     def capabilities(self) -> dict[str, Any]:
         """What this host enforces, and in words what it does not."""
         tmp_ok, tmp_detail = self._tmp_probe
-        degraded = []
+        limits = {
+            "cgroup": self.cgroups.kind,
+            "memory_limit": self.cgroups.enforces_memory_limit,
+            "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
+        }
+        if self.boxes is not None:
+            isolation = self.boxes.capabilities()
+            message = isolation.pop("message_isolation")
+            if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
+                message += f"; {self.cgroups.message}"
+            return {**isolation, **limits, "tmp_isolation": True, "message": message}
+        degraded = ["UNISOLATED process driver (development only): commands run as the host's root"]
         if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
             degraded.append(self.cgroups.message)
         if not tmp_ok:
             degraded.append(f"/tmp is shared with the host: {tmp_detail}")
         return {
-            "cgroup": self.cgroups.kind,
-            "memory_limit": self.cgroups.enforces_memory_limit,
-            "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
+            "driver": "process",
+            "user": "host-root",
+            "network": "host",
+            "seccomp": False,
+            **limits,
             "tmp_isolation": tmp_ok,
-            "message": "; ".join(degraded) or "full isolation",
+            "message": "; ".join(degraded),
         }
 
     # --- sandboxes ------------------------------------------------------------
 
     def workspace(self, sandbox_id: str) -> Path:
+        """The workspace's host path (``/workspace`` inside a namespaced sandbox)."""
+        if self.boxes is not None:
+            return self.boxes.fs(sandbox_id).workspace
         return self.layout.workspace(sandbox_id)
 
-    async def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
-        """Create (or update the limit of) a sandbox; safe to repeat."""
-        self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)
-        self.layout.commands_dir(sandbox_id).mkdir(exist_ok=True)
+    def id_offset(self, sandbox_id: str) -> int:
+        """The host id that is root inside the sandbox (0 for the process driver)."""
+        return 0 if self.boxes is None else self.boxes.id_offset(sandbox_id)
+
+    def restored(self, sandbox_id: str) -> None:
+        """A save was just restored into the workspace: make host-written files the sandbox's."""
+        if self.boxes is not None:
+            self.boxes.claim_restored(sandbox_id)
+
+    async def create_sandbox(
+        self,
+        sandbox_id: str,
+        memory_limit_bytes: int | None,
+        settings: SandboxSettings | None = None,
+    ) -> None:
+        """Create (or update the limit of) a sandbox and start its box; safe to repeat."""
+        self.layout.commands_dir(sandbox_id).mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes)
+        if self.boxes is None:
+            self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)
+            return
+        current = self.boxes.settings(sandbox_id) if settings is None else settings
+        await asyncio.to_thread(self.boxes.prepare, sandbox_id, current)
+        await self.boxes.ensure(sandbox_id)
 
     async def destroy_sandbox(self, sandbox_id: str) -> None:
         """Kill everything in the sandbox, then remove its cgroups and directory."""
@@ -237,17 +307,19 @@ class ProcessDriver:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+        user: User = "user",
     ) -> CommandHandle:
         """Start a command, or adopt it if this command id was launched before.
 
         ``cwd`` defaults to the workspace; a relative one is taken from there.
         The environment is ``env`` over a minimal PATH and HOME, never the agent's.
+        ``user`` is the sandbox's unprivileged user or its root (namespaced only).
         """
         paths = self.layout.command(sandbox_id, command_id)
         known = self._handles.get((sandbox_id, command_id))
         if known is not None:
             return known
-        workspace = self.layout.workspace(sandbox_id)
+        workspace = self.workspace(sandbox_id)
         if not workspace.is_dir():
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist on this host")
         try:
@@ -257,16 +329,44 @@ class ProcessDriver:
         handle = CommandHandle(sandbox_id, command_id, paths, poll_interval_s=self._poll_interval_s)
         self._handles[(sandbox_id, command_id)] = handle
         with handle.launching():
-            await self._hand_over(handle, argv, workspace, cwd, env or {}, timeout_s, kill_grace_s)
+            placement = await self._placement(handle, workspace, cwd, env or {}, user)
+            if placement is not None:
+                await self._hand_over(handle, argv, placement, timeout_s, kill_grace_s)
         return handle
+
+    async def _placement(
+        self,
+        handle: CommandHandle,
+        workspace: Path,
+        cwd: str | None,
+        env: dict[str, str],
+        user: User,
+    ) -> _Placement | None:
+        """Where and as whom the command runs; None (recorded launch_failed) if nowhere."""
+        if self.boxes is None:
+            return _Placement(
+                cwd=str(workspace / cwd) if cwd else str(workspace),
+                env={"PATH": DEFAULT_PATH, "HOME": str(workspace), **env},
+                box=None,
+                keep_visible=[str(workspace)],
+            )
+        try:
+            state = await self.boxes.ensure(handle.sandbox_id)
+        except IsolationUnavailable as err:
+            self._record_launch_failure(handle, f"the sandbox's namespaces: {err}")
+            return None
+        return _Placement(
+            cwd=command_cwd(cwd),
+            env=command_env(user, env, DEFAULT_PATH),
+            box=self.boxes.target(state, user).to_json(),
+            keep_visible=[],
+        )
 
     async def _hand_over(
         self,
         handle: CommandHandle,
         argv: list[str],
-        workspace: Path,
-        cwd: str | None,
-        env: dict[str, str],
+        placement: _Placement,
         timeout_s: float | None,
         kill_grace_s: float,
     ) -> None:
@@ -280,15 +380,16 @@ class ProcessDriver:
             sandbox_id=handle.sandbox_id,
             command_id=handle.command_id,
             argv=list(argv),
-            cwd=str(workspace / cwd) if cwd else str(workspace),
-            env={"PATH": DEFAULT_PATH, "HOME": str(workspace), **env},
+            cwd=placement.cwd,
+            env=placement.env,
             timeout_s=timeout_s,
             kill_grace_s=kill_grace_s,
             cgroup_procs=cgroup.procs,
             oom_file=cgroup.oom_file,
-            isolate_tmp=self._isolate_tmp,
-            keep_visible=[str(workspace)],
+            isolate_tmp=self._isolate_tmp and placement.box is None,
+            keep_visible=placement.keep_visible,
             created_at=time.time(),
+            box=placement.box,
         )
         write_json(paths.spec, spec.to_json())
         for stream in (paths.stdout, paths.stderr):

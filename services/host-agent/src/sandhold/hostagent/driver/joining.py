@@ -1,0 +1,191 @@
+"""Joining a running box: how a supervisor's child becomes a command inside it.
+
+The supervisor stays outside, as the parent of everything it watches (output
+pipes, exit status, timeouts and the record on disk are as for the process
+driver). Its child, between fork and exec:
+
+1. checks that the box's init is still the process it was (a pid can be
+   reused) and opens its namespaces;
+2. joins the pid namespace, which takes effect for children only, so it forks:
+   the outer half stays in the host's pid namespace and only mirrors the inner
+   half's exit status (``mirror``); the inner half becomes the command;
+3. the inner half joins the command's cgroups, starts its own session, joins
+   the user, mount, net, ipc, uts and cgroup namespaces, takes the sandbox
+   user's ids, drops every capability outside the small set a container's root
+   keeps (none at all for the unprivileged user), sets ``no_new_privs`` and
+   installs the seccomp filter last (it refuses ``setns``).
+
+Everything is prepared before the fork (libc, the filter in memory); the child
+only makes system calls. ``enter`` returns a reason instead of raising where
+it can, since a launch failure must be recorded, not crash the supervisor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import shutil
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
+from sandhold.hostagent.driver.seccomp import LoadedFilter
+
+# Joined in this order once the pid namespace is; the user namespace first,
+# so the rest is joined with the box's own capabilities.
+_NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "cgroup")
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_DUMPABLE = 4
+_PR_CAPBSET_DROP = 24
+# What the sandbox's root keeps inside its user namespace (Docker's default
+# set, less NET_RAW): enough for a package manager; never CAP_SYS_ADMIN,
+# CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_NET_ADMIN or the like.
+ROOT_CAPABILITIES = frozenset(
+    {0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 27, 29, 31}
+)  # CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE SYS_CHROOT MKNOD AUDIT_WRITE SETFCAP  # noqa: E501
+_LAST_CAP = 63
+
+
+@dataclass(frozen=True)
+class BoxTarget:
+    """Which box to join and as whom; part of the command's spec on disk."""
+
+    init: dict[str, Any]  # ProcessIdentity of the box's init
+    uid: int
+    gid: int
+    groups: list[int]
+    seccomp: str | None  # the raw BPF program's path
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "init": self.init, "uid": self.uid, "gid": self.gid,
+            "groups": self.groups, "seccomp": self.seccomp,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> BoxTarget:
+        return cls(
+            init=dict(raw["init"]),
+            uid=int(raw["uid"]),
+            gid=int(raw["gid"]),
+            groups=[int(g) for g in raw.get("groups", [])],
+            seccomp=raw.get("seccomp"),
+        )
+
+
+class Joiner:
+    """Prepared in the supervisor, used in its forked child (see module docstring)."""
+
+    def __init__(self, target: BoxTarget) -> None:
+        self.target = target
+        self._init = ProcessIdentity.from_json(target.init)
+        self._filter: LoadedFilter | None = None
+        if target.seccomp is not None:
+            with open(target.seccomp, "rb") as program:
+                self._filter = LoadedFilter(program.read())
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        self._libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong] + [ctypes.c_ulong] * 3
+        self._fds: dict[str, int] = {}
+
+    def _errno(self, what: str) -> str:
+        return f"{what}: {os.strerror(ctypes.get_errno())}"
+
+    def open_box(self) -> str | None:
+        """Open the box's namespaces; why not, if its init is gone."""
+        if not self._init.is_alive():
+            return "the sandbox's init is not running"
+        try:
+            for name in ("pid", *_NAMESPACES):
+                self._fds[name] = os.open(f"/proc/{self._init.pid}/ns/{name}", os.O_RDONLY)
+        except OSError as err:
+            return f"opening the sandbox's namespaces: {err.strerror}"
+        # Opened, the descriptors name the namespaces whatever the pid becomes;
+        # still this process, they are the box's.
+        if not self._init.is_alive():
+            return "the sandbox's init exited while being joined"
+        return None
+
+    def join_pid_namespace(self) -> str | None:
+        if self._libc.setns(self._fds["pid"], 0) != 0:
+            return self._errno("joining the pid namespace")
+        return None
+
+    def enter(self) -> str | None:
+        """In the inner half: the remaining namespaces, the ids, the privileges, the filter."""
+        self._libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+        for name in _NAMESPACES:
+            if self._libc.setns(self._fds[name], 0) != 0:
+                return self._errno(f"joining the {name} namespace")
+        for fd in self._fds.values():
+            os.close(fd)
+        keep = ROOT_CAPABILITIES if self.target.uid == 0 else frozenset()
+        for cap in range(_LAST_CAP + 1):
+            if cap not in keep and self._libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                if ctypes.get_errno() == 22:  # EINVAL: past the kernel's last capability
+                    break
+                return self._errno("dropping capabilities")
+        try:
+            os.setgroups(self.target.groups)
+            os.setresgid(self.target.gid, self.target.gid, self.target.gid)
+            os.setresuid(self.target.uid, self.target.uid, self.target.uid)
+        except OSError as err:
+            return f"taking the sandbox user's ids: {err.strerror}"
+        if self._libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            return self._errno("setting no_new_privs")
+        return None
+
+    def install_filter(self) -> str | None:
+        if self._filter is None:
+            return None
+        code = self._filter.install()
+        return None if code == 0 else f"installing the seccomp filter: {os.strerror(code)}"
+
+
+def launch_problem_inside(argv: list[str], cwd: str, env: dict[str, str]) -> str | None:
+    """``launch_failed`` reasons, judged from inside the sandbox's root."""
+    if not argv:
+        return "empty command line"
+    try:
+        os.chdir(cwd)
+    except OSError:
+        return f"working directory does not exist: {cwd}"
+    program = argv[0]
+    if "/" in program:
+        if not os.path.exists(program):
+            return f"executable not found: {program}"
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            return f"not an executable file: {program}"
+        return None
+    if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        return f"executable not found: {program}"
+    return None
+
+
+def mirror(inner: int) -> None:
+    """The outer half: wait for the command and end exactly as it did. Never returns."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(null, target)
+    os.closerange(3, 1 << 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):  # fmt: skip
+        signal.signal(sig, signal.SIG_IGN)
+    while True:
+        try:
+            _, status = os.waitpid(inner, 0)
+        except ChildProcessError:
+            os._exit(255)
+        except InterruptedError:
+            continue
+        if os.WIFEXITED(status):
+            os._exit(os.WEXITSTATUS(status))
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            os.kill(os.getpid(), sig)
+            os._exit(128 + sig)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 from sandhold.saves import CaptureError, capture, clear_spool
 from sandhold.saves.capture import RACY_WINDOW_S
@@ -15,6 +17,8 @@ from sandhold.saves.capture import RACY_WINDOW_S
 from tests.saves.conftest import write
 
 CHUNK = 64 * 1024
+# cap_net_raw+ep as `setcap` writes it (VFS_CAP_REVISION_2).
+FILE_CAPABILITY = bytes.fromhex("0100000200200000000000000000000000000000")
 
 
 def later() -> float:
@@ -133,7 +137,7 @@ def test_files_changed_near_the_previous_capture_are_read_again(
     assert second.changed_files == 1
 
 
-def test_special_files_are_skipped_and_symlinks_not_followed(
+def test_sockets_and_devices_are_skipped_whiteouts_and_fifos_kept(
     workspace: Path, spool: Path, tmp_path: Path
 ) -> None:
     outside = tmp_path / "outside"
@@ -142,6 +146,9 @@ def test_special_files_are_skipped_and_symlinks_not_followed(
     os.symlink(outside, workspace / "link-to-dir")
     os.symlink("missing", workspace / "dangling")
     os.mkfifo(workspace / "fifo")
+    os.mknod(workspace / "whiteout", stat.S_IFCHR, os.makedev(0, 0))
+    os.mknod(workspace / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.mknod(workspace / "loop", stat.S_IFBLK | 0o660, os.makedev(7, 0))
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(workspace / "sock"))
         result = capture(
@@ -150,9 +157,155 @@ def test_special_files_are_skipped_and_symlinks_not_followed(
     kinds = {e.path: (e.kind, e.target) for e in result.manifest.entries}
     assert kinds == {
         b"dangling": ("symlink", b"missing"),
+        b"fifo": ("fifo", b""),
         b"link-to-dir": ("symlink", os.fsencode(outside)),
+        b"whiteout": ("whiteout", b""),
     }
     assert result.scanned_files == 0
+
+
+def test_owners_are_recorded_inside_the_namespace(workspace: Path, spool: Path) -> None:
+    offset = 1_000_000 + 2 * 65536
+    for name, uid, gid in [
+        ("root-owned", offset, offset),
+        ("user", offset + 1000, offset + 1001),
+        ("last", offset + 65535, offset + 65535),
+        ("host", 4242, offset + 7),  # not an id of this namespace: unknown
+        ("next-sandbox", offset + 65536, offset - 1),
+    ]:
+        write(workspace / name, b"x")
+        os.chown(workspace / name, uid, gid)
+    os.chown(workspace, offset, offset)
+
+    def owners(id_offset: int) -> dict[bytes, tuple[int, int]]:
+        result = capture(
+            workspace,
+            save_id="sv-1",
+            sandbox_id="sb",
+            previous=None,
+            spool=spool,
+            now=later(),
+            id_offset=id_offset,
+        )
+        assert result.manifest.root is not None
+        root = result.manifest.root
+        return {e.path: (e.uid, e.gid) for e in result.manifest.entries} | {
+            b"": (root.uid, root.gid)
+        }
+
+    assert owners(offset) == {
+        b"": (0, 0),
+        b"root-owned": (0, 0),
+        b"user": (1000, 1001),
+        b"last": (65535, 65535),
+        b"host": (-1, 7),
+        b"next-sandbox": (-1, -1),
+    }
+    assert owners(0) == {  # the default records host ids, as before
+        b"": (offset, offset),
+        b"root-owned": (offset, offset),
+        b"user": (offset + 1000, offset + 1001),
+        b"last": (offset + 65535, offset + 65535),
+        b"host": (4242, offset + 7),
+        b"next-sandbox": (offset + 65536, offset - 1),
+    }
+
+
+def test_only_overlay_and_user_xattrs_are_recorded(workspace: Path, spool: Path) -> None:
+    write(workspace / "tool", b"#!/bin/sh\n", mode=0o755)
+    os.setxattr(workspace / "tool", "user.note", b"mine")
+    os.setxattr(workspace / "tool", "trusted.overlay.origin", b"\x00\xfb")
+    os.setxattr(workspace / "tool", "trusted.other", b"host's")
+    # A file capability (cap_net_raw+ep): it must not travel to another sandbox.
+    os.setxattr(workspace / "tool", "security.capability", FILE_CAPABILITY)
+    (workspace / "d").mkdir()
+    os.setxattr(workspace / "d", "trusted.overlay.opaque", b"y")
+    os.symlink("tool", workspace / "link")
+    os.setxattr(workspace / "link", "trusted.overlay.redirect", b"/x", follow_symlinks=False)
+    result = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    )
+    assert {e.path: e.xattrs for e in result.manifest.entries} == {
+        b"d": {b"trusted.overlay.opaque": b"y"},
+        b"link": {b"trusted.overlay.redirect": b"/x"},
+        b"tool": {b"trusted.overlay.origin": b"\x00\xfb", b"user.note": b"mine"},
+    }
+
+
+def test_a_reused_file_gets_this_captures_owners_and_an_old_saves_missing_xattrs(
+    workspace: Path, spool: Path
+) -> None:
+    offset = 1_000_000 + 65536
+    write(workspace / "f", b"unchanged")
+    os.chown(workspace / "f", offset + 1000, offset + 1000)
+    os.setxattr(workspace / "f", "user.note", b"kept")
+    first = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    )
+    assert first.manifest.format == 2
+    (f,) = first.manifest.entries
+    # As a save from before xattrs (format 1) recorded the same file, host ids and all.
+    old = msgspec.structs.replace(
+        first.manifest, format=1, entries=[msgspec.structs.replace(f, xattrs={})]
+    )
+    second = capture(
+        workspace,
+        save_id="sv-2",
+        sandbox_id="sb",
+        previous=old,
+        spool=spool,
+        now=later(),
+        id_offset=offset,
+    )
+    assert second.changed_files == 0  # content not read again
+    (f,) = second.manifest.entries
+    assert (f.uid, f.gid, f.xattrs) == (1000, 1000, {b"user.note": b"kept"})
+
+
+def test_hard_links_are_saved_once_and_stay_incremental(workspace: Path, spool: Path) -> None:
+    (workspace / "d").mkdir()
+    write(workspace / "b", b"shared content")
+    os.link(workspace / "b", workspace / "a")
+    os.link(workspace / "b", workspace / "d" / "c")
+    write(workspace / "alone", b"alone")
+    os.link(workspace / "alone", workspace.parent / "outside-link")  # nlink 2, one name inside
+    first = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    )
+    by_path = {e.path: e for e in first.manifest.entries}
+    assert by_path[b"a"].kind == "file" and by_path[b"a"].size == len(b"shared content")
+    assert (by_path[b"b"].kind, by_path[b"b"].link_to) == ("hardlink", b"a")
+    assert (by_path[b"d/c"].kind, by_path[b"d/c"].link_to) == ("hardlink", b"a")
+    assert by_path[b"b"].chunks == [] and by_path[b"b"].size == 0
+    assert by_path[b"alone"].kind == "file"
+    assert first.changed_files == 2 and first.manifest.files == 2
+    clear_spool(spool, keep=set())
+
+    second = capture(
+        workspace,
+        save_id="sv-2",
+        sandbox_id="sb",
+        previous=first.manifest,
+        spool=spool,
+        now=later(),
+    )
+    assert second.changed_files == 0 and second.new_chunks == {}
+    assert second.manifest.entries == first.manifest.entries
+
+    os.unlink(workspace / "a")  # "b" now holds the content; "d/c" links to it
+    write(workspace / "d" / "c", b"changed through a link")
+    third = capture(
+        workspace,
+        save_id="sv-3",
+        sandbox_id="sb",
+        previous=second.manifest,
+        spool=spool,
+        now=later(),
+    )
+    by_path = {e.path: e for e in third.manifest.entries}
+    assert (by_path[b"b"].kind, by_path[b"d/c"].link_to) == ("file", b"b")
+    assert by_path[b"b"].chunks == [hashlib.sha256(b"changed through a link").hexdigest()]
+    assert third.changed_files == 1
 
 
 def test_spool_inside_the_workspace_is_refused(workspace: Path) -> None:

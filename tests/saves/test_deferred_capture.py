@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from sandhold.saves import capture, finish_capture
@@ -14,6 +15,11 @@ def _fill(workspace: Path) -> None:
     (workspace / "small").write_bytes(b"hello\n")
     (workspace / "empty").write_bytes(b"")
     os.symlink("small", workspace / "link")
+    # A directory's own names come before its subdirectories', so this one holds the content.
+    os.link(workspace / "d" / "big", workspace / "e-big-again")
+    os.setxattr(workspace / "small", "user.note", b"x")
+    os.mkfifo(workspace / "fifo")
+    os.mknod(workspace / "whiteout", stat.S_IFCHR, os.makedev(0, 0))
 
 
 def test_deferred_capture_gives_the_same_save(tmp_path: Path) -> None:
@@ -33,6 +39,8 @@ def test_deferred_capture_gives_the_same_save(tmp_path: Path) -> None:
         defer_hashing=True,
     )
     assert deferred.pending and all(not e.chunks for e in deferred.manifest.entries)
+    kinds = {e.path: e.kind for e in deferred.manifest.entries}
+    assert kinds[b"d/big"] == "hardlink" and kinds[b"whiteout"] == "whiteout"
     finished = finish_capture(deferred, tmp_path / "spool-b")
     assert finished.pending == []
     assert finished.manifest == direct.manifest

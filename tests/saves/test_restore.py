@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from sandhold.saves import (
     RestoreError,
     SaveStore,
     capture,
+    decode_manifest,
     restore,
 )
 from sandhold.saves.capture import RACY_WINDOW_S
@@ -145,3 +147,24 @@ async def test_a_manifest_escaping_the_destination_is_refused(
     with pytest.raises(CorruptManifest, match="parent is not a directory"):
         await restore(store, evil, tmp_path / "dest")
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "dest").exists()
+
+
+async def test_an_old_format_manifest_restores_as_before(store: SaveStore, tmp_path: Path) -> None:
+    golden = Path(__file__).parent / "golden" / "manifest-format1.bin"
+    old = decode_manifest(golden.read_bytes())
+    content = b"hello, old save\n"  # what src/hello.txt held, in chunks of 8
+    for piece in (content[:8], content[8:]):
+        await store.put_chunk(hashlib.sha256(piece).hexdigest(), piece)
+    dest = tmp_path / "restored"
+    stats = await restore(store, old, dest)
+
+    assert (dest / "src" / "hello.txt").read_bytes() == content
+    assert os.readlink(dest / "link") == "src/hello.txt"
+    assert sorted(os.listdir(os.fsencode(dest))) == [b"caf\xe9", b"link", b"src"]
+    hello = os.stat(dest / "src" / "hello.txt")
+    assert (hello.st_uid, hello.st_gid, stat.S_IMODE(hello.st_mode)) == (1000, 1000, 0o644)
+    assert hello.st_mtime_ns == 1_600_000_000_123_456_789 + 4
+    cafe = os.stat(os.fsencode(dest) + b"/caf\xe9")
+    assert (cafe.st_uid, cafe.st_gid, cafe.st_size) == (1001, 1002, 0)
+    assert stat.S_IMODE(os.stat(dest).st_mode) == 0o711
+    assert (stats.files, stats.dirs, stats.symlinks, stats.hardlinks) == (2, 1, 1, 0)

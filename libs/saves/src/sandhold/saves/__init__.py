@@ -1,11 +1,11 @@
 """The save store: capture a workspace, upload its chunks, verify, restore, collect garbage."""
 
+from sandhold.saves._spool import clear_spool
 from sandhold.saves.capture import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_EXCLUDE,
     Capture,
     capture,
-    clear_spool,
     finish_capture,
 )
 from sandhold.saves.errors import (

@@ -1,4 +1,4 @@
-"""Capturing a workspace into a manifest and a local spool of chunks.
+"""Capturing a workspace, or an overlay's upper directory, into a manifest and a spool.
 
 Runs while the sandbox's processes are frozen, so it is synchronous (the
 caller puts it in a thread) and does as little as it can: it stats every
@@ -6,6 +6,10 @@ name but reads only files whose stat differs from the previous manifest's
 entry. Every chunk it reads is copied into the spool before it returns; after
 the thaw the spool, not the live workspace, is what gets uploaded — that is
 what makes the save crash-consistent.
+
+Besides directories, files and symlinks it keeps what an overlayfs upper
+layer holds: whiteouts, FIFOs, hard links, and the extended attributes that
+mark opaque directories and redirects (see `xattr_is_carried`).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import stat
 from pathlib import Path
 
 import msgspec
+from sandhold.saves._spool import copy_all, read_full
+from sandhold.saves._xattrs import read_xattrs
 from sandhold.saves.errors import CaptureError
-from sandhold.saves.manifest import Entry, EntryKind, Manifest
+from sandhold.saves.manifest import Entry, EntryKind, Manifest, recorded_id
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Temporary mounts and delivered credentials are never saved (top-level names).
@@ -55,6 +61,7 @@ def capture(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     exclude: frozenset[bytes] = DEFAULT_EXCLUDE,
     defer_hashing: bool = False,
+    id_offset: int = 0,
 ) -> Capture:
     """Walk `workspace` (never following symlinks) into a manifest.
 
@@ -73,6 +80,10 @@ def capture(
         now: this host's wall-clock time of the capture (processes frozen).
         chunk_size: bytes per chunk; a previous save with another size is ignored.
         exclude: top-level names never saved.
+        id_offset: the host id that the sandbox's user namespace maps its id 0
+            to. Owners are recorded as `host id - id_offset`, so the save
+            restores onto a namespace with another offset; an id outside the
+            namespace's range is recorded as unknown (-1). 0 records host ids.
 
     Raises:
         CaptureError: a file or directory could not be read, or the spool is
@@ -80,6 +91,8 @@ def capture(
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
+    if id_offset < 0:
+        raise ValueError(f"id_offset must not be negative, not {id_offset}")
     root = os.fsencode(os.path.abspath(workspace))
     spool_path = Path(os.path.abspath(spool))
     if (os.fsencode(spool_path) + b"/").startswith(root + b"/"):
@@ -87,6 +100,7 @@ def capture(
     spool_path.mkdir(parents=True, exist_ok=True)
     walker = _Walker(root, spool_path, chunk_size, exclude, previous)
     walker.defer = defer_hashing
+    walker.id_offset = id_offset
     root_entry = walker.root_entry()
     walker.walk()
     manifest = Manifest(
@@ -134,28 +148,6 @@ def finish_capture(captured: Capture, spool: Path) -> Capture:
     )
 
 
-def clear_spool(spool: Path, keep: set[str]) -> int:
-    """Remove every spool file except the chunks in `keep`; returns how many were removed.
-
-    Call it once the chunks of a save are stored (keep nothing) or to drop a
-    failed save's leftovers (keep what a retry will upload).
-    """
-    removed = 0
-    try:
-        names = os.listdir(spool)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        if name in keep:
-            continue
-        try:
-            os.unlink(os.path.join(spool, name))
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
 def _same_stat(old: Entry, st: os.stat_result, racy_before_ns: int) -> bool:
     return (
         old.kind == "file"
@@ -195,6 +187,10 @@ class _Walker:
         self._buffer = bytearray(chunk_size)
         self.defer = False
         self.pending: list[tuple[int, str]] = []
+        self.id_offset = 0
+        self.previous_has_xattrs = usable and previous is not None and previous.format >= 2
+        # (st_dev, st_ino) -> path of the first file entry of a multiply linked inode
+        self.linked: dict[tuple[int, int], bytes] = {}
 
     def root_entry(self) -> Entry:
         try:
@@ -205,7 +201,7 @@ class _Walker:
             ) from err
         if not stat.S_ISDIR(st.st_mode):
             raise CaptureError(f"workspace {os.fsdecode(self.root)} is not a directory")
-        return _entry(b"", "dir", st)
+        return self._entry(b"", "dir", st)
 
     def walk(self) -> None:
         # Depth first, names sorted: parents come before their children and
@@ -219,13 +215,19 @@ class _Walker:
                 rel = rel_dir + b"/" + name if rel_dir else name
                 mode = st.st_mode
                 if stat.S_ISDIR(mode):
-                    self.entries.append(_entry(rel, "dir", st))
+                    self.entries.append(self._entry(rel, "dir", st))
                     subdirs.append(rel)
                 elif stat.S_ISREG(mode):
                     self._file(rel, st)
                 elif stat.S_ISLNK(mode):
                     self._symlink(rel, st)
-                # sockets, fifos and devices are not content: skipped
+                elif stat.S_ISCHR(mode) and st.st_rdev == 0:
+                    self.entries.append(self._entry(rel, "whiteout", st))
+                elif stat.S_ISFIFO(mode):
+                    self.entries.append(self._entry(rel, "fifo", st))
+                # Sockets and every other device node are skipped: a socket is
+                # live state of a process, and a device node is a door into
+                # the host that a sandbox must never carry to another one.
             stack.extend(reversed(subdirs))
 
     def _abs(self, rel: bytes) -> bytes:
@@ -258,13 +260,20 @@ class _Walker:
             raise CaptureError(
                 f"cannot read the link {os.fsdecode(self._abs(rel))}: {err}"
             ) from err
-        self.entries.append(_entry(rel, "symlink", st, target=target))
+        self.entries.append(self._entry(rel, "symlink", st, target=target))
 
     def _file(self, rel: bytes, st: os.stat_result) -> None:
         self.scanned_files += 1
+        first = self.linked.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if first is not None:
+            # Another name of an inode already saved: the content is the first's.
+            link = Entry(path=rel, kind="hardlink", mode=stat.S_IMODE(st.st_mode), link_to=first)
+            self.entries.append(link)
+            return
         old = self.previous.get(rel)
         if old is not None and _same_stat(old, st, self.racy_before_ns):
-            self.entries.append(old)
+            self._remember_links(rel, st)
+            self.entries.append(self._reused(old, rel, st))
             return
         if self.defer:
             copied = self._copy(rel)
@@ -274,7 +283,8 @@ class _Walker:
             self.pending.append((len(self.entries), copy))
             self.changed_files += 1
             self.changed_bytes += size
-            self.entries.append(_entry(rel, "file", st, size=size, chunks=[]))
+            self._remember_links(rel, st)
+            self.entries.append(self._entry(rel, "file", st, size=size))
             return
         read = self._read(rel)
         if read is None:
@@ -282,7 +292,48 @@ class _Walker:
         chunks, size, st = read
         self.changed_files += 1
         self.changed_bytes += size
-        self.entries.append(_entry(rel, "file", st, size=size, chunks=chunks))
+        self._remember_links(rel, st)
+        self.entries.append(self._entry(rel, "file", st, size=size, chunks=chunks))
+
+    def _reused(self, old: Entry, rel: bytes, st: os.stat_result) -> Entry:
+        """An unchanged file's entry. Owners come from this stat (the previous save
+        may have been taken with another offset); xattrs are read again when the
+        previous save did not record them."""
+        uid = recorded_id(st.st_uid, self.id_offset)
+        gid = recorded_id(st.st_gid, self.id_offset)
+        xattrs = old.xattrs if self.previous_has_xattrs else read_xattrs(self._abs(rel))
+        if (uid, gid, xattrs) == (old.uid, old.gid, old.xattrs):
+            return old
+        return msgspec.structs.replace(old, uid=uid, gid=gid, xattrs=xattrs)
+
+    def _remember_links(self, rel: bytes, st: os.stat_result) -> None:
+        if st.st_nlink > 1:
+            self.linked.setdefault((st.st_dev, st.st_ino), rel)
+
+    def _entry(
+        self,
+        rel: bytes,
+        kind: EntryKind,
+        st: os.stat_result,
+        *,
+        size: int = 0,
+        chunks: list[str] | None = None,
+        target: bytes = b"",
+    ) -> Entry:
+        return Entry(
+            path=rel,
+            kind=kind,
+            mode=stat.S_IMODE(st.st_mode),
+            size=size,
+            mtime_ns=st.st_mtime_ns,
+            ino=st.st_ino,
+            target=target,
+            chunks=chunks or [],
+            ctime_ns=st.st_ctime_ns,
+            uid=recorded_id(st.st_uid, self.id_offset),
+            gid=recorded_id(st.st_gid, self.id_offset),
+            xattrs=read_xattrs(self._abs(rel)),
+        )
 
     def _read(self, rel: bytes) -> tuple[list[str], int, os.stat_result] | None:
         path = self._abs(rel)
@@ -306,7 +357,7 @@ class _Walker:
         size = 0
         view = memoryview(self._buffer)
         while True:
-            length = _read_full(fd, view)
+            length = read_full(fd, view)
             if length == 0:
                 break
             piece = view[:length]
@@ -333,7 +384,7 @@ class _Walker:
             st = os.fstat(src)
             dst = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                size = _copy_all(src, dst)
+                size = copy_all(src, dst)
             finally:
                 os.close(dst)
             return copy, size, st
@@ -361,56 +412,3 @@ class _Walker:
         except OSError as err:
             raise CaptureError(f"cannot write the spool {self.spool}: {err}") from err
         return final
-
-
-def _copy_all(src: int, dst: int) -> int:
-    """Copy src to dst from their current offsets; copy_file_range, else read/write."""
-    total = 0
-    try:
-        while n := os.copy_file_range(src, dst, 1 << 30):
-            total += n
-        return total
-    except OSError as err:
-        if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-    while piece := os.read(src, 1 << 20):
-        view = memoryview(piece)
-        while view:
-            view = view[os.write(dst, view) :]
-        total += len(piece)
-    return total
-
-
-def _read_full(fd: int, view: memoryview) -> int:
-    """Fill `view` unless the file ends first; returns the bytes read."""
-    filled = 0
-    while filled < len(view):
-        n = os.readv(fd, [view[filled:]])
-        if n == 0:
-            break
-        filled += n
-    return filled
-
-
-def _entry(
-    rel: bytes,
-    kind: EntryKind,
-    st: os.stat_result,
-    *,
-    size: int = 0,
-    chunks: list[str] | None = None,
-    target: bytes = b"",
-) -> Entry:
-    return Entry(
-        path=rel,
-        kind=kind,
-        mode=stat.S_IMODE(st.st_mode),
-        size=size,
-        mtime_ns=st.st_mtime_ns,
-        ino=st.st_ino,
-        target=target,
-        chunks=chunks or [],
-        ctime_ns=st.st_ctime_ns,
-        uid=st.st_uid,
-        gid=st.st_gid,
-    )

@@ -14,9 +14,19 @@ from typing import Literal
 import msgspec
 from sandhold.saves.errors import CorruptManifest
 
-EntryKind = Literal["file", "dir", "symlink"]
+# "hardlink": another name of an earlier "file" entry's inode (`link_to`).
+# "whiteout": overlayfs's mark of a deleted lower name (a 0:0 character device).
+EntryKind = Literal["file", "dir", "symlink", "hardlink", "whiteout", "fifo"]
 
-FORMAT = 1
+# 2: entries record the carried xattrs (and may use the overlay kinds). The
+# additions are new fields with defaults and new kinds, so a format 1 manifest
+# decodes and restores as it always did; what the number tells is that an
+# entry's empty `xattrs` means "none" rather than "not looked at" (capture
+# reads them again for files it reuses from a format 1 save).
+FORMAT = 2
+
+# A sandbox's user namespace maps ids 0..ID_RANGE-1 to `id_offset + 0 ..`.
+ID_RANGE = 65536
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -25,8 +35,12 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     `path` is relative to the workspace root, `/`-separated, as the file system
     spells it (bytes); the root itself is `b""`. `chunks` are the sha256 hex
     digests of the file's consecutive `chunk_size` pieces (only the last may be
-    shorter). `ctime_ns`, `uid` and `gid` were added after the first draft:
-    they have defaults, like every later field must.
+    shorter). `ctime_ns`, `uid` and `gid` were added after the first draft,
+    `link_to` and `xattrs` with the overlay kinds: they have defaults, like
+    every later field must.
+
+    `uid`/`gid` are the ids inside the sandbox's namespace when the capture
+    was given an `id_offset`, the host's ids otherwise.
     """
 
     path: bytes
@@ -40,6 +54,9 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     ctime_ns: int = 0  # catches rewrites that keep size and mtime (cp -p, rsync -t)
     uid: int = -1  # -1: unknown, restore leaves the owner alone
     gid: int = -1
+    link_to: bytes = b""  # hardlinks only: the path of the "file" entry holding the inode
+    # The extended attributes a save carries (see `xattr_is_carried`), name -> value.
+    xattrs: dict[bytes, bytes] = {}
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +104,41 @@ def decode_manifest(data: bytes) -> Manifest:
         raise CorruptManifest(f"not a decodable manifest: {err}") from err
 
 
+def xattr_is_carried(name: bytes) -> bool:
+    """Whether a save records and restores the extended attribute `name`.
+
+    Overlayfs's own attributes (`trusted.overlay.*`, and `user.overlay.*` for
+    an overlay mounted in a user namespace) are part of the upper layer: an
+    opaque directory, a redirect, an origin. Ordinary `user.*` attributes are
+    the sandbox's data. `security.*` never travels: it holds file capabilities
+    and LSM labels, and a capability set inside one sandbox must not be granted
+    to a binary in another one (nor can a label from one host be trusted on
+    another). `system.*` (POSIX ACLs) holds raw host ids that no `id_offset`
+    translates, and other `trusted.*` belong to the host, not the sandbox.
+    """
+    return name.startswith((b"trusted.overlay.", b"user."))
+
+
+def recorded_id(host_id: int, id_offset: int) -> int:
+    """The id a capture records for a host id: inside the namespace, or -1 if outside it."""
+    if id_offset == 0:
+        return host_id
+    inside = host_id - id_offset
+    return inside if 0 <= inside < ID_RANGE else -1
+
+
+def host_id(recorded: int, id_offset: int) -> int:
+    """The host id a restore gives a recorded id; -1 (leave it alone) when unknown.
+
+    With an offset, a recorded id beyond the namespace's range (a save captured
+    without an offset) is unknown too: adding the offset would hand the file to
+    an id of the next sandbox's range.
+    """
+    if recorded < 0 or (id_offset > 0 and recorded >= ID_RANGE):
+        return -1
+    return recorded + id_offset
+
+
 def chunk_lengths(entry: Entry, chunk_size: int) -> list[int]:
     """The length each of a file's chunks must have."""
     count = len(entry.chunks)
@@ -105,12 +157,18 @@ def entry_problems(manifest: Manifest) -> list[str]:
     Paths must be relative, without `.`/`..`/empty components, unique, and
     inside a directory the manifest names — so no entry can land outside the
     destination or beneath a symlink. File sizes must match their chunk counts.
+    Only files have chunks; a hardlink names an earlier file entry; only
+    carried xattrs appear, never on a hardlink (its inode's are the file's).
     """
     problems: list[str] = []
     if manifest.chunk_size <= 0:
         return [f"chunk_size {manifest.chunk_size} is not positive"]
     dirs: set[bytes] = {b""}
     seen: set[bytes] = set()
+    if manifest.root is not None and (manifest.root.kind != "dir" or manifest.root.path):
+        problems.append("the root entry is not the directory itself")
+    problems.extend(_kind_problems([manifest.root] if manifest.root else []))
+    problems.extend(_kind_problems(manifest.entries))
     for entry in sorted(manifest.entries, key=lambda e: e.path.count(b"/")):
         shown = entry.path.decode(errors="backslashreplace")
         parts = entry.path.split(b"/")
@@ -138,4 +196,31 @@ def entry_problems(manifest: Manifest) -> list[str]:
                 )
         elif entry.kind == "symlink" and not entry.target:
             problems.append(f"{shown!r}: a symlink without a target")
+    return problems
+
+
+def _kind_problems(entries: list[Entry]) -> list[str]:
+    """What each entry's kind rules out, in manifest order (a link's file comes first)."""
+    problems: list[str] = []
+    files: set[bytes] = set()
+    for entry in entries:
+        shown = entry.path.decode(errors="backslashreplace")
+        if entry.kind != "file" and (entry.chunks or entry.size):
+            problems.append(f"{shown!r}: a {entry.kind} with content (only files have chunks)")
+        if entry.kind != "symlink" and entry.target:
+            problems.append(f"{shown!r}: a {entry.kind} with a symlink target")
+        if entry.kind == "hardlink":
+            if entry.link_to not in files:
+                to = entry.link_to.decode(errors="backslashreplace")
+                problems.append(f"{shown!r}: a hardlink to {to!r}, not an earlier file entry")
+            if entry.xattrs:
+                problems.append(f"{shown!r}: a hardlink with xattrs (they are its file's)")
+        elif entry.link_to:
+            problems.append(f"{shown!r}: a {entry.kind} with a hardlink's link_to")
+        for name in entry.xattrs:
+            if not xattr_is_carried(name):
+                attr = name.decode(errors="backslashreplace")
+                problems.append(f"{shown!r}: xattr {attr!r} is not one a save may carry")
+        if entry.kind == "file":
+            files.add(entry.path)
     return problems

@@ -16,14 +16,22 @@ import secrets
 import shutil
 import stat
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import msgspec
 from sandhold.saves._bounded import for_each_sized
+from sandhold.saves._xattrs import write_xattrs
 from sandhold.saves.capture import RACY_WINDOW_S
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
-from sandhold.saves.manifest import Entry, Manifest, chunk_lengths, entry_problems
+from sandhold.saves.manifest import (
+    Entry,
+    Manifest,
+    chunk_lengths,
+    entry_problems,
+    host_id,
+    recorded_id,
+)
 from sandhold.saves.store import Progress, SaveStore, check_chunk
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -40,6 +48,9 @@ class RestoreStats(msgspec.Struct, frozen=True, kw_only=True):
     # `previous` to the first capture after the restore, so that capture reads
     # only what changed since, not the whole workspace again. Local: never store it.
     local_manifest: Manifest
+    hardlinks: int = 0  # names that share an earlier file's inode
+    whiteouts: int = 0
+    fifos: int = 0
 
 
 class _Target(msgspec.Struct, frozen=True):
@@ -61,11 +72,13 @@ async def restore(
     *,
     concurrency: int = 32,
     progress: Progress | None = None,
+    id_offset: int = 0,
 ) -> RestoreStats:
     """Write the save's tree to `dest`: directories, files, symlinks, modes, times.
 
+    Also what an overlay upper layer holds: hard links (names sharing one
+    inode again), whiteouts, FIFOs and the carried extended attributes.
     Owners are restored too when running as root and the manifest knows them.
-    Hard links come back as separate files.
 
     Args:
         store: where the chunks are.
@@ -73,13 +86,19 @@ async def restore(
         dest: must not exist, or be an empty directory.
         concurrency: chunks in flight (chunks under 64 KiB: eight times as many).
         progress: called as `progress(done_bytes, total_bytes)` after each chunk written.
+        id_offset: the host id the target sandbox's user namespace maps its id 0
+            to; owners become `recorded id + id_offset`. A recorded id outside
+            the namespace's range is then left alone. 0 restores ids as recorded.
 
     Raises:
-        RestoreError: `dest` exists and is not an empty directory.
+        RestoreError: `dest` exists and is not an empty directory, or the file
+            system there refuses a whiteout, FIFO, hard link or xattr.
         CorruptManifest: the manifest names paths outside `dest` or an impossible tree.
         MissingChunk, CorruptChunk: a chunk is not stored or not what it should be;
             nothing is left at `dest`.
     """
+    if id_offset < 0:
+        raise ValueError(f"id_offset must not be negative, not {id_offset}")
     dest = Path(os.path.abspath(dest))
     _check_dest(dest)
     problems = entry_problems(manifest)
@@ -94,27 +113,32 @@ async def restore(
         targets = await asyncio.to_thread(_create_tree, root, manifest)
         total = manifest.total_bytes
         fetched_bytes = await _fill(store, root, targets, total, concurrency, progress)
-        await asyncio.to_thread(_finish_tree, root, manifest)
-        local = await asyncio.to_thread(_local_manifest, root, manifest)
+        await asyncio.to_thread(_finish_tree, root, manifest, id_offset)
+        local = await asyncio.to_thread(_local_manifest, root, manifest, id_offset)
         _check_dest(dest)  # still absent or empty: rename replaces an empty directory only
         os.rename(staging, dest)
     except BaseException:
         _remove_tree(staging)
         raise
     await _after_last_timestamp(local)
+    kinds = Counter(e.kind for e in manifest.entries)
     return RestoreStats(
         files=local.files,
-        dirs=sum(1 for e in manifest.entries if e.kind == "dir"),
-        symlinks=sum(1 for e in manifest.entries if e.kind == "symlink"),
+        dirs=kinds["dir"],
+        symlinks=kinds["symlink"],
         restored_bytes=manifest.total_bytes,
         fetched_chunks=len(targets),
         fetched_bytes=fetched_bytes,
         local_manifest=local,
+        hardlinks=kinds["hardlink"],
+        whiteouts=kinds["whiteout"],
+        fifos=kinds["fifo"],
     )
 
 
 def _create_tree(root: bytes, manifest: Manifest) -> dict[str, list[_Target]]:
-    """Directories and empty files (private modes for now); where each chunk goes."""
+    """Directories, empty files (private modes for now), hard links, whiteouts and
+    FIFOs; where each chunk goes."""
     dirs = [e for e in manifest.entries if e.kind == "dir"]
     for entry in sorted(dirs, key=lambda e: e.path.count(b"/")):
         os.mkdir(_join(root, entry.path), 0o700)
@@ -129,7 +153,26 @@ def _create_tree(root: bytes, manifest: Manifest) -> dict[str, list[_Target]]:
         ):
             targets[digest].append(_Target(entry.path, offset, length))
             offset += length
+    for entry in manifest.entries:
+        if entry.kind in ("hardlink", "whiteout", "fifo"):
+            _make_node(root, entry)
     return targets
+
+
+def _make_node(root: bytes, entry: Entry) -> None:
+    """A hard link to its (already created) file, a whiteout or a FIFO."""
+    path = _join(root, entry.path)
+    try:
+        if entry.kind == "hardlink":
+            os.link(_join(root, entry.link_to), path, follow_symlinks=False)
+        elif entry.kind == "whiteout":  # overlayfs's mark: a character device 0:0
+            os.mknod(path, stat.S_IFCHR | entry.mode, os.makedev(0, 0))
+        else:
+            os.mkfifo(path, 0o600)
+    except OSError as err:
+        raise RestoreError(
+            f"cannot create the {entry.kind} {os.fsdecode(path)} in the restore destination: {err}"
+        ) from err
 
 
 async def _fill(
@@ -164,35 +207,43 @@ async def _fill(
     return fetched_bytes
 
 
-def _finish_tree(root: bytes, manifest: Manifest) -> None:
-    """Symlinks, then owners, modes and times, deepest directories first."""
+def _finish_tree(root: bytes, manifest: Manifest, id_offset: int) -> None:
+    """Symlinks, then xattrs, owners, modes and times, deepest directories first."""
     for entry in manifest.entries:
         if entry.kind == "symlink":
             os.symlink(entry.target, _join(root, entry.path))
     is_root = os.geteuid() == 0
     for entry in manifest.entries:
-        if entry.kind != "dir":
-            _set_attributes(_join(root, entry.path), entry, is_root)
+        # A hardlink's inode is its file's: it gets its attributes once, from there.
+        if entry.kind not in ("dir", "hardlink"):
+            _set_attributes(_join(root, entry.path), entry, is_root, id_offset)
     # Directories last (their contents no longer change, so their mtimes hold),
     # children before parents (a read-only parent is made so after its children).
     dirs = [e for e in manifest.entries if e.kind == "dir"]
     for entry in sorted(dirs, key=lambda e: e.path.count(b"/"), reverse=True):
-        _set_attributes(_join(root, entry.path), entry, is_root)
+        _set_attributes(_join(root, entry.path), entry, is_root, id_offset)
     if manifest.root is not None:
-        _set_attributes(root, manifest.root, is_root)
+        _set_attributes(root, manifest.root, is_root, id_offset)
     else:
         os.chmod(root, 0o755)
 
 
-def _local_manifest(root: bytes, manifest: Manifest) -> Manifest:
+def _local_manifest(root: bytes, manifest: Manifest, id_offset: int) -> Manifest:
     entries = []
     newest = 0
     for entry in manifest.entries:
+        if entry.kind == "hardlink":  # no stat of its own: its file's entry has it
+            entries.append(entry)
+            continue
         st = os.lstat(_join(root, entry.path))
         newest = max(newest, st.st_ctime_ns)
         entries.append(
             msgspec.structs.replace(
-                entry, ino=st.st_ino, ctime_ns=st.st_ctime_ns, uid=st.st_uid, gid=st.st_gid
+                entry,
+                ino=st.st_ino,
+                ctime_ns=st.st_ctime_ns,
+                uid=recorded_id(st.st_uid, id_offset),
+                gid=recorded_id(st.st_gid, id_offset),
             )
         )
     # `created_at` is what capture's racy-file rule compares ctimes with: set it
@@ -233,10 +284,13 @@ def _write_all(root: bytes, data: bytes, targets: list[_Target]) -> None:
             os.close(fd)
 
 
-def _set_attributes(path: bytes, entry: Entry, is_root: bool) -> None:
+def _set_attributes(path: bytes, entry: Entry, is_root: bool, id_offset: int) -> None:
     link = entry.kind == "symlink"
-    if is_root and entry.uid >= 0 and entry.gid >= 0:
-        os.chown(path, entry.uid, entry.gid, follow_symlinks=False)
+    # Xattrs first: `user.*` needs write access, which a read-only mode would take away.
+    write_xattrs(path, entry.xattrs)
+    uid, gid = host_id(entry.uid, id_offset), host_id(entry.gid, id_offset)
+    if is_root and (uid >= 0 or gid >= 0):  # -1 leaves that one alone
+        os.chown(path, uid, gid, follow_symlinks=False)
     if not link:  # Linux has no mode for a symlink; chown first, as it clears setuid bits
         os.chmod(path, entry.mode)
     os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)

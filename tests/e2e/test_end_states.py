@@ -114,7 +114,7 @@ async def test_resource_exhausted_when_the_memory_limit_is_hit(client: Client):
     hog = "b = bytearray(200 * 1024 * 1024); print(len(b))"
     import sys
 
-    result = await client.exec(sandbox_id, [sys.executable, "-c", hog])
+    result = await client.exec(sandbox_id, ["python3", "-c", hog])
     assert result.command.state == "resource_exhausted", result.command
     assert result.stdout == b""
 

@@ -74,7 +74,7 @@ async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
 async def test_every_completed_save_is_crash_consistent(client: Client):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
     writer = asyncio.create_task(
-        client.exec(sandbox_id, [sys.executable, "-c", WRITER], key="writer")
+        client.exec(sandbox_id, ["python3", "-c", WRITER], key="writer")
     )
     try:
         state = await client.wait_for(

@@ -179,7 +179,7 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         assert services == {"scheduler", "host-agent"}
         client = await connect(server.url)
         sandbox_id = await running_sandbox(client)
-        result = await client.exec(sandbox_id, [sys.executable, "-c", "print('alone')"])
+        result = await client.exec(sandbox_id, ["python3", "-c", "print('alone')"])
         assert result.stdout == b"alone\n"
         assert (await client.show_sandbox(sandbox_id)).host == "h1"
         await client.close()

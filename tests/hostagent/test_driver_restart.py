@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -16,7 +15,7 @@ from sandhold.hostagent.driver.records import CommandSpec, write_json
 
 from .conftest import collect, eventually
 
-PY = sys.executable
+PY = "python3"  # the sandbox's own, from its base (the host's /usr)
 SB = "sb1"
 MakeDriver = Callable[..., Awaitable[ProcessDriver]]
 
@@ -29,6 +28,14 @@ TWO_PHASE = (
     "print('second', flush=True)\n"
     "sys.exit(7)\n"
 )
+
+
+async def _go(driver: ProcessDriver, command_id: str = "go") -> None:
+    # Made inside the sandbox: a file written into a mounted overlay's upper
+    # layer from outside may stay unseen (overlayfs caches the lookup).
+    end = await (await driver.launch(SB, command_id, ["touch", "go"])).wait()
+    assert end.reason == "exited"
+    driver.mark_reported(SB, command_id)
 
 
 def _supervisor_pid(driver: ProcessDriver, command_id: str) -> int:
@@ -54,7 +61,7 @@ async def test_command_outlives_the_driver_and_is_adopted(make_driver: MakeDrive
     adopted = {h.command_id: h for h in second.adopt_all()}
     assert set(adopted) == {"c1"}
     assert adopted["c1"].adopted
-    (second.workspace(SB) / "go").touch()
+    await _go(second)
     stdout, _, end = await collect(adopted["c1"], offsets={"stdout": len(seen)})
     assert stdout == b"second\n"
     assert (end.reason, end.exit_code) == ("exited", 7)
@@ -69,7 +76,9 @@ async def test_exit_written_while_no_driver_runs_is_read_after_restart(
     handle = await first.launch(SB, "c1", [PY, "-c", TWO_PHASE])
     assert isinstance(await handle.started(), int)
     await first.close()
-    (first.workspace(SB) / "go").touch()
+    helper = await make_driver()  # only to make "go" inside; it adopts nothing
+    await _go(helper, "go-while-closed")
+    await helper.close()
     exit_file = first.layout.command(SB, "c1").exit
     await eventually(exit_file.exists, what="the supervisor records the exit on its own")
 

@@ -35,10 +35,13 @@ from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 BOX_MODULE = "sandhold.hostagent.driver.box"
 _CLONE_NEWUSER = 0x10000000
-# Keeps the namespaces alive; bubblewrap's own pid 1 reaps every orphan.
-HOLDER = ["/bin/sh", "-c", "while :; do sleep 86400; done"]
 # The descriptors bubblewrap is given, in the starter's child.
-_ARGS_FD, _STATUS_FD, _SECCOMP_FD = 3, 4, 5
+_ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD = 3, 4, 5, 6
+# Keeps the namespaces alive once it has said that they are set up (bubblewrap
+# runs it only after every mount succeeded); bubblewrap's pid 1 reaps orphans.
+HOLDER = [
+    "/bin/sh", "-c", f"echo ready >&{_READY_FD}; exec {_READY_FD}>&-; while :; do sleep 86400; done"
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def bwrap_args(spec: BoxSpec) -> list[str]:
     ]  # fmt: skip
     if spec.network == "none":
         args.append("--unshare-net")  # its own loopback, nothing else
-    for overlay in spec.overlays:
+    for overlay in _staged(spec):
         args += ["--overlay-src", overlay["lower"]]
         args += ["--overlay", overlay["upper"], overlay["work"], overlay["target"]]
     args += ["--proc", "/proc", "--dev", "/dev"]
@@ -129,9 +132,71 @@ def _write_maps(pid: int, spec: BoxSpec) -> None:
             out.write(line)
 
 
-def _child(spec: BoxSpec, ready_w: int, go_r: int, sources: list[int]) -> None:
-    """In the starter's child: a new user namespace, then exec bubblewrap as its root."""
+# --- staging: the host paths, where the box's own ids can reach them -------------
+#
+# The data directory may sit below directories only the host's root may enter
+# (a 0700 home, pytest's tmp), and the box's root is an ordinary host user. So
+# the starter, still the host's root, makes a private mount namespace with a
+# tmpfs on /tmp and bind-mounts there what the box needs; bubblewrap, started
+# inside it, finds everything under STAGE. The host never sees these mounts.
+
+STAGE = "/tmp/.sandhold-box"
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+
+
+def _sandbox_fs_dir(spec: BoxSpec) -> str:
+    # The uppers and work dirs must stay on one mount, so their common parent is staged.
+    return os.path.commonpath([o[key] for o in spec.overlays for key in ("upper", "work")])
+
+
+def _staged(spec: BoxSpec) -> list[dict[str, str]]:
+    fs_dir = _sandbox_fs_dir(spec)
+    return [
+        {
+            "target": o["target"],
+            "lower": f"{STAGE}/lower{index}",
+            "upper": f"{STAGE}/fs/{os.path.relpath(o['upper'], fs_dir)}",
+            "work": f"{STAGE}/fs/{os.path.relpath(o['work'], fs_dir)}",
+        }
+        for index, o in enumerate(spec.overlays)
+    ]
+
+
+def _stage(spec: BoxSpec) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+    def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+        encoded = [None if v is None else v.encode() for v in (source, target, fstype, data)]
+        if libc.mount(encoded[0], encoded[1], encoded[2], flags, encoded[3]) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"staging the box's directories ({target}): {os.strerror(code)}")
+
+    sources = {f"lower{i}": o["lower"] for i, o in enumerate(spec.overlays)}
+    sources["fs"] = _sandbox_fs_dir(spec)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) for the box's staging")
+    mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
+    # Opened in the new namespace (a bind from another one is refused), before
+    # the tmpfs hides whatever of them lives under /tmp.
+    fds = {name: os.open(path, os.O_PATH | os.O_DIRECTORY) for name, path in sources.items()}
+    mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    for name, fd in fds.items():
+        target = f"{STAGE}/{name}"
+        os.makedirs(target, mode=0o755)
+        mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
+        os.close(fd)
+
+
+def _child(spec: BoxSpec, ready_w: int, go_r: int, sources: dict[int, int]) -> None:
+    """In the starter's child: staging, a new user namespace, then bubblewrap as its root."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        _stage(spec)
+    except OSError as err:
+        os.write(ready_w, str(err).encode())
+        os._exit(1)
     if libc.unshare(_CLONE_NEWUSER) != 0:
         os.write(ready_w, f"unshare(CLONE_NEWUSER): {os.strerror(ctypes.get_errno())}".encode())
         os._exit(1)
@@ -142,12 +207,15 @@ def _child(spec: BoxSpec, ready_w: int, go_r: int, sources: list[int]) -> None:
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
     # Moved out of the way first, so that no dup2 below overwrites a source.
-    null, log, args, status, *seccomp = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in sources]
-    for target, fd in ((0, null), (1, null), (2, log), (_ARGS_FD, args), (_STATUS_FD, status)):
-        os.dup2(fd, target)
-    if seccomp:
-        os.dup2(seccomp[0], _SECCOMP_FD)
-    os.closerange(_SECCOMP_FD + (1 if seccomp else 0), 1 << 16)
+    moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 1 << 12) for target, fd in sources.items()}
+    for target, fd in moved.items():
+        os.dup2(fd, target)  # dup2 leaves the target inheritable
+    last = max(moved)
+    for fd in range(3, last):
+        if fd not in moved:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    os.closerange(last + 1, 1 << 16)
     os.execv(spec.bwrap, ["bwrap", "--args", str(_ARGS_FD), "--", *HOLDER])
 
 
@@ -155,7 +223,7 @@ def start(spec: BoxSpec) -> BoxState:
     """Start the box and return its state; raises RuntimeError with bubblewrap's reason."""
     os.setsid()  # the box belongs to no agent's session
     _join_cgroups(spec.cgroup_procs)
-    ready_r, ready_w = os.pipe()
+    userns_r, userns_w = os.pipe()  # the child: "+" once in its user namespace
     go_r, go_w = os.pipe()
     args_r, args_w = os.pipe()
     status_r, status_w = os.pipe()
@@ -165,24 +233,29 @@ def start(spec: BoxSpec) -> BoxState:
     os.write(args_w, payload)
     os.close(args_w)
     # Opened here: once in its user namespace the child is no longer the host's root.
-    sources = [
-        os.open(os.devnull, os.O_RDWR),
-        os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-        args_r,
-        status_w,
-        *([os.open(spec.seccomp, os.O_RDONLY)] if spec.seccomp else []),
-    ]
+    ready_r, ready_holder = os.pipe()
+    null = os.open(os.devnull, os.O_RDWR)
+    sources = {
+        0: null,
+        1: null,
+        2: os.open(spec.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+        _ARGS_FD: args_r,
+        _STATUS_FD: status_w,
+        _READY_FD: ready_holder,
+    }
+    if spec.seccomp:
+        sources[_SECCOMP_FD] = os.open(spec.seccomp, os.O_RDONLY)
     child = os.fork()
     if child == 0:
         try:
-            _child(spec, ready_w, go_r, sources)
+            _child(spec, userns_w, go_r, sources)
         finally:
             os._exit(1)
-    for fd in (ready_w, go_r, *sources):
+    for fd in {userns_w, go_r, *sources.values()}:
         os.close(fd)
-    ready = os.read(ready_r, 4096)
-    if ready != b"+":
-        raise RuntimeError(ready.decode(errors="replace") or "the box's child died")
+    entered = os.read(userns_r, 4096)
+    if entered != b"+":
+        raise RuntimeError(entered.decode(errors="replace") or "the box's child died")
     try:
         _write_maps(child, spec)
     except OSError as err:
@@ -191,13 +264,17 @@ def start(spec: BoxSpec) -> BoxState:
     os.write(go_w, b"+")
     with os.fdopen(status_r, "rb") as status:
         line = status.readline()
+    with os.fdopen(ready_r, "rb") as holder:
+        ready = holder.readline()  # EOF instead if bubblewrap gave up
     try:
         init_pid = int(json.loads(line)["child-pid"])
     except (ValueError, KeyError, TypeError):
+        init_pid = None
+    if init_pid is None or ready != b"ready\n":
         with contextlib.suppress(OSError):
             os.kill(child, signal.SIGKILL)
         reason = Path(spec.log).read_text(errors="replace").strip()[-2000:]
-        raise RuntimeError(f"bubblewrap failed: {reason or 'no reason given'}") from None
+        raise RuntimeError(f"bubblewrap failed: {reason or 'no reason given'}")
     identity = ProcessIdentity.of(init_pid)
     if identity is None:
         raise RuntimeError("the box's init exited at once: " + Path(spec.log).read_text())

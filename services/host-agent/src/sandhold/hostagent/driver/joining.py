@@ -185,7 +185,8 @@ def mirror(inner: int) -> None:
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler
+                signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
             os.kill(os.getpid(), sig)
             os._exit(128 + sig)

@@ -112,7 +112,6 @@ async def test_interrupted_by_a_stop_and_the_stop_completes(client: Client):
 async def test_resource_exhausted_when_the_memory_limit_is_hit(client: Client):
     sandbox_id = await running_sandbox(client, memory_limit_bytes=32 * 1024 * 1024)
     hog = "b = bytearray(200 * 1024 * 1024); print(len(b))"
-    import sys
 
     result = await client.exec(sandbox_id, ["python3", "-c", hog])
     assert result.command.state == "resource_exhausted", result.command

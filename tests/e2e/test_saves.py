@@ -7,7 +7,6 @@ import asyncio
 import os
 import shutil
 import signal
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -73,9 +72,7 @@ async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
 
 async def test_every_completed_save_is_crash_consistent(client: Client):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
-    writer = asyncio.create_task(
-        client.exec(sandbox_id, ["python3", "-c", WRITER], key="writer")
-    )
+    writer = asyncio.create_task(client.exec(sandbox_id, ["python3", "-c", WRITER], key="writer"))
     try:
         state = await client.wait_for(
             sandbox_id,

@@ -324,6 +324,13 @@ def _parser() -> argparse.ArgumentParser:
         "every endpoint is listed in runtime.json)",
     )
     up.add_argument(
+        "--driver",
+        choices=["namespaces", "process"],
+        default="namespaces",
+        help="how host-agents isolate sandboxes: namespaces (default; docs/isolation.md) or "
+        "process: UNISOLATED, commands run as this machine's root — development only",
+    )
+    up.add_argument(
         "--save-timeout",
         type=float,
         default=600.0,
@@ -495,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--fence-margin",
                 str(args.fence_margin),
             ],
-            "host-agent": ["--lease-ttl", str(args.lease_ttl)],
+            "host-agent": ["--lease-ttl", str(args.lease_ttl), "--driver", args.driver],
             "metrics": ["--metrics-port", str(args.metrics_port)],
         }
         service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]

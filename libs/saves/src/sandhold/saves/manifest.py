@@ -27,6 +27,9 @@ FORMAT = 2
 
 # A sandbox's user namespace maps ids 0..ID_RANGE-1 to `id_offset + 0 ..`.
 ID_RANGE = 65536
+# The sandbox's unprivileged user (and group) inside that namespace: commands
+# run as it by default, and files seeded from outside (a task's checkout) are its.
+SANDBOX_USER_ID = 1000
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -25,6 +25,14 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="where sandboxes live (default ./.sandhold/hosts/<host-id>)",
     )
+    p.add_argument(
+        "--driver",
+        choices=["namespaces", "process"],
+        default="namespaces",
+        help="namespaces (default): each sandbox in its own user, pid, mount, net, ipc and "
+        "uts namespaces; process: UNISOLATED, commands run as this host's root — "
+        "development only",
+    )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
     p.add_argument(
         "--lease-interval",
@@ -66,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             lease_ttl=a.lease_ttl,
             stale_copies=a.stale_copies,
             interrupt_on_exit=a.on_exit == "interrupt",
+            isolation=a.driver,
         )
 
     run_service(make, parser(), argv)

@@ -131,6 +131,8 @@ class HostSaves:
                     # Frozen, only a stat walk and a copy of what changed; the
                     # hashing happens on the copies once processes run again.
                     defer_hashing=True,
+                    # Owners as the sandbox sees them, so another host's range fits.
+                    id_offset=self._driver.id_offset(sandbox_id),
                 )
             finally:
                 if freeze:
@@ -189,7 +191,9 @@ class HostSaves:
             manifest,
             workspace,
             progress=self._progress(sandbox_id, save_id, "restore"),
+            id_offset=self._driver.id_offset(sandbox_id),
         )
+        await asyncio.to_thread(self._driver.restored, sandbox_id)
         # The restored tree has new inodes and times: remembering them as they are on
         # disk lets the next save read only what changed since, not everything.
         self._remember(sandbox_id, stats.local_manifest)

@@ -35,6 +35,7 @@ from sandhold.domain import work as wk
 from sandhold.domain.errors import InfraError, Rejected, SandholdError
 from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
+from sandhold.hostagent.driver.driver import Isolation
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context, metrics
@@ -61,6 +62,7 @@ class HostAgent:
         lease_ttl: float = 5.0,
         stale_copies: str = "destroy",
         interrupt_on_exit: bool = False,
+        isolation: Isolation = "namespaces",
     ) -> None:
         self._url = nats_url
         self._names = names
@@ -74,6 +76,7 @@ class HostAgent:
         self._last_renewed: float | None = None  # monotonic time of the last renewal
         self._fenced = False
         self._interrupt_on_exit = interrupt_on_exit
+        self._isolation: Isolation = isolation
         self._stopping = asyncio.Event()
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
@@ -84,7 +87,7 @@ class HostAgent:
 
     async def run(self) -> None:
         self._nc = nc = await connect(self._url, name=f"sandhold-host-agent-{self.host_id}")
-        self.driver = ProcessDriver(self._root, self.host_id)
+        self.driver = ProcessDriver(self._root, self.host_id, isolation=self._isolation)
         try:
             js = self._js = nc.jetstream()
             await ensure_streams(js, self._names, replicas=self._replicas)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 from sandhold.saves import SaveStore, capture
+from sandhold.saves.manifest import SANDBOX_USER_ID, Entry, Manifest
 
 
 class Staged(msgspec.Struct, frozen=True):
@@ -39,9 +40,26 @@ async def store_seed(
             now=time.time(),
             exclude=frozenset(),
         )
+        manifest = owned_by_the_sandbox_user(captured.manifest)
         await store.upload(captured.new_chunks)
-        await store.put_manifest(captured.manifest)
+        await store.put_manifest(manifest)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
-    manifest = captured.manifest
     return Staged(save_id, manifest.files, manifest.total_bytes)
+
+
+def owned_by_the_sandbox_user(manifest: Manifest) -> Manifest:
+    """The checkout is the agent's to change: every entry belongs to the sandbox's user.
+
+    Cloned here by this service's own user, it would otherwise be restored as
+    the sandbox's root's (or as an id the sandbox does not map at all).
+    """
+    owner = SANDBOX_USER_ID
+
+    def own(entry: Entry) -> Entry:
+        return msgspec.structs.replace(entry, uid=owner, gid=owner)
+
+    root = None if manifest.root is None else own(manifest.root)
+    return msgspec.structs.replace(
+        manifest, entries=[own(entry) for entry in manifest.entries], root=root
+    )

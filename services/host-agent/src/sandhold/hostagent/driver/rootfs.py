@@ -25,10 +25,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandhold.saves.manifest import SANDBOX_USER_ID
+
 # Where the workspace is, inside the sandbox's root.
 WORKSPACE = "/workspace"
 # The sandbox's users: root (0) and the unprivileged user commands run as by default.
-USER_UID = 1000
+USER_UID = SANDBOX_USER_ID
 USER_NAME = "sandbox"
 USER_HOME = "/home/sandbox"
 # Every sandbox maps 65536 ids (0..65535 inside) onto its own host range.
@@ -195,21 +197,21 @@ def read_id_offset(sandbox_dir: Path) -> int | None:
 
 
 def prepare(fs: SandboxFs, base: Base, id_offset: int) -> None:
-    """Make the upper and work directories, owned by the sandbox's root; safe to repeat."""
+    """Make the upper and work directories, owned by the sandbox's root; safe to repeat.
+
+    A restore may have made some of them first, as the host's root, so their
+    owners are set every time (a few chowns).
+    """
     for overlay in fs.overlays(base):
         for directory in (Path(overlay.upper), Path(overlay.work)):
-            if not directory.exists():
-                directory.mkdir(parents=True)
-                os.chown(directory, id_offset, id_offset)
-    workspace = fs.workspace
-    if not workspace.exists():
-        workspace.mkdir(parents=True)
-        os.chown(workspace, id_offset + USER_UID, id_offset + USER_UID)
+            directory.mkdir(parents=True, exist_ok=True)
+            os.chown(directory, id_offset, id_offset)
+    user = id_offset + USER_UID
     home = fs.upper / "root" / USER_HOME.lstrip("/")
-    if not home.exists():
-        home.mkdir(parents=True)
-        os.chown(home.parent, id_offset, id_offset)
-        os.chown(home, id_offset + USER_UID, id_offset + USER_UID)
+    for directory, owner in ((fs.workspace, user), (home.parent, id_offset), (home, user)):
+        directory.mkdir(parents=True, exist_ok=True)
+        if directory.stat().st_uid < _ID_BASE:
+            os.chown(directory, owner, owner)
 
 
 def claim_host_files(fs: SandboxFs, id_offset: int) -> None:

@@ -39,6 +39,7 @@ from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
 from sandhold.client import connect
 from sandhold.domain.requests import command_id_for
+from sandhold.hostagent.driver.rootfs import SandboxFs
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -142,7 +143,7 @@ async def one_failure(base: Path, rep: int) -> dict[str, float | str]:
                 await asyncio.sleep(0.1)
             view = await client.create_sandbox(key=f"bench-recovery-{rep}", save_interval_s=3600)
             sid = (await client.wait_for_phase(view.id, {"running"}, timeout=60)).id
-            workspace = h1.root / "sandboxes" / sid / "workspace"
+            workspace = SandboxFs(h1.root / "sandboxes" / sid / "fs").workspace
             for i in range(FILES):
                 (workspace / f"blob{i:02d}.bin").write_bytes(os.urandom(FILE_BYTES))
             t = time.perf_counter()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from sandhold.hostagent.driver.rootfs import SandboxFs
 
 SANDHOLD = str(Path(sys.executable).parent / "sandhold")
 
@@ -73,7 +74,8 @@ class Up:
         return int(self.runtime["services"][name])
 
     def workspace(self, sandbox_id: str, host: str = "local") -> Path:
-        return self.data_dir / "hosts" / host / "sandboxes" / sandbox_id / "workspace"
+        sandbox_dir = self.data_dir / "hosts" / host / "sandboxes" / sandbox_id
+        return SandboxFs(sandbox_dir / "fs").workspace  # the namespaced driver's
 
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "SANDHOLD_NATS_URL": ""}

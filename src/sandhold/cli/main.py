@@ -96,6 +96,8 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 save_interval_s=args.save_interval,
                 stop_deadline_s=args.stop_deadline,
                 recovery=args.recovery,
+                network=args.network,
+                image=args.image,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -228,6 +230,7 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         cwd=args.cwd,
         env=env,
         timeout_s=args.timeout,
+        user=args.user,
         on_output=None if args.json else stream,
     )
     return _report_exec(result, args.json)
@@ -377,6 +380,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SNAPSHOT_ID",
         help="start from a Snapshot's files (waits for the restore)",
     )
+    create.add_argument(
+        "--network",
+        choices=["none", "egress"],
+        default="none",
+        help="none (default): its own loopback only; egress: outbound through user-mode "
+        "networking. The host's loopback (NATS, the gateway) is unreachable either way",
+    )
+    create.add_argument(
+        "--image",
+        help="a root file system directory (or its name) under the host's image directory "
+        "(default .sandhold/images) as the read-only base; default: the host's /usr and a "
+        "minimal /etc",
+    )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")
     create.add_argument(
@@ -458,7 +474,14 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("id")
     ex.add_argument("--key", help="idempotency key (default: a new one)")
     ex.add_argument("--timeout", type=float, help="seconds before TERM, grace, KILL")
-    ex.add_argument("--cwd")
+    ex.add_argument("--cwd", help="inside the sandbox; relative to /workspace (the default)")
+    ex.add_argument(
+        "--user",
+        choices=["user", "root"],
+        default="user",
+        help="the sandbox's unprivileged user (default) or its root, which holds no "
+        "capability outside the sandbox",
+    )
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
     ex.add_argument("--json", action="store_true", help="print the command record as JSON")
     ex.add_argument("argv", nargs="*", help="the command, after --")

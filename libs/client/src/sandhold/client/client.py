@@ -152,6 +152,8 @@ class Client:
         save_interval_s: float | None = None,
         stop_deadline_s: float | None = None,
         recovery: str | None = None,
+        network: str = "none",
+        image: str | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -162,6 +164,8 @@ class Client:
                 save_interval_s=save_interval_s,
                 stop_deadline_s=stop_deadline_s,
                 recovery=recovery,
+                network=network,  # type: ignore[arg-type]  # checked by the request
+                image=image,
             )
         )
         assert reply.sandbox is not None
@@ -457,6 +461,7 @@ class Client:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 5.0,
+        user: str = "user",
         on_output: OutputCallback | None = None,
         wait_timeout: float | None = None,
     ) -> CommandResult:
@@ -501,6 +506,7 @@ class Client:
                     env=env or {},
                     timeout_s=timeout_s,
                     kill_grace_s=kill_grace_s,
+                    user=user,  # type: ignore[arg-type]  # checked by the request
                 )
             )
             assert reply.command is not None

@@ -33,6 +33,8 @@ class SandboxCreated(Event, tag="sandbox.created"):
     source_snapshot_id: str | None = None  # created from this Snapshot (a save id)
     source_sandbox_id: str | None = None  # ...which belongs to this sandbox
     recovery: Literal["lazy", "eager"] = "lazy"  # after a host failure: wait to be used, or not
+    network: str = "none"  # "none" | "egress" (docs/isolation.md)
+    image: str | None = None  # the read-only base's directory on the host; None: the host's own
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):
@@ -102,6 +104,7 @@ class CommandQueued(Event, tag="command.queued"):
     env: dict[str, str] = {}
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
+    user: str = "user"  # "user" | "root", inside the sandbox
 
 
 class CommandDispatched(Event, tag="command.dispatched"):

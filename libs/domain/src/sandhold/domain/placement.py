@@ -12,6 +12,16 @@ class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
     capacity_sandboxes: int
     memory_bytes: int
     live: bool = True
+    # The network modes its isolation enforces; None: an unisolated development
+    # host (the process driver), which enforces none and is marked so everywhere.
+    network_modes: frozenset[str] | None = None
+
+
+def network_modes(capabilities: Mapping[str, str]) -> frozenset[str] | None:
+    """What a host's reported capabilities say it can enforce (None: nothing, unisolated)."""
+    if capabilities.get("driver", "process") == "process":
+        return None
+    return frozenset(m for m in capabilities.get("network_modes", "").split(",") if m)
 
 
 def choose_host(
@@ -20,11 +30,13 @@ def choose_host(
     *,
     memory_limit_bytes: int | None,
     prefer: str | None = None,
+    network: str = "none",
 ) -> str | None:
     """The live host with the most free sandbox slots that fits, or None.
 
     `prefer` (the host a stopped sandbox's workspace lives on) wins whenever it
-    is live and has room, so a restart finds its files.
+    is live and has room, so a restart finds its files. A host whose isolation
+    cannot enforce the sandbox's `network` is never chosen.
     """
     fitting = [
         h
@@ -32,6 +44,7 @@ def choose_host(
         if h.live
         and load.get(h.host, 0) < h.capacity_sandboxes
         and (memory_limit_bytes is None or memory_limit_bytes <= h.memory_bytes)
+        and (h.network_modes is None or network in h.network_modes)
     ]
     if not fitting:
         return None

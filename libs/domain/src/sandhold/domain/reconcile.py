@@ -78,6 +78,8 @@ def plan(
             sandbox_id=sid,
             generation=gen,
             memory_limit_bytes=state.memory_limit_bytes,
+            network=state.network,
+            image=state.image,
             restore_save_id=state.restore_save_id,
         )
         work.append((host, start))
@@ -125,6 +127,7 @@ def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:
         env=c.env,
         timeout_s=c.timeout_s,
         kill_grace_s=c.kill_grace_s,
+        user=c.user,
     )
 
 

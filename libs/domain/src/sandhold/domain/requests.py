@@ -39,6 +39,17 @@ SnapshotName = Annotated[
 ]
 Interval = Annotated[float, msgspec.Meta(ge=1, le=86400)]
 Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
+# A sandbox's network: its own loopback only, or outbound through user-mode
+# networking (docs/isolation.md). The host's loopback is unreachable in both.
+Network = Literal["none", "egress"]
+# The read-only base of the sandbox's root: a directory under one of its host's
+# image directories, by name or absolute path (the host refuses anything else,
+# so no caller can make a host directory such as / into a sandbox's base).
+_IMAGE = r"^(/[^\x00]*|[A-Za-z0-9][A-Za-z0-9._-]*)$"
+ImagePath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096, pattern=_IMAGE)]
+# Who a command runs as inside the sandbox: its unprivileged user, or its root
+# (which holds no capability outside the sandbox either way).
+CommandUser = Literal["user", "root"]
 
 
 class CreateSandbox(Request, tag="sandbox.create"):
@@ -50,6 +61,8 @@ class CreateSandbox(Request, tag="sandbox.create"):
     # A save the caller staged in the store for this very sandbox (its manifest
     # names the new sandbox's id), e.g. a task's checked-out repository.
     seed: SaveId | None = None
+    network: Network = "none"
+    image: ImagePath | None = None
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -78,6 +91,7 @@ class RunCommand(Request, tag="command.run"):
     env: dict[str, str] = {}
     timeout_s: Seconds | None = None
     kill_grace_s: Grace = 5.0
+    user: CommandUser = "user"
 
 
 class CancelCommand(Request, tag="command.cancel"):
@@ -112,19 +126,27 @@ def request_tag(request: AnyRequest) -> str:
     return type(request).__struct_config__.tag  # type: ignore[return-value]
 
 
-# Fields added after the first release are left out of the digest while unset,
-# so a request retried across an upgrade keeps its digest (and its key stays its own).
-_LATER_FIELDS = frozenset(
-    {"from_snapshot", "save_interval_s", "stop_deadline_s", "recovery", "seed"}
-)
+# Fields added after the first release are left out of the digest while unset
+# (or at the value that means what their absence meant), so a request retried
+# across an upgrade keeps its digest (and its key stays its own).
+_LATER_FIELDS: dict[str, object] = {
+    "from_snapshot": None,
+    "save_interval_s": None,
+    "stop_deadline_s": None,
+    "recovery": None,
+    "seed": None,
+    "network": "none",
+    "image": None,
+    "user": "user",
+}
 
 
 def request_digest(request: AnyRequest) -> str:
     """What the request asks for, without its key: equal digests = same body."""
     body = msgspec.to_builtins(msgspec.structs.replace(request, key="-"))
-    for name in _LATER_FIELDS:
-        if body.get(name) is None:
-            body.pop(name, None)
+    for name, unset in _LATER_FIELDS.items():
+        if name in body and body[name] == unset:
+            body.pop(name)
     return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
 
 

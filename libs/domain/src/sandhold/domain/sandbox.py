@@ -70,6 +70,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str] = {}
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
+    user: str = "user"
     host: str | None = None
     generation: int = 0
     pid: int | None = None
@@ -107,6 +108,8 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     final_save_id: str | None = None  # the final save of the latest stop
     saves: dict[str, sv.SaveRecord] = {}
     recovery_policy: Literal["lazy", "eager"] = "lazy"
+    network: str = "none"
+    image: str | None = None
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
     restore_save_id: str | None = None  # what the current placement restores, if needed
@@ -153,6 +156,8 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             source_snapshot_id=event.source_snapshot_id,
             source_sandbox_id=event.source_sandbox_id,
             recovery_policy=event.recovery,
+            network=event.network,
+            image=event.image,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -245,6 +250,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 env=event.env,
                 timeout_s=event.timeout_s,
                 kill_grace_s=event.kill_grace_s,
+                user=event.user,
                 queued_at=envelope_time,
             )
             state = replace(
@@ -420,6 +426,8 @@ def _create(
             source_snapshot_id=request.from_snapshot or request.seed,
             source_sandbox_id=source_sandbox_id,
             recovery=request.recovery or "lazy",
+            network=request.network,
+            image=request.image,
         )
     ]
 
@@ -533,6 +541,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     env=request.env,
                     timeout_s=request.timeout_s,
                     kill_grace_s=request.kill_grace_s,
+                    user=request.user,
                 )
             ]
         case rq.CancelCommand():

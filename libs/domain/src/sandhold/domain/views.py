@@ -54,6 +54,9 @@ class SandboxView(msgspec.Struct, kw_only=True):
     reason: str = ""
     delete_requested: bool = False
     capabilities: dict[str, str] = {}
+    # What keeps this sandbox apart (docs/isolation.md): the requested network and
+    # image, and what its host's driver enforces once it has started there.
+    isolation: dict[str, object] = {}
     commands: dict[str, int] = {}  # command state -> how many
     save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
     stop_deadline_s: float = 60.0
@@ -68,6 +71,24 @@ class SandboxView(msgspec.Struct, kw_only=True):
     lost_host: str | None = None  # the host that failed under it
     recovery: dict[str, object] | None = None  # while lost: waiting_for_fence / fenced / ...
     recovered_from: RecoveredFrom | None = None  # the latest recovery's source
+
+
+def isolation_of(s: Sandbox) -> dict[str, object]:
+    """The sandbox's isolation as requested, and as enforced where it last started."""
+    caps = s.capabilities
+    enforced: dict[str, object] = {}
+    if caps:
+        enforced = {
+            "driver": caps.get("driver", "process"),
+            "user": caps.get("user", "host-root"),
+            "namespaces": caps.get("namespaces", ""),
+            "seccomp": caps.get("seccomp") == "True",
+            "no_new_privs": caps.get("no_new_privs") == "True",
+            "base": caps.get("base", ""),
+        }
+        if enforced["driver"] == "process":
+            enforced["unisolated"] = True  # the development driver: the host's root, no walls
+    return {"network": s.network, "image": s.image, **enforced}
 
 
 class ErrorBody(msgspec.Struct, kw_only=True):
@@ -184,6 +205,7 @@ def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
         reason=s.reason,
         delete_requested=s.delete_requested,
         capabilities=s.capabilities,
+        isolation=isolation_of(s),
         commands=counts,
         save_interval_s=s.save_interval_s,
         stop_deadline_s=s.stop_deadline_s,

@@ -22,6 +22,8 @@ class HostWork(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 
 class StartSandboxWork(HostWork, tag="start_sandbox"):
     memory_limit_bytes: int | None = None
+    network: str = "none"
+    image: str | None = None
     # Materialise the workspace from this save when the host has none for the sandbox.
     restore_save_id: str | None = None
 
@@ -33,6 +35,7 @@ class RunCommandWork(HostWork, tag="run_command"):
     env: dict[str, str] = {}
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
+    user: str = "user"
 
     @property
     def msg_id(self) -> str:

@@ -33,6 +33,14 @@ def parser() -> argparse.ArgumentParser:
         "uts namespaces; process: UNISOLATED, commands run as this host's root — "
         "development only",
     )
+    p.add_argument(
+        "--image-root",
+        action="append",
+        type=Path,
+        default=None,
+        help="a directory of root file systems sandboxes may name as --image "
+        "(repeatable; default <root>/../../images, i.e. .sandhold/images)",
+    )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
     p.add_argument(
         "--lease-interval",
@@ -75,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             stale_copies=a.stale_copies,
             interrupt_on_exit=a.on_exit == "interrupt",
             isolation=a.driver,
+            image_roots=a.image_root,
         )
 
     run_service(make, parser(), argv)

@@ -35,6 +35,7 @@ from sandhold.domain import work as wk
 from sandhold.domain.errors import InfraError, Rejected, SandholdError
 from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
+from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
 from sandhold.hostagent.driver.driver import Isolation
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import SaveStore
@@ -63,6 +64,7 @@ class HostAgent:
         stale_copies: str = "destroy",
         interrupt_on_exit: bool = False,
         isolation: Isolation = "namespaces",
+        image_roots: list[Path] | None = None,
     ) -> None:
         self._url = nats_url
         self._names = names
@@ -77,6 +79,7 @@ class HostAgent:
         self._fenced = False
         self._interrupt_on_exit = interrupt_on_exit
         self._isolation: Isolation = isolation
+        self._image_roots = image_roots
         self._stopping = asyncio.Event()
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
@@ -87,7 +90,9 @@ class HostAgent:
 
     async def run(self) -> None:
         self._nc = nc = await connect(self._url, name=f"sandhold-host-agent-{self.host_id}")
-        self.driver = ProcessDriver(self._root, self.host_id, isolation=self._isolation)
+        self.driver = ProcessDriver(
+            self._root, self.host_id, isolation=self._isolation, image_roots=self._image_roots
+        )
         try:
             js = self._js = nc.jetstream()
             await ensure_streams(js, self._names, replicas=self._replicas)
@@ -348,13 +353,14 @@ class HostAgent:
                         await self.driver.destroy_sandbox(sid)
                     if work.restore_save_id is not None:
                         await self.saving.restore_workspace(sid, work.restore_save_id)
-                    await self.driver.create_sandbox(sid, work.memory_limit_bytes)
+                    settings = SandboxSettings(network=work.network, image=work.image)
+                    await self.driver.create_sandbox(sid, work.memory_limit_bytes, settings)
                     self._generation_file(sid).write_text(str(gen))
-                except (OSError, SandholdError) as err:
+                except (OSError, SandholdError, IsolationUnavailable) as err:
                     failed = ev.SandboxStartFailed(host=me, generation=gen, reason=str(err))
                     await self._report(sid, failed, work.msg_id)
                     return
-                capabilities = {k: str(v) for k, v in self.driver.capabilities().items()}
+                capabilities = {k: str(v) for k, v in self.driver.sandbox_capabilities(sid).items()}
                 started = ev.SandboxStarted(host=me, generation=gen, capabilities=capabilities)
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
@@ -462,6 +468,7 @@ class HostAgent:
             env=work.env,
             timeout_s=work.timeout_s,
             kill_grace_s=work.kill_grace_s,
+            user="root" if work.user == "root" else "user",
         )
         started = await handle.started()
         if isinstance(started, int):

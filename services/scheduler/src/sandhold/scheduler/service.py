@@ -27,7 +27,7 @@ from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import InfraError, Rejected
-from sandhold.domain.placement import HostInfo, choose_host
+from sandhold.domain.placement import HostInfo, choose_host, network_modes
 from sandhold.domain.reconcile import plan
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
@@ -277,10 +277,15 @@ class Scheduler:
                         memory_bytes=registered.memory_bytes,
                         live=self.leases.is_live(registered.host)
                         and registered.status == "registered",
+                        network_modes=network_modes(registered.capabilities),
                     )
                 )
         return choose_host(
-            hosts, load, memory_limit_bytes=state.memory_limit_bytes, prefer=state.host
+            hosts,
+            load,
+            memory_limit_bytes=state.memory_limit_bytes,
+            prefer=state.host,
+            network=state.network,
         )
 
 

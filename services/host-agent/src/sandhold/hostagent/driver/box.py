@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import signal
+import struct
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,9 +77,16 @@ class BoxState:
     init: ProcessIdentity
     id_offset: int
     network: str
+    # The base is seen as owned by the sandbox's root (who may then change it).
+    idmapped_base: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"init": self.init.to_json(), "id_offset": self.id_offset, "network": self.network}
+        return {
+            "init": self.init.to_json(),
+            "id_offset": self.id_offset,
+            "network": self.network,
+            "idmapped_base": self.idmapped_base,
+        }
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> BoxState:
@@ -86,6 +94,7 @@ class BoxState:
             init=ProcessIdentity.from_json(raw["init"]),
             id_offset=int(raw["id_offset"]),
             network=str(raw["network"]),
+            idmapped_base=bool(raw.get("idmapped_base", False)),
         )
 
 
@@ -163,7 +172,57 @@ def _staged(spec: BoxSpec) -> list[dict[str, str]]:
     ]
 
 
-def _stage(spec: BoxSpec) -> None:
+# Idmapped mounts (Linux 5.12+, the new mount API): the base's files, owned by
+# the host's root, are seen as the sandbox's root's, so the sandbox's root may
+# change them (into its upper layer: apt-get, /usr/local). Without them the
+# base stays read-only even for the sandbox's root (the host says so).
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+_OPEN_TREE_CLONE, _AT_FDCWD, _AT_EMPTY_PATH = 1, -100, 0x1000
+_MOVE_MOUNT_F_EMPTY_PATH, _MOUNT_ATTR_IDMAP = 0x4, 0x00100000
+
+
+def _idmap_userns(spec: BoxSpec) -> int | None:
+    """A user namespace with the sandbox's id map, as a descriptor (for idmapping only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    ready_r, ready_w = os.pipe()
+    mapper = os.fork()
+    if mapper == 0:
+        os.close(ready_r)
+        ok = libc.unshare(_CLONE_NEWUSER) == 0
+        os.write(ready_w, b"+" if ok else b"-")
+        signal.pause()
+        os._exit(0)
+    os.close(ready_w)
+    try:
+        if os.read(ready_r, 1) != b"+":
+            return None
+        _write_maps(mapper, spec)
+        return os.open(f"/proc/{mapper}/ns/user", os.O_RDONLY)
+    except OSError:
+        return None
+    finally:
+        os.close(ready_r)
+        os.kill(mapper, signal.SIGKILL)
+        os.waitpid(mapper, 0)
+
+
+def _idmapped_bind(libc: Any, source_fd: int, target: str, userns: int) -> bool:
+    libc.syscall.restype = ctypes.c_long
+    tree = libc.syscall(_SYS_OPEN_TREE, source_fd, b"", _OPEN_TREE_CLONE | _AT_EMPTY_PATH)
+    if tree < 0:
+        return False
+    try:
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", _MOUNT_ATTR_IDMAP, 0, 0, userns))
+        if libc.syscall(_SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, attr, 32) != 0:
+            return False
+        flags = _MOVE_MOUNT_F_EMPTY_PATH
+        return libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, target.encode(), flags) == 0
+    finally:
+        os.close(tree)
+
+
+def _stage(spec: BoxSpec, idmap: int | None) -> bool:
+    """Stage the box's directories; whether the base is idmapped (see above)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 
@@ -182,25 +241,34 @@ def _stage(spec: BoxSpec) -> None:
     # the tmpfs hides whatever of them lives under /tmp.
     fds = {name: os.open(path, os.O_PATH | os.O_DIRECTORY) for name, path in sources.items()}
     mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+    idmapped = idmap is not None
     for name, fd in fds.items():
         target = f"{STAGE}/{name}"
         os.makedirs(target, mode=0o755)
-        mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
+        lower = name != "fs"
+        if not (lower and idmapped and _idmapped_bind(libc, fd, target, idmap)):
+            idmapped = idmapped and not lower  # one lower refused: say the base is not
+            mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
         os.close(fd)
+    return idmapped
 
 
-def _child(spec: BoxSpec, ready_w: int, go_r: int, sources: dict[int, int]) -> None:
+def _child(
+    spec: BoxSpec, ready_w: int, go_r: int, sources: dict[int, int], idmap: int | None
+) -> None:
     """In the starter's child: staging, a new user namespace, then bubblewrap as its root."""
     libc = ctypes.CDLL(None, use_errno=True)
     try:
-        _stage(spec)
+        idmapped = _stage(spec, idmap)
     except OSError as err:
         os.write(ready_w, str(err).encode())
         os._exit(1)
+    if idmap is not None:
+        os.close(idmap)
     if libc.unshare(_CLONE_NEWUSER) != 0:
         os.write(ready_w, f"unshare(CLONE_NEWUSER): {os.strerror(ctypes.get_errno())}".encode())
         os._exit(1)
-    os.write(ready_w, b"+")
+    os.write(ready_w, b"+I" if idmapped else b"+")
     if os.read(go_r, 1) != b"+":
         os._exit(1)  # the starter failed to write the id maps
     os.setgroups([])
@@ -245,16 +313,17 @@ def start(spec: BoxSpec) -> BoxState:
     }
     if spec.seccomp:
         sources[_SECCOMP_FD] = os.open(spec.seccomp, os.O_RDONLY)
+    idmap = _idmap_userns(spec)
     child = os.fork()
     if child == 0:
         try:
-            _child(spec, userns_w, go_r, sources)
+            _child(spec, userns_w, go_r, sources, idmap)
         finally:
             os._exit(1)
-    for fd in {userns_w, go_r, *sources.values()}:
+    for fd in {userns_w, go_r, *sources.values(), *([idmap] if idmap is not None else [])}:
         os.close(fd)
     entered = os.read(userns_r, 4096)
-    if entered != b"+":
+    if entered not in (b"+", b"+I"):
         raise RuntimeError(entered.decode(errors="replace") or "the box's child died")
     try:
         _write_maps(child, spec)
@@ -278,7 +347,12 @@ def start(spec: BoxSpec) -> BoxState:
     identity = ProcessIdentity.of(init_pid)
     if identity is None:
         raise RuntimeError("the box's init exited at once: " + Path(spec.log).read_text())
-    return BoxState(init=identity, id_offset=spec.id_offset, network=spec.network)
+    return BoxState(
+        init=identity,
+        id_offset=spec.id_offset,
+        network=spec.network,
+        idmapped_base=entered == b"+I",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

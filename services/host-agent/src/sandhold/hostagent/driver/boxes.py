@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,14 +69,18 @@ def _bwrap() -> str:
 
 
 class Boxes:
-    def __init__(self, layout: HostLayout, host_id: str, cgroups: Cgroups) -> None:
+    def __init__(
+        self, layout: HostLayout, host_id: str, cgroups: Cgroups, image_roots: list[Path]
+    ) -> None:
         self.layout = layout
+        self.image_roots = image_roots
         self.host_id = host_id
         self.cgroups = cgroups
         self._base: Base | None = None
         self._seccomp: Path | None = None
         self._seccomp_problem = ""
         self._bwrap = ""
+        self._idmapped_base = False
 
     # --- host set-up --------------------------------------------------------
 
@@ -100,7 +105,8 @@ class Boxes:
             await asyncio.to_thread(prepare, fs, self.base, _probe_offset())
             spec = self._spec(probe_id, fs, directory, _probe_offset(), SandboxSettings(), [])
             state = await self._start_box(spec, directory)
-            state.init.send(__import__("signal").SIGKILL)
+            self._idmapped_base = state.idmapped_base
+            state.init.send(signal.SIGKILL)
         except IsolationUnavailable as err:
             raise IsolationUnavailable(
                 f"this host cannot start a namespaced sandbox: {err}. Namespaces need "
@@ -115,6 +121,12 @@ class Boxes:
         assert self._base is not None, "call start() first"
         return self._base
 
+    def sandbox_capabilities(self, sandbox_id: str) -> dict[str, Any]:
+        """The host's, with what this sandbox asked for in place of the host's choices."""
+        settings = self.settings(sandbox_id)
+        base = "host" if settings.image is None else f"image {settings.image}"
+        return {**self.capabilities(), "network": settings.network, "base": base}
+
     def capabilities(self) -> dict[str, Any]:
         return {
             "driver": "namespaces",
@@ -125,6 +137,9 @@ class Boxes:
             "network_modes": ",".join(NETWORK_MODES),
             "seccomp": self._seccomp is not None,
             "no_new_privs": True,
+            # The sandbox's root may change its base (copied up into its upper
+            # layer): needs idmapped mounts; without them the base is read-only.
+            "root_writes_base": self._idmapped_base,
             "message_isolation": (
                 "namespaces: mapped users, own pid/mount/net/ipc/uts, no host capabilities"
                 + ("" if self._seccomp else f"; no seccomp filter: {self._seccomp_problem}")
@@ -168,7 +183,12 @@ class Boxes:
         claim_host_files(self.fs(sandbox_id), self.id_offset(sandbox_id))
 
     def _base_for(self, settings: SandboxSettings) -> Base:
-        return self.base if settings.image is None else image_base(Path(settings.image))
+        if settings.image is None:
+            return self.base
+        try:
+            return image_base(settings.image, self.image_roots)
+        except ValueError as err:
+            raise IsolationUnavailable(str(err)) from err
 
     def state(self, sandbox_id: str) -> BoxState | None:
         state = read_state(self.layout.sandbox_dir(sandbox_id) / "box.json")

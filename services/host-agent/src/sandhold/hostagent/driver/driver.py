@@ -76,6 +76,8 @@ class ProcessDriver:
             pid, mount, net, ipc and uts namespaces, see ``boxes``) or
             ``process``: commands run on the host as its root, UNISOLATED, for
             development only.
+        image_roots: the directories whose subdirectories a sandbox may name as
+            its image (default: ``<root>/../../images``, the data dir's).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class ProcessDriver:
         isolate_tmp: bool = True,
         poll_interval_s: float = 0.05,
         isolation: Isolation = "namespaces",
+        image_roots: list[Path] | None = None,
     ) -> None:
         self.layout = HostLayout(Path(root))
         self.host_id = check_id("host id", host_id)
@@ -99,7 +102,14 @@ class ProcessDriver:
         self._handles: dict[tuple[str, str], CommandHandle] = {}
         self.isolation: Isolation = isolation
         self.boxes = (
-            Boxes(self.layout, self.host_id, self.cgroups) if isolation == "namespaces" else None
+            Boxes(
+                self.layout,
+                self.host_id,
+                self.cgroups,
+                image_roots if image_roots is not None else [Path(root).parent.parent / "images"],
+            )
+            if isolation == "namespaces"
+            else None
         )
 
     async def __aenter__(self) -> ProcessDriver:
@@ -167,6 +177,14 @@ class ProcessDriver:
             "tmp_isolation": tmp_ok,
             "message": "; ".join(degraded),
         }
+
+    def sandbox_capabilities(self, sandbox_id: str) -> dict[str, Any]:
+        """What this host enforces for this sandbox (its network and base included)."""
+        if self.boxes is None:
+            return self.capabilities()
+        capabilities = self.capabilities()
+        capabilities.update(self.boxes.sandbox_capabilities(sandbox_id))
+        return {**capabilities, "message": self.capabilities()["message"]}
 
     # --- sandboxes ------------------------------------------------------------
 

@@ -133,12 +133,24 @@ def default_base(skeleton: Path) -> Base:
     return Base(skeleton, host_dirs)
 
 
-def image_base(image: Path) -> Base:
-    """An image directory as the whole base; it must look like a root file system."""
-    if not image.is_absolute():
-        raise ValueError(f"image path must be absolute: {image}")
-    if not image.is_dir():
+def image_base(image: str, roots: list[Path]) -> Base:
+    """An image directory as the whole base; it must look like a root file system.
+
+    ``image`` is a name or an absolute path, and either way must lie under one
+    of ``roots`` (the host's image directories): a request must never be able
+    to make a host directory such as ``/`` or the data directory a sandbox's base.
+    """
+    real_roots = [Path(os.path.realpath(root)) for root in roots]
+    if "/" in image:
+        found = Path(os.path.realpath(image))
+    else:
+        found = next((r / image for r in real_roots if (r / image).is_dir()), Path(image))
+    if not any(found != root and found.is_relative_to(root) for root in real_roots):
+        shown = ", ".join(str(root) for root in roots) or "none configured"
+        raise ValueError(f"image {image!r} is not in this host's image directories ({shown})")
+    if not found.is_dir():
         raise ValueError(f"image is not a directory: {image}")
+    image = found
     if not any((image / name).exists() for name in ("bin", "usr/bin")):
         raise ValueError(f"image has no bin or usr/bin directory: {image}")
     return Base(image, [], image)

@@ -1,0 +1,230 @@
+"""The sandbox as a boundary: real escape attempts from inside, on real namespaces.
+
+Each test runs a command inside a namespaced sandbox that tries something a
+hostile tenant would, and asserts that it failed (and, where it could have
+left a trace, that the host shows none). docs/isolation.md states the threat
+model these tests stand for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sandhold.hostagent.driver import CommandExit, ProcessDriver
+
+from .conftest import collect
+
+A, B = "sb-a", "sb-b"
+
+
+@pytest.fixture
+async def two(driver: ProcessDriver) -> ProcessDriver:
+    await driver.create_sandbox(A, None)
+    await driver.create_sandbox(B, None)
+    return driver
+
+
+async def run(
+    driver: ProcessDriver, sandbox: str, script: str, *, user: str = "user"
+) -> tuple[str, str, CommandExit]:
+    command_id = f"c-{uuid.uuid4().hex[:12]}"
+    handle = await driver.launch(sandbox, command_id, ["sh", "-c", script], user=user)  # type: ignore[arg-type]
+    stdout, stderr, end = await collect(handle)
+    return stdout.decode(), stderr.decode(), end
+
+
+@pytest.fixture
+async def listener() -> AsyncIterator[int]:
+    """A TCP server on the host's loopback, standing in for NATS and the gateway."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_another_sandboxes_files_are_out_of_reach(two: ProcessDriver) -> None:
+    out, err, end = await run(two, A, "echo tenant-a-secret > /workspace/secret; echo ok")
+    assert (out, end.reason) == ("ok\n", "exited"), err
+    host_path = two.workspace(A) / "secret"
+    assert host_path.read_text() == "tenant-a-secret\n"  # it is there, on the host
+    relative = os.path.relpath(host_path, two.workspace(B))  # ../../../sb-a/… from B's
+    for path in (str(host_path), relative, f"/workspace/{relative}", f"/../../{A}/workspace"):
+        out, err, end = await run(two, B, f"cat {path} || ls {path}")
+        assert "tenant-a-secret" not in out
+        assert end.exit_code != 0, (path, out, err)
+
+
+async def test_the_data_dir_is_out_of_reach(two: ProcessDriver, root: Path) -> None:
+    data_dir = root.parent.parent
+    (data_dir / "tokens.json").write_text('{"secret": "host-token"}')
+    (data_dir / "runtime.json").write_text('{"nats_url": "nats://127.0.0.1:1"}')
+    for name in ("tokens.json", "runtime.json"):
+        out, _, end = await run(two, A, f"cat {data_dir / name}")
+        assert "host-token" not in out and "nats_url" not in out
+        assert end.exit_code != 0
+    out, _, end = await run(two, A, f"ls {root} {root}/sandboxes", user="root")
+    assert end.exit_code != 0 and A not in out
+
+
+async def test_the_hosts_etc_cannot_be_written(two: ProcessDriver) -> None:
+    marker = f"sandhold-escape-{uuid.uuid4().hex}"
+    _, err, end = await run(two, A, f"echo pwned > /etc/{marker}")
+    assert end.exit_code != 0 and "Permission denied" in err
+    # The sandbox's root may change its own /etc (in its upper layer), never the host's.
+    out, _, end = await run(two, A, f"echo mine > /etc/{marker} && cat /etc/{marker}", user="root")
+    assert (out, end.exit_code) == ("mine\n", 0)
+    assert not Path(f"/etc/{marker}").exists()
+    out, _, _ = await run(two, B, f"cat /etc/{marker}")
+    assert out == ""  # nor another sandbox's
+
+
+async def test_host_loopback_services_are_unreachable(two: ProcessDriver, listener: int) -> None:
+    # Reachable from the host itself, so the refusal below is the sandbox's doing.
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener)
+    writer.close()
+    probe = (
+        "import socket, sys\n"
+        "s = socket.socket()\n"
+        "s.settimeout(3)\n"
+        "try:\n"
+        f"    s.connect((sys.argv[1], {listener}))\n"
+        "    print('connected')\n"
+        "except OSError as err:\n"
+        "    print('refused', err.errno)\n"
+    )
+    host_ip = _host_address()
+    for address in ["127.0.0.1", *([host_ip] if host_ip else [])]:
+        command_id = f"net-{uuid.uuid4().hex[:8]}"
+        handle = await two.launch(A, command_id, ["python3", "-c", probe, address])
+        out, _, end = await collect(handle)
+        assert end.reason == "exited"
+        assert out.decode().startswith("refused"), (address, out)
+
+
+def _host_address() -> str | None:
+    """An address of this machine other than loopback, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent for UDP connect
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+async def test_host_processes_are_invisible(two: ProcessDriver) -> None:
+    out, _, end = await run(two, A, "ps -eo pid=,args=")
+    assert end.exit_code == 0
+    lines = [line.split(None, 1) for line in out.strip().splitlines()]
+    assert 3 <= len(lines) <= 8, out  # the init, its holder, this shell and ps: a handful
+    assert all(int(pid) < 100 for pid, _ in lines)
+    assert not any("pytest" in args or "sandhold" in args for _, args in lines), out
+    out, _, _ = await run(two, A, f"cat /proc/{os.getpid()}/cmdline | tr '\\0' ' '")
+    assert "pytest" not in out
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+async def test_mounting_and_new_namespaces_are_refused(two: ProcessDriver, user: str) -> None:
+    attempts = {
+        "mount": "mkdir -p /tmp/m && mount -t tmpfs none /tmp/m",
+        "bind": "mount --bind / /tmp",
+        "unshare": "unshare -r true",
+        "unshare-mount": "unshare -m true",
+    }
+    for name, script in attempts.items():
+        _, err, end = await run(two, A, script, user=user)
+        assert end.exit_code != 0, (name, err)
+
+
+async def test_loading_a_kernel_module_is_refused(two: ProcessDriver) -> None:
+    script = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "fd = os.open('/dev/null', os.O_RDONLY)\n"
+        "print(libc.init_module(b'', 0, b''), ctypes.get_errno(),"
+        " libc.syscall(313, fd, b'', 0), ctypes.get_errno())\n"  # finit_module on x86_64
+    )
+    handle = await two.launch(A, "mod", ["python3", "-c", script], user="root")
+    out, _, end = await collect(handle)
+    assert end.exit_code == 0
+    init_rc, init_errno, finit_rc, finit_errno = out.decode().split()
+    assert (init_rc, finit_rc) == ("-1", "-1")
+    assert int(init_errno) == int(finit_errno) == 1  # EPERM
+
+
+async def test_ptrace_is_refused(two: ProcessDriver) -> None:
+    script = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]\n"
+        "print(libc.ptrace(16, 1, None, None), ctypes.get_errno())\n"  # PTRACE_ATTACH to pid 1
+    )
+    handle = await two.launch(A, "ptrace", ["python3", "-c", script], user="root")
+    out, _, end = await collect(handle)
+    assert end.exit_code == 0
+    assert out.decode().split() == ["-1", "1"]
+
+
+async def test_a_setuid_file_in_the_persistent_layer_grants_nothing(two: ProcessDriver) -> None:
+    setup = (
+        "cp /usr/bin/id /workspace/rootid && chmod 4755 /workspace/rootid && "
+        "echo root-only > /root/secret && chmod 600 /root/secret && "
+        "cp /bin/cat /workspace/rootcat && chmod 4755 /workspace/rootcat && ls -l /workspace"
+    )
+    out, err, end = await run(two, A, setup, user="root")
+    assert end.exit_code == 0, err
+    assert "-rwsr-xr-x" in out
+    out, err, end = await run(two, A, "/workspace/rootid -u; /workspace/rootcat /root/secret")
+    assert out.splitlines()[0] == "1000"  # no euid 0: no_new_privs
+    assert "root-only" not in out and "Permission denied" in err
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+async def test_from_the_host_a_command_is_never_host_root(two: ProcessDriver, user: str) -> None:
+    handle = await two.launch(A, f"sleep-{user}", ["sleep", "30"], user=user)  # type: ignore[arg-type]
+    pid = await handle.started()
+    assert isinstance(pid, int)
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        uids = [int(v) for v in fields["Uid"].split()]
+        offset = two.id_offset(A)
+        expected = offset if user == "root" else offset + 1000
+        assert uids == [expected] * 4 and offset > 0
+        assert fields["NoNewPrivs"].strip() == "1"
+        assert fields["Seccomp"].strip() == "2"  # a filter
+        if user == "user":
+            assert int(fields["CapEff"], 16) == 0
+        assert int(fields["CapBnd"], 16) & (1 << 21) == 0  # no CAP_SYS_ADMIN, even for root
+        # Its own pid namespace: the host's pid is not the one it sees.
+        assert fields["NSpid"].split()[0] == str(pid) and len(fields["NSpid"].split()) == 2
+    finally:
+        await two.interrupt(A, f"sleep-{user}", grace_s=0)
+        await handle.wait()
+
+
+async def test_everyday_tools_still_work_inside(two: ProcessDriver) -> None:
+    script = (
+        "set -e; cd /workspace; mkdir proj; cd proj; "
+        "git init -q; echo hello > README; git add README; "
+        "git -c user.email=a@b -c user.name=agent commit -qm first; git log --oneline | wc -l; "
+        "python3 -c 'import json, sqlite3; print(json.dumps({\"ok\": True}))'; "
+        "echo data > /tmp/t && cat /tmp/t; echo home > ~/file && cat ~/file"
+    )
+    out, err, end = await run(two, A, script)
+    assert end.exit_code == 0, err
+    assert out.split() == ["1", '{"ok":', "true}", "data", "home"]
+    # As root, the sandbox may install into its own /usr (an upper layer, never the host's).
+    marker = f"sandhold-{uuid.uuid4().hex}"
+    script = f"echo tool > /usr/local/bin/{marker} && echo ok"
+    out, err, end = await run(two, A, script, user="root")
+    assert (out, end.exit_code) == ("ok\n", 0), err
+    assert not Path(f"/usr/local/bin/{marker}").exists()

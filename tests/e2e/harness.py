@@ -77,6 +77,22 @@ class Up:
         sandbox_dir = self.data_dir / "hosts" / host / "sandboxes" / sandbox_id
         return SandboxFs(sandbox_dir / "fs").workspace  # the namespaced driver's
 
+    def touch_inside(self, sandbox_id: str, name: str, host: str = "local") -> None:
+        """Make /workspace/<name> from inside the running sandbox, as its user.
+
+        From inside (util-linux's nsenter into the box's namespaces), not into
+        the upper layer from the host: overlayfs may keep a lookup it cached
+        and never see a file put there behind its back.
+        """
+        box = self.data_dir / "hosts" / host / "sandboxes" / sandbox_id / "box.json"
+        pid = json.loads(box.read_text())["init"]["pid"]
+        subprocess.run(
+            ["nsenter", "-t", str(pid), "-U", "-m", "-S", "1000", "-G", "1000",
+             "touch", f"/workspace/{name}"],
+            check=True,
+            timeout=30,
+        )  # fmt: skip
+
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "SANDHOLD_NATS_URL": ""}
         return subprocess.run(

@@ -192,7 +192,7 @@ async def test_host_agent_killed_mid_command_readopts_it_and_keeps_all_output(ow
         os.kill(old_agent, signal.SIGKILL)
         await wait_until(lambda: not _alive(old_agent), what="agent dead")
         # The command's supervisor outlives the agent; it finishes while no agent runs.
-        (own_up.workspace(sandbox_id) / "go").touch()
+        own_up.touch_inside(sandbox_id, "go")
         result = await asyncio.wait_for(run, 60)
         assert own_up.service_pid("host-agent:local") != old_agent
         assert result.command.state == "exited" and result.command.exit_code == 7

@@ -139,3 +139,26 @@ def _kill_leftovers(data_dir: Path) -> None:
         if marker in cmdline or cwd.startswith(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_dir.name), signal.SIGKILL)
+
+
+class RunLog:
+    """Lines commands append to a file in their sandbox's workspace, read from the hosts.
+
+    The ground truth of how often a command ran: a command can write nothing
+    outside its sandbox, so the file lives inside (``/workspace/<name>``), and
+    the test reads every host's copy of it from the sandboxes' upper layers.
+    """
+
+    def __init__(self, data_dir: Path, name: str) -> None:
+        self.data_dir = data_dir
+        self.name = name
+
+    def inside(self, suffix: str = "") -> str:
+        return f"/workspace/{self.name}{suffix}"
+
+    def lines(self, suffix: str = "") -> list[str]:
+        pattern = f"hosts/*/sandboxes/*/fs/upper/root/workspace/{self.name}{suffix}"
+        return [
+            line for path in sorted(self.data_dir.glob(pattern))
+            for line in path.read_text().splitlines()
+        ]  # fmt: skip

@@ -46,14 +46,13 @@ async def _running(client, sandbox_id: str, command_id: str) -> bool:
         return False
 
 
-def _pids_in(data_dir: Path) -> list[int]:
-    """Processes working inside the data dir (sandbox commands and their supervisors)."""
-    marker = str(data_dir.resolve())
+def _pids_in(sandbox_id: str) -> list[int]:
+    """Processes in the sandbox's cgroups (its box, its commands), found from the host."""
     found = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if os.readlink(d / "cwd").startswith(marker):
+                if f"/{sandbox_id}/" in (d / "cgroup").read_text():
                     found.append(int(d.name))
             except OSError:
                 continue
@@ -99,7 +98,7 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
         sleeper = asyncio.create_task(client.exec(sandbox_id, ["sleep", "600"], key="sleeper"))
         command_id = command_id_for(sandbox_id, "sleeper")
         await wait_until(lambda: _running(client, sandbox_id, command_id), what="sleep running")
-        tree = _pids_of_tree(pids) + _pids_in(tmp_path / "data")
+        tree = _pids_of_tree(pids) + _pids_in(sandbox_id)
         assert any(_cmdline(p) == "sleep 600" for p in tree)
         sleeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

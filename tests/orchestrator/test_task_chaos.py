@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,26 +15,22 @@ from sandhold.client import connect
 from sandhold.domain.task_manifest import load_manifest
 
 from tests.conftest import wait_until
-from tests.e2e.harness import Up
+from tests.e2e.harness import RunLog, Up
 from tests.orchestrator.conftest import GitDaemon, GitRepo, git
 
 TASKS = 10
 
 
 @pytest.fixture
-def counter() -> Iterator[Path]:
-    path = Path("/var/tmp") / f"sandhold-chaos-{uuid.uuid4().hex[:12]}"
-    path.mkdir(parents=True)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def counter(tmp_path: Path) -> RunLog:
+    """Where the steps count their runs (inside their sandboxes; see RunLog)."""
+    return RunLog(tmp_path / "data", f".chaos-{uuid.uuid4().hex[:12]}")
 
 
-def _manifest(url: str, counter: Path, i: int) -> dict:
+def _manifest(url: str, counter: RunLog, i: int) -> dict:
     def step(name: str, seconds: float) -> dict:
-        # Every run leaves a line outside the sandbox: the count is the truth.
-        script = f"echo {name} >> {counter}/{i}; cat README; sleep {seconds}"
+        # Every run leaves a line in the sandbox's own log: the count is the truth.
+        script = f"echo {name} >> {counter.inside(f'-{i}')}; cat README; sleep {seconds}"
         return {"name": name, "agent": {"command": ["sh", "-c", script]}}
 
     return {
@@ -47,16 +41,15 @@ def _manifest(url: str, counter: Path, i: int) -> dict:
     }
 
 
-def _lines(counter: Path, i: int) -> list[str]:
-    path = counter / str(i)
-    return path.read_text().splitlines() if path.exists() else []
+def _lines(counter: RunLog, i: int) -> list[str]:
+    return counter.lines(f"-{i}")
 
 
 # Its own deadlines (90 s to get mid-run, 180 s to finish) say what is late; the
 # suite's 120 s default would cut a slow but correct recovery on a loaded machine.
 @pytest.mark.timeout(400)
 async def test_ten_tasks_survive_the_orchestrator_and_scheduler_killed_mid_run(
-    tmp_path: Path, git_repo: GitRepo, git_daemon: GitDaemon, counter: Path
+    tmp_path: Path, git_repo: GitRepo, git_daemon: GitDaemon, counter: RunLog
 ):
     assert git("rev-parse", "main", cwd=git_repo.path) == git_repo.main
     up = Up(tmp_path / "data").start()

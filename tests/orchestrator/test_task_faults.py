@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import threading
 import time
@@ -28,7 +27,7 @@ from sandhold.domain.envelope import wrap
 from sandhold.domain.task_manifest import load_manifest
 
 from tests.conftest import wait_until
-from tests.e2e.harness import Up
+from tests.e2e.harness import RunLog, Up
 
 
 class Receiver:
@@ -71,14 +70,9 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def counter() -> Iterator[Path]:
-    """A directory outside /tmp (sandboxes have a private /tmp) for side effects."""
-    path = Path("/var/tmp") / f"sandhold-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir(parents=True)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def counter(tmp_path: Path) -> RunLog:
+    """Where agent commands count their runs (inside their sandbox; see RunLog)."""
+    return RunLog(tmp_path / "data", f".runs-{uuid.uuid4().hex[:12]}")
 
 
 class Faulty:
@@ -137,17 +131,16 @@ def _tool(receiver: Receiver, delivery: str) -> dict:
     }
 
 
-def _agent(counter: Path, seconds: float = 0.0) -> dict:
-    script = f"echo ran >> {counter}/work; sleep {seconds}; echo finished"
+def _agent(counter: RunLog, seconds: float = 0.0) -> dict:
+    script = f"echo ran >> {counter.inside()}; sleep {seconds}; echo finished"
     return {
         "name": "agent-work",
         "pipeline": [{"name": "work", "agent": {"command": ["sh", "-c", script]}}],
     }
 
 
-def _runs(counter: Path) -> int:
-    path = counter / "work"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _runs(counter: RunLog) -> int:
+    return len(counter.lines())
 
 
 # --- tool steps --------------------------------------------------------------------
@@ -204,7 +197,7 @@ async def _commands(client: Client, state: tk.Task) -> list[str]:
 
 
 @pytest.mark.fault("during_command:work")
-async def test_an_agent_step_re_attaches_to_its_command_after_a_crash(faulty, counter: Path):
+async def test_an_agent_step_re_attaches_to_its_command_after_a_crash(faulty, counter: RunLog):
     f, client = faulty
     view = await client.submit_task(load_manifest(_agent(counter, seconds=2)))
     state = await _finished(client, view.id)
@@ -222,7 +215,7 @@ async def test_an_agent_step_re_attaches_to_its_command_after_a_crash(faulty, co
 
 
 @pytest.mark.fault("after_claim:work")
-async def test_a_stillborn_agent_step_is_dispatched_once_after_a_crash(faulty, counter: Path):
+async def test_a_stillborn_agent_step_is_dispatched_once_after_a_crash(faulty, counter: RunLog):
     f, client = faulty
     view = await client.submit_task(load_manifest(_agent(counter)))
     state = await _finished(client, view.id)
@@ -237,7 +230,7 @@ async def test_a_stillborn_agent_step_is_dispatched_once_after_a_crash(faulty, c
 
 @pytest.mark.fault("after_send:work")
 async def test_an_agent_step_whose_request_left_before_the_crash_is_not_sent_again(
-    faulty, counter: Path
+    faulty, counter: RunLog
 ):
     f, client = faulty
     view = await client.submit_task(load_manifest(_agent(counter)))
@@ -252,7 +245,7 @@ async def test_an_agent_step_whose_request_left_before_the_crash_is_not_sent_aga
 
 
 @pytest.mark.fault("after_claim:work", SANDHOLD_PROOF_WINDOW="0.001")
-async def test_an_agent_step_that_cannot_be_proven_unsent_fails_honestly(faulty, counter: Path):
+async def test_an_agent_step_that_cannot_be_proven_unsent_fails_honestly(faulty, counter: RunLog):
     # With no window in which JetStream's de-duplication can tell whether the
     # request left, the restarted orchestrator must not guess: the step fails.
     f, client = faulty
@@ -269,7 +262,7 @@ async def test_an_agent_step_that_cannot_be_proven_unsent_fails_honestly(faulty,
 
 
 async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stays(
-    faulty, counter: Path
+    faulty, counter: RunLog
 ):
     f, client = faulty
     view = await client.submit_task(load_manifest(_agent(counter, seconds=120)))
@@ -320,7 +313,7 @@ async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stay
 
 
 async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_after_a_crash(
-    faulty, counter: Path
+    faulty, counter: RunLog
 ):
     """The runner appends the task's end and then stops its sandbox: an orchestrator
     killed between the two must not leave that sandbox holding a host forever."""
@@ -372,7 +365,7 @@ async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_a
 
 
 async def test_a_runner_failing_while_nats_is_unreachable_is_replaced_once_it_is_back(
-    faulty, counter: Path
+    faulty, counter: RunLog
 ):
     """A runner that fails is replaced by a new one; the replacement must not
     depend on NATS answering at that very moment (it did: the sync before it
@@ -397,7 +390,7 @@ async def test_a_runner_failing_while_nats_is_unreachable_is_replaced_once_it_is
 
 
 async def test_a_sandbox_created_after_its_task_ended_and_a_restart_is_released(
-    faulty, counter: Path
+    faulty, counter: RunLog
 ):
     """A task cancelled while its create request waits for a stopped scheduler:
     the sandbox comes into being after the task ended (and after the runner that

@@ -127,3 +127,11 @@ def test_layout(tmp_path: Path) -> None:
     paths = layout.command("sb", "c-1.2")
     assert paths.exit == tmp_path / "sandboxes" / "sb" / "commands" / "c-1.2" / "exit.json"
     assert layout.sandbox_ids() == [] and layout.command_ids("sb") == []
+
+
+def test_pids_events_max_count_is_read() -> None:
+    from sandhold.hostagent.driver.cgroups import parse_pids_max_events
+
+    assert parse_pids_max_events("max 3\n") == 3
+    assert parse_pids_max_events("max 0\n") == 0
+    assert parse_pids_max_events("") == 0

@@ -228,3 +228,21 @@ async def test_everyday_tools_still_work_inside(two: ProcessDriver) -> None:
     out, err, end = await run(two, A, script, user="root")
     assert (out, end.exit_code) == ("ok\n", 0), err
     assert not Path(f"/usr/local/bin/{marker}").exists()
+
+
+async def test_a_fork_bomb_ends_resource_exhausted_naming_the_process_limit(
+    driver: ProcessDriver,
+) -> None:
+    if not driver.cgroups.enforces_pids_limit:
+        pytest.skip(f"no pids controller here: {driver.cgroups.message}")
+    await driver.create_sandbox("small", None, pids_limit=32)
+    bomb = "for i in $(seq 200); do sleep 5 & done; wait"
+    handle = await driver.launch("small", "bomb", ["sh", "-c", bomb])
+    _, _, end = await collect(handle)
+    assert end.reason == "resource_exhausted", end
+    assert "process limit (pids)" in end.detail
+    await driver.stop_sandbox("small", grace=0)
+    # The limit is the sandbox's: an ordinary command there still runs.
+    await driver.create_sandbox("small", None, pids_limit=32)
+    stdout, _, end = await collect(await driver.launch("small", "ok", ["sh", "-c", "echo fine"]))
+    assert (stdout, end.reason) == (b"fine\n", "exited")

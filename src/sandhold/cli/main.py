@@ -98,6 +98,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 recovery=args.recovery,
                 network=args.network,
                 image=args.image,
+                pids_limit=args.pids_limit,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -392,6 +393,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a root file system directory (or its name) under the host's image directory "
         "(default .sandhold/images) as the read-only base; default: the host's /usr and a "
         "minimal /etc",
+    )
+    create.add_argument(
+        "--pids-limit",
+        type=int,
+        help="processes and threads at once (default: the host's, 4096); past it a "
+        "command ends resource_exhausted",
     )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")

@@ -95,7 +95,8 @@ async def read_artifact(client: Client, task_id: str, path: str) -> bytes:
         raise Rejected("artifact_not_found", f"task {task_id} has no artifact {path!r}")
     store = SaveStore(client.js, client.names)
     manifest = await store.get_manifest(found.save_id)
-    entry = next((e for e in manifest.entries if e.path.decode("utf-8", "replace") == path), None)
+    entries = manifest.workspace_entries()
+    entry = next((e for e in entries if e.path.decode("utf-8", "replace") == path), None)
     if entry is None:
         raise Rejected("artifact_not_found", f"{path!r} is not in the snapshot {found.save_id}")
     return b"".join([await store.get_chunk(digest) for digest in entry.chunks])

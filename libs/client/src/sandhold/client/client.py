@@ -154,6 +154,7 @@ class Client:
         recovery: str | None = None,
         network: str = "none",
         image: str | None = None,
+        pids_limit: int | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -166,6 +167,7 @@ class Client:
                 recovery=recovery,
                 network=network,  # type: ignore[arg-type]  # checked by the request
                 image=image,
+                pids_limit=pids_limit,
             )
         )
         assert reply.sandbox is not None

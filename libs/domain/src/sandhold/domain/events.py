@@ -35,6 +35,7 @@ class SandboxCreated(Event, tag="sandbox.created"):
     recovery: Literal["lazy", "eager"] = "lazy"  # after a host failure: wait to be used, or not
     network: str = "none"  # "none" | "egress" (docs/isolation.md)
     image: str | None = None  # the read-only base's directory on the host; None: the host's own
+    pids_limit: int | None = None  # None: the host's default
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):

@@ -80,6 +80,7 @@ def plan(
             memory_limit_bytes=state.memory_limit_bytes,
             network=state.network,
             image=state.image,
+            pids_limit=state.pids_limit,
             restore_save_id=state.restore_save_id,
         )
         work.append((host, start))

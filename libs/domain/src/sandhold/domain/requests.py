@@ -22,6 +22,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
 Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)]
 # Below a few MiB the kernel cannot even start a Python interpreter in the cgroup.
 MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024)]
+# Processes and threads at once; a shell and a few tools need a dozen or so.
+PidsLimit = Annotated[int, msgspec.Meta(ge=16, le=4 * 1024 * 1024)]
 
 
 class Request(
@@ -63,6 +65,7 @@ class CreateSandbox(Request, tag="sandbox.create"):
     seed: SaveId | None = None
     network: Network = "none"
     image: ImagePath | None = None
+    pids_limit: PidsLimit | None = None  # default: the host's (4096)
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -138,6 +141,7 @@ _LATER_FIELDS: dict[str, object] = {
     "network": "none",
     "image": None,
     "user": "user",
+    "pids_limit": None,
 }
 
 

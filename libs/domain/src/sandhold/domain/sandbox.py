@@ -110,6 +110,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     recovery_policy: Literal["lazy", "eager"] = "lazy"
     network: str = "none"
     image: str | None = None
+    pids_limit: int | None = None
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
     restore_save_id: str | None = None  # what the current placement restores, if needed
@@ -158,6 +159,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             recovery_policy=event.recovery,
             network=event.network,
             image=event.image,
+            pids_limit=event.pids_limit,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -428,6 +430,7 @@ def _create(
             recovery=request.recovery or "lazy",
             network=request.network,
             image=request.image,
+            pids_limit=request.pids_limit,
         )
     ]
 

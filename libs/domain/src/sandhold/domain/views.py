@@ -51,6 +51,7 @@ class SandboxView(msgspec.Struct, kw_only=True):
     generation: int
     created_at: float
     memory_limit_bytes: int | None = None
+    pids_limit: int | None = None  # None: its host's default
     reason: str = ""
     delete_requested: bool = False
     capabilities: dict[str, str] = {}
@@ -202,6 +203,7 @@ def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
         generation=s.generation,
         created_at=s.created_at,
         memory_limit_bytes=s.memory_limit_bytes,
+        pids_limit=s.pids_limit,
         reason=s.reason,
         delete_requested=s.delete_requested,
         capabilities=s.capabilities,

@@ -24,6 +24,7 @@ class StartSandboxWork(HostWork, tag="start_sandbox"):
     memory_limit_bytes: int | None = None
     network: str = "none"
     image: str | None = None
+    pids_limit: int | None = None  # None: the host's default
     # Materialise the workspace from this save when the host has none for the sandbox.
     restore_save_id: str | None = None
 

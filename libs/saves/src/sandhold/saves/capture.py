@@ -24,7 +24,7 @@ import msgspec
 from sandhold.saves._spool import copy_all, read_full
 from sandhold.saves._xattrs import read_xattrs
 from sandhold.saves.errors import CaptureError
-from sandhold.saves.manifest import Entry, EntryKind, Manifest, recorded_id
+from sandhold.saves.manifest import FORMAT, Entry, EntryKind, Layout, Manifest, recorded_id
 
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Temporary mounts and delivered credentials are never saved (top-level names).
@@ -62,6 +62,7 @@ def capture(
     exclude: frozenset[bytes] = DEFAULT_EXCLUDE,
     defer_hashing: bool = False,
     id_offset: int = 0,
+    layout: Layout = "workspace",
 ) -> Capture:
     """Walk `workspace` (never following symlinks) into a manifest.
 
@@ -84,6 +85,8 @@ def capture(
             to. Owners are recorded as `host id - id_offset`, so the save
             restores onto a namespace with another offset; an id outside the
             namespace's range is recorded as unknown (-1). 0 records host ids.
+        layout: what `workspace` is (see `Manifest.layout`); a previous save of
+            another layout names the parent but lends no unchanged files.
 
     Raises:
         CaptureError: a file or directory could not be read, or the spool is
@@ -98,7 +101,8 @@ def capture(
     if (os.fsencode(spool_path) + b"/").startswith(root + b"/"):
         raise CaptureError(f"spool {spool_path} is inside the workspace {workspace}")
     spool_path.mkdir(parents=True, exist_ok=True)
-    walker = _Walker(root, spool_path, chunk_size, exclude, previous)
+    reusable = previous if previous is not None and previous.layout == layout else None
+    walker = _Walker(root, spool_path, chunk_size, exclude, reusable)
     walker.defer = defer_hashing
     walker.id_offset = id_offset
     root_entry = walker.root_entry()
@@ -111,6 +115,8 @@ def capture(
         chunk_size=chunk_size,
         entries=walker.entries,
         root=root_entry,
+        layout=layout,
+        format=FORMAT,
     )
     return Capture(
         manifest=manifest,

@@ -62,8 +62,16 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     xattrs: dict[bytes, bytes] = {}
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    """A save: every entry of the workspace at the moment it was captured."""
+# What a manifest's paths are relative to. "workspace": the workspace directory
+# (the first saves, task seeds, the process driver). "root": a namespaced
+# sandbox's whole persistent layer, one directory per overlay upper ("root"
+# for its /, "usr" for /usr, ...), the workspace at WORKSPACE_IN_ROOT.
+Layout = Literal["workspace", "root"]
+WORKSPACE_IN_ROOT = b"root/workspace"
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A save: every entry of the workspace (or root, see `layout`) when captured."""
 
     save_id: str
     sandbox_id: str
@@ -72,7 +80,25 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     chunk_size: int
     entries: list[Entry]
     root: Entry | None = None  # the workspace directory itself (mode, times, owner)
-    format: int = FORMAT
+    # Fields at their default are left out of the encoding (so an old manifest
+    # still re-encodes to its own bytes). A manifest without `format` is
+    # therefore format 2, the first so encoded, whatever FORMAT becomes later:
+    # this default must stay 2; capture writes FORMAT explicitly.
+    format: int = 2
+    layout: Layout = "workspace"
+
+    def workspace_entries(self) -> list[Entry]:
+        """The entries inside the workspace, with paths relative to it (artifacts)."""
+        if self.layout == "workspace":
+            return list(self.entries)
+        prefix = WORKSPACE_IN_ROOT + b"/"
+        return [
+            msgspec.structs.replace(
+                e, path=e.path[len(prefix) :], link_to=_strip(e.link_to, prefix)
+            )
+            for e in self.entries
+            if e.path.startswith(prefix)
+        ]
 
     @property
     def total_bytes(self) -> int:
@@ -88,6 +114,10 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     def digests(self) -> set[str]:
         """Every chunk the save needs."""
         return {d for e in self.entries for d in e.chunks}
+
+
+def _strip(path: bytes, prefix: bytes) -> bytes:
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 _encoder = msgspec.msgpack.Encoder()

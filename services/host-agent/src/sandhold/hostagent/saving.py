@@ -122,7 +122,7 @@ class HostSaves:
             try:
                 captured = await asyncio.to_thread(
                     capture,
-                    self._driver.workspace(sandbox_id),
+                    self._driver.save_root(sandbox_id),
                     save_id=save_id,
                     sandbox_id=sandbox_id,
                     previous=previous,
@@ -133,6 +133,7 @@ class HostSaves:
                     defer_hashing=True,
                     # Owners as the sandbox sees them, so another host's range fits.
                     id_offset=self._driver.id_offset(sandbox_id),
+                    layout=self._driver.save_layout,
                 )
             finally:
                 if freeze:
@@ -178,18 +179,26 @@ class HostSaves:
         )
 
     async def restore_workspace(self, sandbox_id: str, save_id: str) -> bool:
-        """Materialise the workspace from a save when this host has none; True if it did."""
-        workspace = self._driver.workspace(sandbox_id)
-        if workspace.exists() and any(workspace.iterdir()):
+        """Materialise the sandbox's files from a save when this host has none; True if it did.
+
+        A save of a whole root goes back into the persistent layer; one of a
+        workspace (a task's seed, a save from the process driver) into the workspace.
+        """
+        if await asyncio.to_thread(self._driver.has_local_copy, sandbox_id):
             return False
-        with contextlib.suppress(FileNotFoundError):
-            workspace.rmdir()
-        workspace.parent.mkdir(parents=True, exist_ok=True)
         manifest = await self._store.get_manifest(save_id)
+        if manifest.layout == "root":
+            dest = self._driver.save_root(sandbox_id)
+            await asyncio.to_thread(shutil.rmtree, dest, True)
+        else:
+            dest = self._driver.workspace(sandbox_id)
+            with contextlib.suppress(FileNotFoundError):
+                dest.rmdir()
+        dest.parent.mkdir(parents=True, exist_ok=True)
         stats = await restore(
             self._store,
             manifest,
-            workspace,
+            dest,
             progress=self._progress(sandbox_id, save_id, "restore"),
             id_offset=self._driver.id_offset(sandbox_id),
         )

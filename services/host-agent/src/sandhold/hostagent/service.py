@@ -36,7 +36,7 @@ from sandhold.domain.errors import InfraError, Rejected, SandholdError
 from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
 from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
-from sandhold.hostagent.driver.driver import Isolation
+from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context, metrics
@@ -354,7 +354,12 @@ class HostAgent:
                     if work.restore_save_id is not None:
                         await self.saving.restore_workspace(sid, work.restore_save_id)
                     settings = SandboxSettings(network=work.network, image=work.image)
-                    await self.driver.create_sandbox(sid, work.memory_limit_bytes, settings)
+                    await self.driver.create_sandbox(
+                        sid,
+                        work.memory_limit_bytes,
+                        settings,
+                        pids_limit=work.pids_limit or DEFAULT_PIDS_LIMIT,
+                    )
                     self._generation_file(sid).write_text(str(gen))
                 except (OSError, SandholdError, IsolationUnavailable) as err:
                     failed = ev.SandboxStartFailed(host=me, generation=gen, reason=str(err))

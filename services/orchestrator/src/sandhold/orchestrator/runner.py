@@ -814,7 +814,7 @@ class Runner:
             manifest = await self._store.get_manifest(save_id)
             artifacts = [
                 ev.Artifact(path=path, size=entry.size, save_id=save_id)
-                for entry in manifest.entries
+                for entry in manifest.workspace_entries()
                 if entry.kind == "file"
                 and (path := entry.path.decode("utf-8", "replace"))
                 and any(fnmatch.fnmatchcase(path, glob) for glob in state.manifest.artifacts)

@@ -25,8 +25,11 @@ import ctypes
 import fcntl
 import json
 import os
+import select
+import shutil
 import signal
 import struct
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +40,13 @@ from sandhold.hostagent.driver.process_identity import ProcessIdentity
 BOX_MODULE = "sandhold.hostagent.driver.box"
 _CLONE_NEWUSER = 0x10000000
 # The descriptors bubblewrap is given, in the starter's child.
-_ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD = 3, 4, 5, 6
+_ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD, _EGRESS_FD = 3, 4, 5, 6, 7
+# egress: user-mode networking (slirp4netns, outside the box, on the host's
+# network) behind a tap device in the box's own net namespace; host loopback
+# disabled, so 10.0.2.2 is not the host's 127.0.0.1. It exits when the box does:
+# the holder keeps _EGRESS_FD open, slirp4netns watches the other end.
+SLIRP4NETNS = "slirp4netns"
+_SLIRP_READY_S = 10.0
 # Keeps the namespaces alive once it has said that they are set up (bubblewrap
 # runs it only after every mount succeeded); bubblewrap's pid 1 reaps orphans.
 HOLDER = [
@@ -112,8 +121,9 @@ def bwrap_args(spec: BoxSpec) -> list[str]:
         "--hostname", "sandbox", "--new-session", "--cap-drop", "ALL",
         "--json-status-fd", str(_STATUS_FD),
     ]  # fmt: skip
-    if spec.network == "none":
-        args.append("--unshare-net")  # its own loopback, nothing else
+    # Its own net namespace in every mode: loopback only ("none"), or loopback
+    # and a tap device that slirp4netns serves ("egress"); never the host's.
+    args.append("--unshare-net")
     for overlay in _staged(spec):
         args += ["--overlay-src", overlay["lower"]]
         args += ["--overlay", overlay["upper"], overlay["work"], overlay["target"]]
@@ -311,6 +321,10 @@ def start(spec: BoxSpec) -> BoxState:
         _STATUS_FD: status_w,
         _READY_FD: ready_holder,
     }
+    egress: tuple[int, int] | None = None
+    if spec.network == "egress":
+        egress = os.pipe()
+        sources[_EGRESS_FD] = egress[1]
     if spec.seccomp:
         sources[_SECCOMP_FD] = os.open(spec.seccomp, os.O_RDONLY)
     idmap = _idmap_userns(spec)
@@ -347,12 +361,52 @@ def start(spec: BoxSpec) -> BoxState:
     identity = ProcessIdentity.of(init_pid)
     if identity is None:
         raise RuntimeError("the box's init exited at once: " + Path(spec.log).read_text())
+    if egress is not None:
+        try:
+            _start_slirp(init_pid, egress[0], spec)
+        except RuntimeError:
+            os.kill(init_pid, signal.SIGKILL)
+            raise
     return BoxState(
         init=identity,
         id_offset=spec.id_offset,
         network=spec.network,
         idmapped_base=entered == b"+I",
     )
+
+
+def _start_slirp(init_pid: int, exit_fd: int, spec: BoxSpec) -> None:
+    """User-mode networking into the box's net namespace; returns once it is configured."""
+    binary = shutil.which(SLIRP4NETNS)
+    if binary is None:
+        raise RuntimeError(
+            "network egress needs slirp4netns (Debian/Ubuntu: apt install slirp4netns)"
+        )
+    ready_r, ready_w = os.pipe()
+    argv = [
+        binary, "--configure", "--mtu=65520", "--disable-host-loopback",
+        "--enable-sandbox", "--enable-seccomp",
+        f"--exit-fd={exit_fd}", f"--ready-fd={ready_w}", str(init_pid), "tap0",
+    ]  # fmt: skip
+    log = os.open(spec.log + ".net", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    slirp = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        pass_fds=(exit_fd, ready_w),
+        start_new_session=True,
+    )
+    os.close(ready_w)
+    os.close(exit_fd)
+    os.close(log)
+    ready = select.select([ready_r], [], [], _SLIRP_READY_S)[0]
+    answer = os.read(ready_r, 1) if ready else b""
+    os.close(ready_r)
+    if answer != b"1":
+        slirp.kill()
+        reason = Path(spec.log + ".net").read_text(errors="replace").strip()[-1000:]
+        raise RuntimeError(f"slirp4netns did not configure the network: {reason or 'timeout'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from sandhold.hostagent.driver.box import BOX_MODULE, BoxSpec, BoxState, read_state
+from sandhold.hostagent.driver.box import (
+    BOX_MODULE,
+    SLIRP4NETNS,
+    BoxSpec,
+    BoxState,
+    read_state,
+)
 from sandhold.hostagent.driver.cgroups import Cgroups
 from sandhold.hostagent.driver.joining import BoxTarget
 from sandhold.hostagent.driver.layout import HostLayout
@@ -33,6 +39,7 @@ from sandhold.hostagent.driver.rootfs import (
     allocate_id_offset,
     claim_host_files,
     default_base,
+    has_files,
     image_base,
     prepare,
     read_id_offset,
@@ -40,7 +47,13 @@ from sandhold.hostagent.driver.rootfs import (
 from sandhold.hostagent.driver.seccomp import SeccompUnavailable, write_filter
 
 User = Literal["user", "root"]
-NETWORK_MODES = ("none",)
+
+
+def network_modes() -> tuple[str, ...]:
+    """The modes this host can enforce: egress only where slirp4netns is installed."""
+    return ("none", "egress") if shutil.which(SLIRP4NETNS) else ("none",)
+
+
 BOX_CGROUP = "_box"  # the box's processes, beside the commands' cgroups (never a command id)
 _BOX_START_TIMEOUT_S = 30.0
 
@@ -134,7 +147,7 @@ class Boxes:
             "namespaces": "user,pid,mount,net,ipc,uts,cgroup",
             "root": "overlay",
             "network": "none",
-            "network_modes": ",".join(NETWORK_MODES),
+            "network_modes": ",".join(network_modes()),
             "seccomp": self._seccomp is not None,
             "no_new_privs": True,
             # The sandbox's root may change its base (copied up into its upper
@@ -143,6 +156,7 @@ class Boxes:
             "message_isolation": (
                 "namespaces: mapped users, own pid/mount/net/ipc/uts, no host capabilities"
                 + ("" if self._seccomp else f"; no seccomp filter: {self._seccomp_problem}")
+                + ("" if "egress" in network_modes() else "; no egress: slirp4netns not installed")
             ),
         }
 
@@ -169,15 +183,21 @@ class Boxes:
             return SandboxSettings()
 
     def prepare(self, sandbox_id: str, settings: SandboxSettings) -> None:
-        if settings.network not in NETWORK_MODES:
+        if settings.network not in (modes := network_modes()):
+            hint = " (egress needs slirp4netns: apt install slirp4netns)" * (
+                settings.network == "egress"
+            )
             raise IsolationUnavailable(
                 f"network mode {settings.network!r} is not available on this host "
-                f"(it offers {', '.join(NETWORK_MODES)})"
+                f"(it offers {', '.join(modes)}){hint}"
             )
         directory = self.layout.sandbox_dir(sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "isolation.json").write_text(json.dumps(settings.to_json()))
         prepare(self.fs(sandbox_id), self._base_for(settings), self.id_offset(sandbox_id))
+
+    def has_files(self, sandbox_id: str) -> bool:
+        return has_files(self.fs(sandbox_id))
 
     def claim_restored(self, sandbox_id: str) -> None:
         claim_host_files(self.fs(sandbox_id), self.id_offset(sandbox_id))

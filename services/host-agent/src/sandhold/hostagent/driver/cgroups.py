@@ -36,15 +36,21 @@ class CommandCgroup:
 
     procs: list[str]
     oom_file: str | None
+    # pids.events of the command's own cgroup: a "max" count above 0 means a
+    # fork of the command was refused by the sandbox's process limit.
+    pids_file: str | None = None
 
 
 class Cgroups(Protocol):
     kind: CgroupKind
     enforces_memory_limit: bool
+    enforces_pids_limit: bool
     can_freeze: bool
     message: str
 
-    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None: ...
+    def create_sandbox(
+        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+    ) -> None: ...
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup: ...
     def oom_kills(self, sandbox_id: str, command_id: str) -> int: ...
     def pids(self, sandbox_id: str) -> list[int]: ...
@@ -83,6 +89,15 @@ def parse_oom_kills(text: str) -> int:
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def parse_pids_max_events(text: str) -> int:
+    """The "max" count of a pids.events file: forks refused by a pids.max."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max":
             return int(value)
     return 0
 
@@ -160,11 +175,18 @@ class V1Cgroups:
     enforces_memory_limit = True
 
     def __init__(
-        self, memory: Path, freezer: Path | None, host_id: str, parent: str = "sandhold"
+        self,
+        memory: Path,
+        freezer: Path | None,
+        host_id: str,
+        parent: str = "sandhold",
+        pids: Path | None = None,
     ) -> None:
         self._memory_host = memory / parent / host_id
         self._freezer_host = None if freezer is None else freezer / parent / host_id
+        self._pids_host = None if pids is None else pids / parent / host_id
         self.can_freeze = freezer is not None
+        self.enforces_pids_limit = pids is not None
         self.message = (
             "cgroup v1"
             if freezer is not None
@@ -173,11 +195,19 @@ class V1Cgroups:
 
     def _dirs(self, *parts: str) -> list[Path]:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
+        hosts += [self._pids_host] if self._pids_host else []
         return [host.joinpath(*parts) for host in hosts]
 
-    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+    def create_sandbox(
+        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+    ) -> None:
         for directory in self._dirs(sandbox_id):
             directory.mkdir(parents=True, exist_ok=True)
+        if self._pids_host is not None:
+            _write(
+                self._pids_host / sandbox_id / "pids.max",
+                "max" if pids_limit is None else str(pids_limit),
+            )
         memory = self._memory_host / sandbox_id
         limit = "-1" if memory_limit_bytes is None else str(memory_limit_bytes)
         memsw = memory / "memory.memsw.limit_in_bytes"
@@ -197,9 +227,13 @@ class V1Cgroups:
         directories = self._dirs(sandbox_id, command_id)
         for directory in directories:
             directory.mkdir(exist_ok=True)
+        pids_file = None
+        if self._pids_host is not None:
+            pids_file = str(self._pids_host / sandbox_id / command_id / "pids.events")
         return CommandCgroup(
             procs=[str(directory / "cgroup.procs") for directory in directories],
             oom_file=str(directories[0] / "memory.oom_control"),
+            pids_file=pids_file,
         )
 
     def oom_kills(self, sandbox_id: str, command_id: str) -> int:
@@ -272,27 +306,36 @@ class V2Cgroups:
         self._mount = mount
         self._parent = mount / parent
         self._host = self._parent / host_id
-        self.enforces_memory_limit = "memory" in _read(mount / "cgroup.controllers").split()
+        controllers = _read(mount / "cgroup.controllers").split()
+        self.enforces_memory_limit = "memory" in controllers
+        self.enforces_pids_limit = "pids" in controllers
         self.message = (
             "cgroup v2"
             if self.enforces_memory_limit
             else f"cgroup v2 at {mount} without the memory controller: no memory limit"
         )
 
-    def _enable_memory(self, directory: Path) -> None:
+    def _enable(self, directory: Path, controller: str) -> None:
         control = directory / "cgroup.subtree_control"
-        if "memory" not in _read(control).split():
-            _write(control, "+memory")
+        if controller not in _read(control).split():
+            _write(control, f"+{controller}")
 
-    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+    def create_sandbox(
+        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+    ) -> None:
         sandbox = self._host / sandbox_id
         sandbox.mkdir(parents=True, exist_ok=True)
+        # Each level must delegate a controller to the next, down to the command
+        # cgroups, which is where memory.events and pids.events must count.
+        levels = (self._mount, self._parent, self._host, sandbox)
+        if self.enforces_pids_limit:
+            for directory in levels:
+                self._enable(directory, "pids")
+            _write(sandbox / "pids.max", "max" if pids_limit is None else str(pids_limit))
         if not self.enforces_memory_limit:
             return
-        # Each level must delegate the controller to the next, down to the
-        # command cgroups, which is where memory.events must count OOM kills.
-        for directory in (self._mount, self._parent, self._host, sandbox):
-            self._enable_memory(directory)
+        for directory in levels:
+            self._enable(directory, "memory")
         _write(
             sandbox / "memory.max", "max" if memory_limit_bytes is None else str(memory_limit_bytes)
         )
@@ -306,7 +349,13 @@ class V2Cgroups:
         directory = self._host / sandbox_id / command_id
         directory.mkdir(exist_ok=True)
         oom_file = str(directory / "memory.events") if self.enforces_memory_limit else None
-        return CommandCgroup([str(directory / "cgroup.procs")], oom_file)
+        pids_file = None
+        if self.enforces_pids_limit:
+            # v2 counts a refused fork where the limit is (the sandbox), and in
+            # the forking cgroup's own .local file where the kernel has it.
+            local = directory / "pids.events.local"
+            pids_file = str(local if local.exists() else self._host / sandbox_id / "pids.events")
+        return CommandCgroup([str(directory / "cgroup.procs")], oom_file, pids_file)
 
     def oom_kills(self, sandbox_id: str, command_id: str) -> int:
         return parse_oom_kills(_read(self._host / sandbox_id / command_id / "memory.events"))
@@ -353,12 +402,15 @@ class NoCgroups:
 
     kind: CgroupKind = "none"
     enforces_memory_limit = False
+    enforces_pids_limit = False
     can_freeze = False
 
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def create_sandbox(self, sandbox_id: str, memory_limit_bytes: int | None) -> None:
+    def create_sandbox(
+        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+    ) -> None:
         pass
 
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
@@ -405,11 +457,11 @@ def detect_cgroups(
         name: mount.target
         for mount in mounts
         if mount.fstype == "cgroup" and _writable(mount)
-        for name in ("memory", "freezer")
+        for name in ("memory", "freezer", "pids")
         if name in mount.options
     }
     if "memory" in v1:
-        return V1Cgroups(v1["memory"], v1.get("freezer"), host_id, parent)
+        return V1Cgroups(v1["memory"], v1.get("freezer"), host_id, parent, pids=v1.get("pids"))
     return NoCgroups(
         "no writable cgroup hierarchy with the memory controller (neither cgroup v2 listing "
         "'memory' in cgroup.controllers nor a cgroup v1 'memory' mount): memory limits are "

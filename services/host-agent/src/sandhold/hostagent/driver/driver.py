@@ -40,7 +40,11 @@ from sandhold.hostagent.driver.records import (
     read_pid,
     write_json,
 )
+from sandhold.saves.manifest import Layout
 
+# Processes and threads a sandbox may have at once unless it asks otherwise
+# (docs/isolation.md): far above a build's needs, far below what hurts a host.
+DEFAULT_PIDS_LIMIT = 4096
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Beyond the grace, how long a supervisor may take to record an exit.
 _EXIT_MARGIN_S = 10.0
@@ -155,6 +159,7 @@ class ProcessDriver:
         limits = {
             "cgroup": self.cgroups.kind,
             "memory_limit": self.cgroups.enforces_memory_limit,
+            "pids_limit": self.cgroups.enforces_pids_limit,
             "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
         }
         if self.boxes is not None:
@@ -194,6 +199,24 @@ class ProcessDriver:
             return self.boxes.fs(sandbox_id).workspace
         return self.layout.workspace(sandbox_id)
 
+    @property
+    def save_layout(self) -> Layout:
+        """What a save of this host holds: a namespaced sandbox's whole persistent root."""
+        return "workspace" if self.boxes is None else "root"
+
+    def save_root(self, sandbox_id: str) -> Path:
+        """The directory a save captures (see ``save_layout``)."""
+        if self.boxes is None:
+            return self.layout.workspace(sandbox_id)
+        return self.boxes.fs(sandbox_id).upper
+
+    def has_local_copy(self, sandbox_id: str) -> bool:
+        """Whether this host holds files of the sandbox (then nothing is restored over them)."""
+        if self.boxes is None:
+            workspace = self.layout.workspace(sandbox_id)
+            return workspace.is_dir() and any(workspace.iterdir())
+        return self.boxes.has_files(sandbox_id)
+
     def id_offset(self, sandbox_id: str) -> int:
         """The host id that is root inside the sandbox (0 for the process driver)."""
         return 0 if self.boxes is None else self.boxes.id_offset(sandbox_id)
@@ -208,10 +231,18 @@ class ProcessDriver:
         sandbox_id: str,
         memory_limit_bytes: int | None,
         settings: SandboxSettings | None = None,
+        *,
+        pids_limit: int | None = DEFAULT_PIDS_LIMIT,
     ) -> None:
-        """Create (or update the limit of) a sandbox and start its box; safe to repeat."""
+        """Create (or update the limits of) a sandbox and start its box; safe to repeat.
+
+        ``pids_limit`` caps the sandbox's processes and threads (a fork bomb
+        ends ``resource_exhausted``); None lifts it.
+        """
         self.layout.commands_dir(sandbox_id).mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes)
+        await asyncio.to_thread(
+            self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes, pids_limit
+        )
         if self.boxes is None:
             self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)
             return
@@ -404,6 +435,7 @@ class ProcessDriver:
             kill_grace_s=kill_grace_s,
             cgroup_procs=cgroup.procs,
             oom_file=cgroup.oom_file,
+            pids_file=cgroup.pids_file,
             isolate_tmp=self._isolate_tmp and placement.box is None,
             keep_visible=placement.keep_visible,
             created_at=time.time(),

@@ -78,6 +78,8 @@ class CommandSpec:
     cgroup_procs: list[str] = field(default_factory=list)
     # memory.oom_control (v1) or memory.events (v2) of the command's cgroup.
     oom_file: str | None = None
+    # pids.events whose "max" count rises when a fork is refused by the process limit.
+    pids_file: str | None = None
     isolate_tmp: bool = True
     # Directories under /tmp that must stay visible through the private /tmp.
     keep_visible: list[str] = field(default_factory=list)

@@ -226,6 +226,21 @@ def prepare(fs: SandboxFs, base: Base, id_offset: int) -> None:
             os.chown(directory, owner, owner)
 
 
+def has_files(fs: SandboxFs) -> bool:
+    """Whether the persistent layer holds anything beyond the directories ``prepare`` makes."""
+    scaffolding = {fs.upper, fs.workspace, fs.upper / "root" / USER_HOME.lstrip("/")}
+    scaffolding |= {path.parent for path in scaffolding} | {
+        p for p in fs.upper.glob("*") if p.is_dir() and not p.is_symlink()
+    }
+    for directory, dirnames, filenames in os.walk(fs.upper):
+        if filenames:
+            return True
+        for name in dirnames:
+            if Path(directory, name) not in scaffolding:
+                return True
+    return False
+
+
 def claim_host_files(fs: SandboxFs, id_offset: int) -> None:
     """Give workspace files the host wrote (a restored seed checkout) to the sandbox user.
 

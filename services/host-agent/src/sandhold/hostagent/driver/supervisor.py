@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids
+from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids, parse_pids_max_events
 from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside, mirror
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
@@ -113,6 +113,9 @@ class Supervisor:
         self.output_problem = ""
         # The command's own pid and process group (inside a box, not the child's).
         self.command_pid: int | None = None
+        # Forks the process limit had refused before this command (where the
+        # count is the sandbox's, not the command's own).
+        self.refused_forks_before = self.refused_forks()
 
     # --- launch -----------------------------------------------------------
 
@@ -343,6 +346,13 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
 
+    def refused_forks(self) -> int:
+        if self.spec.pids_file is None:
+            return 0
+        with contextlib.suppress(OSError, ValueError):
+            return parse_pids_max_events(Path(self.spec.pids_file).read_text())
+        return 0
+
     def exit_record(self, child: subprocess.Popen[bytes]) -> CommandExit:
         code = child.returncode
         assert code is not None
@@ -350,10 +360,16 @@ class Supervisor:
         if self.spec.oom_file is not None:
             with contextlib.suppress(OSError, ValueError):
                 oom_kills = parse_oom_kills(Path(self.spec.oom_file).read_text())
+        refused = self.refused_forks() - self.refused_forks_before
         exit_code, sig = (code, None) if code >= 0 else (None, -code)
         if oom_kills:
             reason: ExitReason = "resource_exhausted"
             detail = f"out of memory: {oom_kills} process(es) of the command were OOM-killed"
+        elif refused and self.ending is None and code != 0:
+            # A command that still succeeded despite a refused fork exited; one
+            # that failed after its forks were refused ran out of processes.
+            reason = "resource_exhausted"
+            detail = f"process limit (pids) reached: {refused} fork(s) refused"
         elif self.ending is not None:
             reason, detail = self.ending, self.ending_detail
         else:

@@ -66,7 +66,7 @@ def _completed(state: sb.Sandbox) -> list[str]:
 
 async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
     manifest = await store.get_manifest(save_id)
-    [entry] = [e for e in manifest.entries if e.path == name]
+    [entry] = [e for e in manifest.workspace_entries() if e.path == name]
     return b"".join([await store.get_chunk(d) for d in entry.chunks])
 
 
@@ -231,7 +231,7 @@ async def test_a_failing_final_save_is_reported_apart_from_the_stop(saving_up: U
 
     # The host's copy is gone (as after a host loss): the next start restores the
     # last completed save, which holds "saved", not the lost change.
-    shutil.rmtree(saving_up.workspace(sandbox_id))
+    shutil.rmtree(saving_up.workspace(sandbox_id).parents[2])  # its whole root, fs/
     await client.start_sandbox(sandbox_id)
     await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
     assert (await client.exec(sandbox_id, ["cat", "note"])).stdout == b"saved\n"
@@ -260,8 +260,42 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     # and the store can restore that snapshot anywhere, verified
     store = SaveStore(client.js, client.names)
     stats = await restore(store, await store.get_manifest(snap.id), tmp_path / "restored")
-    assert (tmp_path / "restored" / "dir" / "file").read_bytes() == b"hello\n"
+    # a namespaced sandbox's save holds its whole root, the workspace in it
+    assert (tmp_path / "restored/root/workspace/dir/file").read_bytes() == b"hello\n"
     assert stats is not None
+    for sandbox_id in (source, copy.id):
+        await client.stop_sandbox(sandbox_id)
+
+
+async def test_what_root_installs_anywhere_in_the_root_survives_a_snapshot(client: Client):
+    source = await running_sandbox(client, save_interval_s=3600)
+    as_root = (
+        "echo tool > /usr/local/bin/agent-tool && chmod 755 /usr/local/bin/agent-tool && "
+        "mkdir -p /opt/sdk && echo 1.2 > /opt/sdk/VERSION && ln /opt/sdk/VERSION /opt/sdk/V && "
+        "echo 'export X=1' >> /etc/profile && rm /etc/inputrc && mkfifo /opt/sdk/pipe"
+    )
+    done = await client.exec(source, ["sh", "-c", as_root], user="root")
+    assert done.command.exit_code == 0, done.stderr
+    as_user = (
+        "echo mine > ~/.agentrc && pip_dir=~/.local/lib && mkdir -p $pip_dir && echo x > $pip_dir/m"
+    )
+    assert (await client.exec(source, ["sh", "-c", as_user])).command.exit_code == 0
+    snap = await client.wait_for_save(
+        source, (await client.snapshot(source, "root")).id, timeout=60
+    )
+    assert snap.state == "completed"
+    copy = await client.create_sandbox(from_snapshot=snap.id)
+    await client.wait_for_phase(copy.id, {"running"}, timeout=60)
+    check = (
+        "cat /usr/local/bin/agent-tool /opt/sdk/VERSION ~/.agentrc ~/.local/lib/m; "
+        "stat -c %h /opt/sdk/V; test -p /opt/sdk/pipe && echo fifo; "
+        "grep -c 'export X=1' /etc/profile; test -e /etc/inputrc || echo inputrc-deleted; "
+        "stat -c %U /usr/local/bin/agent-tool ~/.agentrc"
+    )
+    result = await client.exec(copy.id, ["sh", "-c", check])
+    assert result.stdout.decode().split() == [
+        "tool", "1.2", "mine", "x", "2", "fifo", "1", "inputrc-deleted", "root", "sandbox",
+    ], result  # fmt: skip
     for sandbox_id in (source, copy.id):
         await client.stop_sandbox(sandbox_id)
 

@@ -246,3 +246,40 @@ async def test_a_fork_bomb_ends_resource_exhausted_naming_the_process_limit(
     await driver.create_sandbox("small", None, pids_limit=32)
     stdout, _, end = await collect(await driver.launch("small", "ok", ["sh", "-c", "echo fine"]))
     assert (stdout, end.reason) == (b"fine\n", "exited")
+
+
+async def test_egress_reaches_out_but_never_the_hosts_loopback(
+    driver: ProcessDriver, listener: int
+) -> None:
+    from sandhold.hostagent.driver.boxes import SandboxSettings, network_modes
+
+    if "egress" not in network_modes():
+        # .ci/run installs slirp4netns and sets this, so CI never skips it.
+        assert not os.environ.get("SANDHOLD_REQUIRE_EGRESS"), "slirp4netns is not installed"
+        pytest.skip("network egress needs slirp4netns: apt install slirp4netns")
+    host_ip = _host_address()
+    assert host_ip is not None, "this test needs an address other than loopback"
+    # A service on the host's own (non-loopback) address stands in for the internet.
+    outside = await asyncio.start_server(lambda r, w: w.close(), host_ip, 0)
+    outside_port = outside.sockets[0].getsockname()[1]
+    try:
+        await driver.create_sandbox(A, None, SandboxSettings(network="egress"))
+        probe = (
+            "import socket, sys\n"
+            "for host, port in ((sys.argv[1], int(sys.argv[2])), ('10.0.2.2', int(sys.argv[3])),"
+            " ('127.0.0.1', int(sys.argv[3]))):\n"
+            "    s = socket.socket(); s.settimeout(5)\n"
+            "    try:\n"
+            "        s.connect((host, port)); print('connected')\n"
+            "    except OSError as err:\n"
+            "        print('refused')\n"
+        )
+        argv = ["python3", "-c", probe, host_ip, str(outside_port), str(listener)]
+        out, _, end = await collect(await driver.launch(A, "egress", argv))
+        assert end.reason == "exited"
+        # out, yes; the host's loopback through the gateway address or directly, never
+        assert out.decode().split() == ["connected", "refused", "refused"]
+        assert driver.sandbox_capabilities(A)["network"] == "egress"
+    finally:
+        outside.close()
+        await outside.wait_closed()

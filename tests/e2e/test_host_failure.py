@@ -178,6 +178,11 @@ async def test_host_killed_during_a_long_command(cluster, client: Client):
     sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
     written = time.time()
     await client.exec(sandbox_id, ["sh", "-c", "echo v1 > note"])
+    # Installed outside the workspace, as root: the whole root is what is saved.
+    installed = await client.exec(
+        sandbox_id, ["sh", "-c", "echo tool > /usr/local/bin/installed"], user="root"
+    )
+    assert installed.command.exit_code == 0
     saved = await _saved_after(client, sandbox_id, written)
     long = asyncio.create_task(
         client.exec(
@@ -221,6 +226,8 @@ async def test_host_killed_during_a_long_command(cluster, client: Client):
     assert view.recovered_from.behind_failure_s >= 0
     check = await client.exec(sandbox_id, ["sh", "-c", "cat note; cat runs 2>/dev/null || :"])
     assert check.stdout.startswith(b"v1\n")
+    tool = await client.exec(sandbox_id, ["cat", "/usr/local/bin/installed"])
+    assert tool.stdout == b"tool\n"  # recovered on h2 with the rest of its root
     long_again = (await client.sandbox_state(sandbox_id)).commands[cid]
     assert long_again.state == "infrastructure_lost"  # still the record; never relaunched
     starts = [

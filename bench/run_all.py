@@ -22,6 +22,7 @@ SCRIPTS = [
     "saves.py",
     "recovery.py",
     "tracing_cost.py",
+    "isolation.py",
 ]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 

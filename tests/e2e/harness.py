@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
 
 SANDHOLD = str(Path(sys.executable).parent / "sandhold")
@@ -125,8 +126,26 @@ class Up:
         return self.process.returncode
 
 
+def box_inits(directory: Path) -> list[int]:
+    """The pids of the sandbox boxes' inits under a data dir or host root, still running.
+
+    Killing a box's init (pid 1 of its namespace) ends everything in the box;
+    its bubblewrap parent then exits by itself.
+    """
+    found = []
+    for box in directory.glob("**/sandboxes/*/box.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            identity = ProcessIdentity.from_json(json.loads(box.read_text())["init"])
+            if identity.is_alive():
+                found.append(identity.pid)
+    return found
+
+
 def _kill_leftovers(data_dir: Path) -> None:
     """Any process still running from this data dir (a test that failed midway)."""
+    for pid in box_inits(data_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     marker = str(data_dir.resolve())
     for pid_dir in Path("/proc").iterdir():
         if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():

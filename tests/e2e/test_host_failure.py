@@ -20,7 +20,7 @@ from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for
 
 from tests.conftest import wait_until
-from tests.e2e.harness import SANDHOLD, Up
+from tests.e2e.harness import SANDHOLD, Up, box_inits
 
 LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
 
@@ -62,8 +62,8 @@ class Host:
         return self.process.pid
 
     def sandbox_pids(self) -> list[int]:
-        """Supervisors and commands: every process working inside this host's root."""
-        marker, found = str(self.root.resolve()), []
+        """The sandboxes' boxes (and so the commands in them), anything working in the root."""
+        marker, found = str(self.root.resolve()), box_inits(self.root)
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import uuid
@@ -27,6 +28,7 @@ from sandhold.hostagent.driver import (
 )
 from sandhold.hostagent.driver.cgroups import parse_mounts
 from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 
 def supervisor_pids(root: Path) -> list[int]:
@@ -53,7 +55,15 @@ def _kill_command_groups(root: Path) -> None:
                 os.killpg(pid, signal.SIGKILL)
 
 
+def _kill_boxes(root: Path) -> None:
+    """Each sandbox's box, by its init's identity (killing pid 1 ends the box)."""
+    for box in root.glob("sandboxes/*/box.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            ProcessIdentity.from_json(json.loads(box.read_text())["init"]).send(signal.SIGKILL)
+
+
 def reap(root: Path, host_id: str) -> None:
+    _kill_boxes(root)
     for pid in supervisor_pids(root):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

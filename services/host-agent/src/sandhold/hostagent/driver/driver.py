@@ -258,6 +258,7 @@ class ProcessDriver:
         for handle in live:
             await self.interrupt(sandbox_id, handle.command_id, grace_s=0.0)
         await asyncio.to_thread(self.cgroups.kill_all, sandbox_id)
+        self._end_box(sandbox_id)
         await self._await_exits(live, _EXIT_MARGIN_S)
         await asyncio.to_thread(self.cgroups.remove, sandbox_id)
         for key in [key for key in self._handles if key[0] == sandbox_id]:
@@ -278,7 +279,13 @@ class ProcessDriver:
             await self.interrupt(sandbox_id, handle.command_id, grace_s=grace)
         exits = await self._await_exits(live, grace + _EXIT_MARGIN_S)
         await self._end_leftovers(sandbox_id, grace)
+        self._end_box(sandbox_id)
         return exits
+
+    def _end_box(self, sandbox_id: str) -> None:
+        # The cgroup kill reaches the box too; without cgroups this is what does.
+        if self.boxes is not None and (state := self.boxes.state(sandbox_id)) is not None:
+            state.init.send(signal.SIGKILL)
 
     async def _thaw_quietly(self, sandbox_id: str) -> None:
         # A frozen process cannot act on TERM, nor die of KILL, until thawed.

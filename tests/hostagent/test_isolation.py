@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sandhold.hostagent.driver import CommandExit, ProcessDriver
 
-from .conftest import collect
+from .conftest import collect, eventually
 
 A, B = "sb-a", "sb-b"
 
@@ -283,3 +283,24 @@ async def test_egress_reaches_out_but_never_the_hosts_loopback(
     finally:
         outside.close()
         await outside.wait_closed()
+
+
+async def test_a_cpu_limit_throttles_a_busy_command(driver: ProcessDriver) -> None:
+    if not driver.cgroups.enforces_cpu_limit:
+        pytest.skip(f"no cpu controller here: {driver.cgroups.message}")
+    await driver.create_sandbox("slow", None, cpu_limit=0.1)
+    before = driver.cgroups.cpu_stat("slow").get("nr_throttled", 0)
+    spin = ["python3", "-c", "while True: pass"]
+    handle = await driver.launch("slow", "spin", spin, timeout_s=120.0)
+    assert isinstance(await handle.started(), int)
+
+    def throttled() -> bool:
+        # The kernel holds it back: it runs out of its quota period after period.
+        return driver.cgroups.cpu_stat("slow").get("nr_throttled", 0) > before + 3
+
+    try:
+        await eventually(throttled, timeout=60, what="the busy command is throttled")
+    finally:
+        await driver.interrupt("slow", "spin", grace_s=0)
+    end = await handle.wait()
+    assert end.reason == "interrupted"  # a throttle, never an end of its own

@@ -99,6 +99,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 network=args.network,
                 image=args.image,
                 pids_limit=args.pids_limit,
+                cpu_limit=args.cpus,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -399,6 +400,11 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="processes and threads at once (default: the host's, 4096); past it a "
         "command ends resource_exhausted",
+    )
+    create.add_argument(
+        "--cpus",
+        type=float,
+        help="CPU time per period, in CPUs (0.5: half a core); a throttle (default: none)",
     )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")

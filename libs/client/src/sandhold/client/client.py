@@ -155,6 +155,7 @@ class Client:
         network: str = "none",
         image: str | None = None,
         pids_limit: int | None = None,
+        cpu_limit: float | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -168,6 +169,7 @@ class Client:
                 network=network,  # type: ignore[arg-type]  # checked by the request
                 image=image,
                 pids_limit=pids_limit,
+                cpu_limit=cpu_limit,
             )
         )
         assert reply.sandbox is not None

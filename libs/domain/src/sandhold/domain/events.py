@@ -36,6 +36,7 @@ class SandboxCreated(Event, tag="sandbox.created"):
     network: str = "none"  # "none" | "egress" (docs/isolation.md)
     image: str | None = None  # the read-only base's directory on the host; None: the host's own
     pids_limit: int | None = None  # None: the host's default
+    cpu_limit: float | None = None  # CPUs; None: no limit
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):

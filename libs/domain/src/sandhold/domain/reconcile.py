@@ -81,6 +81,7 @@ def plan(
             network=state.network,
             image=state.image,
             pids_limit=state.pids_limit,
+            cpu_limit=state.cpu_limit,
             restore_save_id=state.restore_save_id,
         )
         work.append((host, start))

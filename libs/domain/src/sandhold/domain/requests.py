@@ -24,6 +24,8 @@ Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)]
 MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024)]
 # Processes and threads at once; a shell and a few tools need a dozen or so.
 PidsLimit = Annotated[int, msgspec.Meta(ge=16, le=4 * 1024 * 1024)]
+# CPUs' worth of time per scheduling period (0.5 = half a core); a throttle.
+CpuLimit = Annotated[float, msgspec.Meta(ge=0.01, le=1024)]
 
 
 class Request(
@@ -66,6 +68,7 @@ class CreateSandbox(Request, tag="sandbox.create"):
     network: Network = "none"
     image: ImagePath | None = None
     pids_limit: PidsLimit | None = None  # default: the host's (4096)
+    cpu_limit: CpuLimit | None = None  # default: no limit
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -142,6 +145,7 @@ _LATER_FIELDS: dict[str, object] = {
     "image": None,
     "user": "user",
     "pids_limit": None,
+    "cpu_limit": None,
 }
 
 

@@ -111,6 +111,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     network: str = "none"
     image: str | None = None
     pids_limit: int | None = None
+    cpu_limit: float | None = None
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
     restore_save_id: str | None = None  # what the current placement restores, if needed
@@ -160,6 +161,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             network=event.network,
             image=event.image,
             pids_limit=event.pids_limit,
+            cpu_limit=event.cpu_limit,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -431,6 +433,7 @@ def _create(
             network=request.network,
             image=request.image,
             pids_limit=request.pids_limit,
+            cpu_limit=request.cpu_limit,
         )
     ]
 

@@ -52,6 +52,7 @@ class SandboxView(msgspec.Struct, kw_only=True):
     created_at: float
     memory_limit_bytes: int | None = None
     pids_limit: int | None = None  # None: its host's default
+    cpu_limit: float | None = None  # CPUs; None: none
     reason: str = ""
     delete_requested: bool = False
     capabilities: dict[str, str] = {}
@@ -204,6 +205,7 @@ def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
         created_at=s.created_at,
         memory_limit_bytes=s.memory_limit_bytes,
         pids_limit=s.pids_limit,
+        cpu_limit=s.cpu_limit,
         reason=s.reason,
         delete_requested=s.delete_requested,
         capabilities=s.capabilities,

@@ -25,6 +25,7 @@ class StartSandboxWork(HostWork, tag="start_sandbox"):
     network: str = "none"
     image: str | None = None
     pids_limit: int | None = None  # None: the host's default
+    cpu_limit: float | None = None
     # Materialise the workspace from this save when the host has none for the sandbox.
     restore_save_id: str | None = None
 

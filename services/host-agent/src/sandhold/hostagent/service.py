@@ -359,6 +359,7 @@ class HostAgent:
                         work.memory_limit_bytes,
                         settings,
                         pids_limit=work.pids_limit or DEFAULT_PIDS_LIMIT,
+                        cpu_limit=work.cpu_limit,
                     )
                     self._generation_file(sid).write_text(str(gen))
                 except (OSError, SandholdError, IsolationUnavailable) as err:

@@ -24,6 +24,8 @@ from typing import Literal, Protocol
 CgroupKind = Literal["v1", "v2", "none"]
 
 _POLL_S = 0.005
+# The scheduling period a CPU limit's quota is a share of (100 ms, the kernel's default).
+CPU_PERIOD_US = 100_000
 
 
 class CgroupError(OSError):
@@ -48,12 +50,19 @@ class Cgroups(Protocol):
     can_freeze: bool
     message: str
 
+    enforces_cpu_limit: bool
+
     def create_sandbox(
-        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+        self,
+        sandbox_id: str,
+        memory_limit_bytes: int | None,
+        pids_limit: int | None = None,
+        cpu_limit: float | None = None,
     ) -> None: ...
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup: ...
     def oom_kills(self, sandbox_id: str, command_id: str) -> int: ...
     def pids(self, sandbox_id: str) -> list[int]: ...
+    def cpu_stat(self, sandbox_id: str) -> dict[str, int]: ...
     def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def thaw(self, sandbox_id: str) -> None: ...
     def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
@@ -91,6 +100,16 @@ def parse_oom_kills(text: str) -> int:
         if key == "oom_kill":
             return int(value)
     return 0
+
+
+def parse_flat_keyed(text: str) -> dict[str, int]:
+    """A cgroup "flat keyed" file (``key value`` per line), such as cpu.stat."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
 
 
 def parse_pids_max_events(text: str) -> int:
@@ -181,12 +200,15 @@ class V1Cgroups:
         host_id: str,
         parent: str = "sandhold",
         pids: Path | None = None,
+        cpu: Path | None = None,
     ) -> None:
         self._memory_host = memory / parent / host_id
         self._freezer_host = None if freezer is None else freezer / parent / host_id
         self._pids_host = None if pids is None else pids / parent / host_id
         self.can_freeze = freezer is not None
         self.enforces_pids_limit = pids is not None
+        self._cpu_host = None if cpu is None else cpu / parent / host_id
+        self.enforces_cpu_limit = cpu is not None
         self.message = (
             "cgroup v1"
             if freezer is not None
@@ -196,13 +218,23 @@ class V1Cgroups:
     def _dirs(self, *parts: str) -> list[Path]:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
         hosts += [self._pids_host] if self._pids_host else []
+        hosts += [self._cpu_host] if self._cpu_host else []
         return [host.joinpath(*parts) for host in hosts]
 
     def create_sandbox(
-        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+        self,
+        sandbox_id: str,
+        memory_limit_bytes: int | None,
+        pids_limit: int | None = None,
+        cpu_limit: float | None = None,
     ) -> None:
         for directory in self._dirs(sandbox_id):
             directory.mkdir(parents=True, exist_ok=True)
+        if self._cpu_host is not None:
+            cpu = self._cpu_host / sandbox_id
+            period = int(_read(cpu / "cpu.cfs_period_us").strip() or CPU_PERIOD_US)
+            quota = "-1" if cpu_limit is None else str(max(1000, round(cpu_limit * period)))
+            _write(cpu / "cpu.cfs_quota_us", quota)
         if self._pids_host is not None:
             _write(
                 self._pids_host / sandbox_id / "pids.max",
@@ -243,6 +275,12 @@ class V1Cgroups:
 
     def pids(self, sandbox_id: str) -> list[int]:
         return _pids_below(self._memory_host / sandbox_id)
+
+    def cpu_stat(self, sandbox_id: str) -> dict[str, int]:
+        """The sandbox's cpu.stat (throttling counts); empty without the cpu controller."""
+        if self._cpu_host is None:
+            return {}
+        return parse_flat_keyed(_read(self._cpu_host / sandbox_id / "cpu.stat"))
 
     def _freezer_state(self, sandbox_id: str) -> Path:
         if self._freezer_host is None:
@@ -309,6 +347,7 @@ class V2Cgroups:
         controllers = _read(mount / "cgroup.controllers").split()
         self.enforces_memory_limit = "memory" in controllers
         self.enforces_pids_limit = "pids" in controllers
+        self.enforces_cpu_limit = "cpu" in controllers
         self.message = (
             "cgroup v2"
             if self.enforces_memory_limit
@@ -321,7 +360,11 @@ class V2Cgroups:
             _write(control, f"+{controller}")
 
     def create_sandbox(
-        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+        self,
+        sandbox_id: str,
+        memory_limit_bytes: int | None,
+        pids_limit: int | None = None,
+        cpu_limit: float | None = None,
     ) -> None:
         sandbox = self._host / sandbox_id
         sandbox.mkdir(parents=True, exist_ok=True)
@@ -332,6 +375,11 @@ class V2Cgroups:
             for directory in levels:
                 self._enable(directory, "pids")
             _write(sandbox / "pids.max", "max" if pids_limit is None else str(pids_limit))
+        if self.enforces_cpu_limit:
+            for directory in levels:
+                self._enable(directory, "cpu")
+            quota = "max" if cpu_limit is None else str(max(1000, round(cpu_limit * CPU_PERIOD_US)))
+            _write(sandbox / "cpu.max", f"{quota} {CPU_PERIOD_US}")
         if not self.enforces_memory_limit:
             return
         for directory in levels:
@@ -362,6 +410,11 @@ class V2Cgroups:
 
     def pids(self, sandbox_id: str) -> list[int]:
         return _pids_below(self._host / sandbox_id)
+
+    def cpu_stat(self, sandbox_id: str) -> dict[str, int]:
+        if not self.enforces_cpu_limit:
+            return {}
+        return parse_flat_keyed(_read(self._host / sandbox_id / "cpu.stat"))
 
     def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
         sandbox = self._host / sandbox_id
@@ -403,13 +456,18 @@ class NoCgroups:
     kind: CgroupKind = "none"
     enforces_memory_limit = False
     enforces_pids_limit = False
+    enforces_cpu_limit = False
     can_freeze = False
 
     def __init__(self, message: str) -> None:
         self.message = message
 
     def create_sandbox(
-        self, sandbox_id: str, memory_limit_bytes: int | None, pids_limit: int | None = None
+        self,
+        sandbox_id: str,
+        memory_limit_bytes: int | None,
+        pids_limit: int | None = None,
+        cpu_limit: float | None = None,
     ) -> None:
         pass
 
@@ -421,6 +479,9 @@ class NoCgroups:
 
     def pids(self, sandbox_id: str) -> list[int]:
         return []
+
+    def cpu_stat(self, sandbox_id: str) -> dict[str, int]:
+        return {}
 
     def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
         raise CgroupError(errno.ENOTSUP, self.message)
@@ -457,11 +518,13 @@ def detect_cgroups(
         name: mount.target
         for mount in mounts
         if mount.fstype == "cgroup" and _writable(mount)
-        for name in ("memory", "freezer", "pids")
+        for name in ("memory", "freezer", "pids", "cpu")
         if name in mount.options
     }
     if "memory" in v1:
-        return V1Cgroups(v1["memory"], v1.get("freezer"), host_id, parent, pids=v1.get("pids"))
+        return V1Cgroups(
+            v1["memory"], v1.get("freezer"), host_id, parent, pids=v1.get("pids"), cpu=v1.get("cpu")
+        )
     return NoCgroups(
         "no writable cgroup hierarchy with the memory controller (neither cgroup v2 listing "
         "'memory' in cgroup.controllers nor a cgroup v1 'memory' mount): memory limits are "

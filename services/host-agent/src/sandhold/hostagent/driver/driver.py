@@ -160,6 +160,10 @@ class ProcessDriver:
             "cgroup": self.cgroups.kind,
             "memory_limit": self.cgroups.enforces_memory_limit,
             "pids_limit": self.cgroups.enforces_pids_limit,
+            "cpu_limit": self.cgroups.enforces_cpu_limit,
+            # No quota on the persistent layer yet (it would need project quotas
+            # or a file system per sandbox): said, not pretended.
+            "disk_quota": False,
             "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
         }
         if self.boxes is not None:
@@ -233,15 +237,17 @@ class ProcessDriver:
         settings: SandboxSettings | None = None,
         *,
         pids_limit: int | None = DEFAULT_PIDS_LIMIT,
+        cpu_limit: float | None = None,
     ) -> None:
         """Create (or update the limits of) a sandbox and start its box; safe to repeat.
 
         ``pids_limit`` caps the sandbox's processes and threads (a fork bomb
-        ends ``resource_exhausted``); None lifts it.
+        ends ``resource_exhausted``); None lifts it. ``cpu_limit`` is in CPUs
+        (1.5: one and a half cores' time per period): a throttle, never an end.
         """
         self.layout.commands_dir(sandbox_id).mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(
-            self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes, pids_limit
+            self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes, pids_limit, cpu_limit
         )
         if self.boxes is None:
             self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 from sandhold.domain.errors import SandholdError
-from sandhold.hostagent.driver import ProcessDriver
+from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.saves import (
     Manifest,
     SaveStore,
@@ -51,7 +51,7 @@ class HostSaves:
         self,
         nc: NATS,
         names: Names,
-        driver: ProcessDriver,
+        driver: SandboxDriver,
         store: SaveStore,
         root: Path,
         host_id: str,

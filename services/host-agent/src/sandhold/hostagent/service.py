@@ -37,6 +37,7 @@ from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
 from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
 from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation
+from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context, metrics
@@ -90,7 +91,7 @@ class HostAgent:
 
     async def run(self) -> None:
         self._nc = nc = await connect(self._url, name=f"sandhold-host-agent-{self.host_id}")
-        self.driver = ProcessDriver(
+        self.driver: SandboxDriver = ProcessDriver(
             self._root, self.host_id, isolation=self._isolation, image_roots=self._image_roots
         )
         try:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from sandhold.hostagent.driver.cgroups import detect_cgroups
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
 
@@ -130,10 +131,15 @@ def box_inits(directory: Path) -> list[int]:
     """The pids of the sandbox boxes' inits under a data dir or host root, still running.
 
     Killing a box's init (pid 1 of its namespace) ends everything in the box;
-    its bubblewrap parent then exits by itself.
+    its bubblewrap parent then exits by itself. A box an agent froze for a save
+    and never thawed (killed mid-capture) would hold the kill pending, so the
+    sandbox is thawed first.
     """
     found = []
     for box in directory.glob("**/sandboxes/*/box.json"):
+        host_id = box.parent.parent.parent.name
+        with contextlib.suppress(OSError, ValueError):
+            detect_cgroups(host_id).thaw(box.parent.name)
         with contextlib.suppress(OSError, ValueError, KeyError):
             identity = ProcessIdentity.from_json(json.loads(box.read_text())["init"])
             if identity.is_alive():

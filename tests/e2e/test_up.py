@@ -17,7 +17,7 @@ from sandhold.domain.requests import command_id_for
 
 from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
-from tests.e2e.harness import SANDHOLD, Up
+from tests.e2e.harness import SANDHOLD, Up, box_inits
 
 
 def _pids_of_tree(root_pids: list[int]) -> list[int]:
@@ -191,4 +191,8 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        # A standalone agent keeps its sandboxes running when it exits (for the next one).
+        for pid in box_inits(tmp_path / "h1"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         server.stop()

@@ -145,14 +145,14 @@ figures with `sandhold up`, which now runs the namespaced driver, are in (c) and
 
 {goals}
 
-A namespaced exec pays, in the supervisor's child, for opening seven namespace
-files, `setns` into each, a second `fork` (joining a pid namespace applies to
-children only), dropping capabilities and loading the seccomp program; the mount
-tree is built once per sandbox. Starting every command with bubblewrap instead
-(the one-shot row) would pay for namespaces and mounts each time.
-Create pays for the box: a short-lived Python starter (staging mounts, the user
-namespace and its id map), bubblewrap's overlays and `pivot_root`, and the
-holder's "ready".
+A namespaced exec pays for opening seven namespace files and joining the pid
+namespace (in the supervisor, for its child), and in the child for `setns` into
+the rest, the ids, dropping capabilities and loading the seccomp program; the
+mount tree is built once per sandbox. Starting every command with bubblewrap
+instead (the one-shot row) would pay for namespaces and mounts each time.
+Create pays for the box: a starter forked by the host-agent's zygote (staging
+mounts, an idmapped base, the user namespace and its id map), bubblewrap's
+overlays and `pivot_root`, and the holder's "ready".
 """
     emit(args, "isolation", "(h) Isolation: namespaced vs process driver", body)
 

@@ -111,6 +111,7 @@ class ProcessDriver:
                 self.host_id,
                 self.cgroups,
                 image_roots if image_roots is not None else [Path(root).parent.parent / "images"],
+                starter=self._pool.start_box,
             )
             if isolation == "namespaces"
             else None
@@ -131,9 +132,9 @@ class ProcessDriver:
     async def start(self) -> None:
         (self.layout.root / "sandboxes").mkdir(parents=True, exist_ok=True)
         if self.boxes is not None:
+            await self._pool.start()  # first: its zygote starts the boxes
             await self.boxes.start()
             self._tmp_probe = (True, "")
-            await self._pool.start()
             return
         probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
         self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())

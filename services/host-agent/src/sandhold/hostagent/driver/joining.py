@@ -2,18 +2,14 @@
 
 The supervisor stays outside, as the parent of everything it watches (output
 pipes, exit status, timeouts and the record on disk are as for the process
-driver). Its child, between fork and exec:
-
-1. checks that the box's init is still the process it was (a pid can be
-   reused) and opens its namespaces;
-2. joins the pid namespace, which takes effect for children only, so it forks:
-   the outer half stays in the host's pid namespace and only mirrors the inner
-   half's exit status (``mirror``); the inner half becomes the command;
-3. the inner half joins the command's cgroups, starts its own session, joins
-   the user, mount, net, ipc, uts and cgroup namespaces, takes the sandbox
-   user's ids, drops every capability outside the small set a container's root
-   keeps (none at all for the unprivileged user), sets ``no_new_privs`` and
-   installs the seccomp filter last (it refuses ``setns``).
+driver). It checks that the box's init is still the process it was (a pid can
+be reused), opens its namespaces and joins its pid namespace — which applies to
+its children only, so the command it forks next is born inside the box. That
+child, between fork and exec, joins the command's cgroups, its own session (as
+for every command), the user, mount, net, ipc, uts and cgroup namespaces,
+takes the sandbox user's ids, drops every capability outside the small set a
+container's root keeps (none at all for the unprivileged user), sets
+``no_new_privs`` and installs the seccomp filter last (it refuses ``setns``).
 
 Everything is prepared before the fork (libc, the filter in memory); the child
 only makes system calls. ``enter`` returns a reason instead of raising where
@@ -24,9 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import shutil
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,19 +102,24 @@ class Joiner:
             return "the sandbox's init exited while being joined"
         return None
 
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
     def join_pid_namespace(self) -> str | None:
+        """Join the box's pid namespace: for this process's children (the command) only."""
         if self._libc.setns(self._fds["pid"], 0) != 0:
             return self._errno("joining the pid namespace")
         return None
 
     def enter(self) -> str | None:
-        """In the inner half: the remaining namespaces, the ids, the privileges, the filter."""
+        """In the command's process: the other namespaces, the ids, the privileges."""
         self._libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
         for name in _NAMESPACES:
             if self._libc.setns(self._fds[name], 0) != 0:
                 return self._errno(f"joining the {name} namespace")
-        for fd in self._fds.values():
-            os.close(fd)
+        self.close()
         keep = ROOT_CAPABILITIES if self.target.uid == 0 else frozenset()
         for cap in range(_LAST_CAP + 1):
             if cap not in keep and self._libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
@@ -162,31 +161,3 @@ def launch_problem_inside(argv: list[str], cwd: str, env: dict[str, str]) -> str
     if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
         return f"executable not found: {program}"
     return None
-
-
-def mirror(inner: int) -> None:
-    """The outer half: wait for the command and end exactly as it did. Never returns."""
-    null = os.open(os.devnull, os.O_RDWR)
-    for target in (0, 1, 2):
-        os.dup2(null, target)
-    os.closerange(3, 1 << 16)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
-                signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):  # fmt: skip
-        signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
-            _, status = os.waitpid(inner, 0)
-        except ChildProcessError:
-            os._exit(255)
-        except InterruptedError:
-            continue
-        if os.WIFEXITED(status):
-            os._exit(os.WEXITSTATUS(status))
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these two have no handler
-                signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-            os.kill(os.getpid(), sig)
-            os._exit(128 + sig)

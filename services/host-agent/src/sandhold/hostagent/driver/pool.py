@@ -88,6 +88,22 @@ class Zygote:
             except OSError:
                 return False
 
+    def start_box(self, spec_path: Path) -> str | None:
+        """Start a box from its spec (blocking); what the starter said, None if no zygote."""
+        report_r, report_w = os.pipe()
+        try:
+            with self._lock:
+                try:
+                    socket.send_fds(self._control, [b"b" + str(spec_path).encode()], [report_w])
+                except OSError:
+                    return None
+        finally:
+            os.close(report_w)
+        said = []
+        with os.fdopen(report_r, "rb") as report:  # EOF: the starter is done
+            said.append(report.read())
+        return b"".join(said).decode(errors="replace")
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._control.close()
@@ -209,6 +225,10 @@ class SupervisorPool:
             supervisor.dismiss()
         else:
             self._idle.append(supervisor)
+
+    def start_box(self, spec_path: Path) -> str | None:
+        """Through the zygote (see ``Zygote.start_box``); None where there is none."""
+        return None if self._zygote is None else self._zygote.start_box(spec_path)
 
     async def close(self) -> None:
         self._closed = True

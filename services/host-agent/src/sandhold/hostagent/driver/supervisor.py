@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids, parse_pids_max_events
-from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside, mirror
+from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
@@ -167,7 +167,16 @@ class Supervisor:
         self.finish(self.exit_record(child))
 
     def run_in_box(self, joiner: Joiner) -> None:
-        """Run the command inside its sandbox's box (see ``joining``)."""
+        """Run the command inside its sandbox's box (see ``joining``).
+
+        The supervisor joins the box's pid namespace itself, which applies to
+        its children only: the command is born inside it, as the supervisor's
+        own child, so its exit status and process group are the supervisor's
+        to see, as for a command on the host.
+        """
+        if (problem := joiner.open_box() or joiner.join_pid_namespace()) is not None:
+            self.finish(CommandExit(reason="launch_failed", detail=problem))
+            return
         status_r, status_w = os.pipe()
         child: subprocess.Popen[bytes] | None = None
         problem = ""
@@ -187,32 +196,22 @@ class Supervisor:
             problem = f"cannot start {self.spec.argv[0]}: {err.strerror}"
         finally:
             os.close(status_w)
-        # Both halves write here: "P<pid>" (the outer), then "T" or "F<why>" (the inner).
-        messages = _read_all(status_r).decode(errors="replace").split("\n")
+            joiner.close()
+        status = _read_all(status_r).decode(errors="replace")
         os.close(status_r)
-        inner = next((int(m[1:]) for m in messages if m.startswith("P") and m[1:].isdigit()), None)
-        failure = next((m[1:] for m in messages if m.startswith("F")), None)
-        if child is None or failure is not None or inner is None:
-            if child is not None:
-                child.wait()
-            self.finish(CommandExit(reason="launch_failed", detail=failure or problem))
+        if child is None or status.startswith("F"):
+            self.finish(CommandExit(reason="launch_failed", detail=status[1:] or problem))
             return
         self.tmp_isolated = True
-        self.started(child, inner)
+        self.started(child, child.pid)
 
     def _enter_box(self, joiner: Joiner, status_w: int) -> None:
-        """Runs in the child between fork and exec; see ``joining``."""
+        """Runs in the child between fork and exec (in the box's pid namespace already)."""
 
         def fail(reason: str) -> None:
-            os.write(status_w, f"F{reason}\n".encode())
+            os.write(status_w, f"F{reason}".encode())
             raise RuntimeError(reason)
 
-        if (problem := joiner.open_box() or joiner.join_pid_namespace()) is not None:
-            fail(problem)
-        inner = os.fork()
-        if inner != 0:
-            os.write(status_w, f"P{inner}\n".encode())
-            mirror(inner)
         pid = str(os.getpid()).encode()  # our pid in the box; cgroupfs reads it so
         for procs in self.spec.cgroup_procs:
             try:
@@ -223,14 +222,12 @@ class Supervisor:
                     os.close(fd)
             except OSError as err:
                 fail(f"cannot join cgroup {procs}: {err.strerror}")
-        os.setsid()
         if (problem := joiner.enter()) is not None:
             fail(problem)
         if problem := launch_problem_inside(self.spec.argv, self.spec.cwd, self.spec.env):
             fail(problem)
         if (problem := joiner.install_filter()) is not None:
             fail(problem)
-        os.write(status_w, b"T\n")
 
     def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
         """Runs in the child between fork and exec: join cgroups, private /tmp."""

@@ -8,6 +8,10 @@ supervisor's stdin, doorbell and stderr) over a socketpair, the zygote forks, an
 the child becomes exactly what `python -m sandhold.hostagent.driver.supervisor`
 is once started: own session, second fork, pid announced on the doorbell.
 
+It also starts sandbox boxes (message ``b<spec path>`` with one descriptor,
+where the starter's complaints go): the box starter is Python too, and its
+imports cost more than the rest of a sandbox's start.
+
 The zygote exits when the agent closes its end; supervisors it made outlive it.
 """
 
@@ -18,9 +22,10 @@ import signal
 import socket
 import sys
 
-from sandhold.hostagent.driver import supervisor
+from sandhold.hostagent.driver import box, supervisor
 
 _CONTROL_FD = 3  # the socketpair end the agent passes in
+_MESSAGE_LIMIT = 8192
 
 
 def _become_supervisor(fds: list[int], control: socket.socket) -> int:
@@ -35,16 +40,39 @@ def _become_supervisor(fds: list[int], control: socket.socket) -> int:
     return supervisor.serve()
 
 
+def _start_box(spec_path: str, report: int, control: socket.socket) -> None:
+    """Fork a box starter (twice: the zygote reaps only the first, at once)."""
+    first = os.fork()
+    if first == 0:
+        code = 1
+        try:
+            if os.fork() == 0:
+                control.close()
+                os.dup2(report, 2)
+                os.close(report)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                code = box.main([spec_path])
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(report)
+    os.waitpid(first, 0)
+
+
 def main() -> int:
     control = socket.socket(fileno=_CONTROL_FD)
     signal.signal(signal.SIGHUP, lambda *_: None)
     while True:
         try:
-            message, fds, _flags, _addr = socket.recv_fds(control, 16, 3)
+            message, fds, _flags, _addr = socket.recv_fds(control, _MESSAGE_LIMIT, 3)
         except (OSError, ValueError):
             return 0
         if not message:
             return 0  # the agent closed its end (or died)
+        if message.startswith(b"b") and len(fds) == 1:
+            _start_box(message[1:].decode(), fds[0], control)
+            continue
         if len(fds) != 3:
             for fd in fds:
                 os.close(fd)

@@ -160,10 +160,11 @@ async def measure(url: str, count: int) -> tuple[dict[str, list[float]], dict[st
 
 
 async def driver_create(root: Path, count: int) -> list[float]:
-    """`ProcessDriver.create_sandbox` alone (dirs + the sandbox's cgroup)."""
+    """`ProcessDriver.create_sandbox` alone: dirs, the sandbox's cgroups, its box."""
     from sandhold.hostagent.driver import ProcessDriver
 
     driver = ProcessDriver(root, "bench-create", isolate_tmp=False, warm=0)
+    await driver.start()  # the namespaced driver builds its base and probes a box here
     out = []
     try:
         for i in range(count):

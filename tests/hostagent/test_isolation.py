@@ -304,3 +304,19 @@ async def test_a_cpu_limit_throttles_a_busy_command(driver: ProcessDriver) -> No
         await driver.interrupt("slow", "spin", grace_s=0)
     end = await handle.wait()
     assert end.reason == "interrupted"  # a throttle, never an end of its own
+
+
+async def test_a_commands_final_kill_reaches_only_its_own_processes(two: ProcessDriver) -> None:
+    neighbour = await two.launch(A, "neighbour", ["sleep", "60"])
+    assert isinstance(await neighbour.started(), int)
+    stubborn = "trap '' TERM; sleep 60 & wait"
+    end = await (
+        await two.launch(A, "stubborn", ["sh", "-c", stubborn], timeout_s=0.3, kill_grace_s=0.2)
+    ).wait()
+    assert end.reason == "timed_out" and end.signal == 9
+    # The other command and the box itself live on.
+    out, _, end = await run(two, A, "echo still here")
+    assert (out, end.reason) == ("still here\n", "exited")
+    assert neighbour.exit_record() is None
+    await two.interrupt(A, "neighbour", grace_s=0)
+    assert (await neighbour.wait()).reason == "interrupted"

@@ -41,6 +41,9 @@ class CommandCgroup:
     # pids.events of the command's own cgroup: a "max" count above 0 means a
     # fork of the command was refused by the sandbox's process limit.
     pids_file: str | None = None
+    # The cgroup.procs files of cgroups that are the command's alone (its final
+    # KILL reaches everyone listed there); None: all of ``procs`` are.
+    own_procs: list[str] | None = None
 
 
 class Cgroups(Protocol):
@@ -256,17 +259,30 @@ class V1Cgroups:
             _write(memory / "memory.limit_in_bytes", limit)
 
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
-        directories = self._dirs(sandbox_id, command_id)
+        # Own cgroups where attribution needs them (OOM kills) or freezing does;
+        # in the pids and cpu hierarchies the sandbox's own cgroup (where the
+        # limits are) is enough: fewer directories and attaches per command.
+        hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
+        directories = [host / sandbox_id / command_id for host in hosts]
         for directory in directories:
             directory.mkdir(exist_ok=True)
+        procs = [str(directory / "cgroup.procs") for directory in directories]
         pids_file = None
         if self._pids_host is not None:
-            pids_file = str(self._pids_host / sandbox_id / command_id / "pids.events")
+            procs.append(str(self._pids_host / sandbox_id / "cgroup.procs"))
+            pids_file = str(self._pids_host / sandbox_id / "pids.events")  # read as a delta
+        if self._cpu_host is not None and self._cpu_limited(sandbox_id):
+            procs.append(str(self._cpu_host / sandbox_id / "cgroup.procs"))
         return CommandCgroup(
-            procs=[str(directory / "cgroup.procs") for directory in directories],
+            procs=procs,
             oom_file=str(directories[0] / "memory.oom_control"),
             pids_file=pids_file,
+            own_procs=[str(directory / "cgroup.procs") for directory in directories],
         )
+
+    def _cpu_limited(self, sandbox_id: str) -> bool:
+        assert self._cpu_host is not None
+        return _read(self._cpu_host / sandbox_id / "cpu.cfs_quota_us").strip() not in ("", "-1")
 
     def oom_kills(self, sandbox_id: str, command_id: str) -> int:
         return parse_oom_kills(

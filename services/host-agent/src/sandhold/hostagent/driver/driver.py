@@ -448,6 +448,7 @@ class ProcessDriver:
             timeout_s=timeout_s,
             kill_grace_s=kill_grace_s,
             cgroup_procs=cgroup.procs,
+            own_cgroup_procs=cgroup.own_procs if cgroup.own_procs is not None else cgroup.procs,
             oom_file=cgroup.oom_file,
             pids_file=cgroup.pids_file,
             isolate_tmp=self._isolate_tmp and placement.box is None,

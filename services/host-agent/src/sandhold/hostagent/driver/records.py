@@ -76,6 +76,9 @@ class CommandSpec:
     # cgroup.procs files of the command's cgroup(s): the child writes its pid
     # into them before exec, and the final KILL reaches everyone listed there.
     cgroup_procs: list[str] = field(default_factory=list)
+    # The cgroup.procs files of the command's own cgroups (the final KILL's
+    # reach); empty: all of cgroup_procs (specs written before the split).
+    own_cgroup_procs: list[str] = field(default_factory=list)
     # memory.oom_control (v1) or memory.events (v2) of the command's cgroup.
     oom_file: str | None = None
     # pids.events whose "max" count rises when a fork is refused by the process limit.

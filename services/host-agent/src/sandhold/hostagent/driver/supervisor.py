@@ -337,7 +337,7 @@ class Supervisor:
         self.killed = True
         _kill_group(pgid, signal.SIGKILL)
         # The cgroup also reaches processes that left the process group.
-        for procs in self.spec.cgroup_procs:
+        for procs in self.spec.own_cgroup_procs or self.spec.cgroup_procs:
             with contextlib.suppress(OSError):
                 for pid in parse_pids(Path(procs).read_text()):
                     with contextlib.suppress(ProcessLookupError):

@@ -442,7 +442,7 @@ def fsync_probe(count: int = 500) -> tuple[str, float]:
 
 
 @contextlib.contextmanager
-def sandhold_up(tag: str) -> Iterator[object]:
+def sandhold_up(tag: str, *up_args: str) -> Iterator[object]:
     """`sandhold up` as a subprocess in a temp data dir (tests/e2e/harness.Up): it
     prints "sandhold is up: URL" when every service is ready; stopped by PID."""
     if str(ROOT) not in sys.path:
@@ -450,7 +450,7 @@ def sandhold_up(tag: str) -> Iterator[object]:
     from tests.e2e.harness import Up
 
     with temp_dir(tag) as data:
-        up = Up(data / "sandhold")
+        up = Up(data / "sandhold", *up_args)
         try:
             up.start(timeout=90)
             yield up

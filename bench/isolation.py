@@ -1,6 +1,8 @@
 """(h) What isolation costs: the namespaced driver next to the process driver and the floors.
 
-On the host side alone (``ProcessDriver`` in this process, no NATS), in one run:
+In one run: through ``sandhold up --driver namespaces`` and ``--driver
+process``, ``client.exec(sid, ["true"])`` and create → running; then on the
+host side alone (``ProcessDriver`` in this process, no NATS):
 
 * exec of ``true``: ``launch`` → exit record seen, with warm supervisors, in a
   namespaced sandbox (a supervisor's child joins the box: setns, ids,
@@ -27,6 +29,7 @@ from _common import (
     emit,
     latency_row,
     percentile,
+    sandhold_up,
     table,
     temp_dir,
     verdict,
@@ -36,6 +39,32 @@ from sandhold.hostagent.driver import ProcessDriver
 GOAL_CREATE_P50_MS = 100.0
 # "Nothing measurable": the namespaced exec p50 within this of the process driver's.
 GOAL_EXEC_EXTRA_P50_MS = 2.0
+
+
+async def through_up(isolation: str, execs: int, creates: int) -> tuple[list[float], list[float]]:
+    """`client.exec(sid, ["true"])` and create → running through `sandhold up --driver`."""
+    from sandhold.client import connect
+
+    with sandhold_up(f"isolation-{isolation}", "--driver", isolation) as up:
+        client = await connect(up.url)  # type: ignore[attr-defined]
+        try:
+            creating = []
+            for _ in range(creates):
+                started = time.perf_counter()
+                view = await client.create_sandbox()
+                await client.wait_for_phase(view.id, {"running"}, timeout=60)
+                creating.append(time.perf_counter() - started)
+            sandbox_id = view.id
+            running = []
+            for i in range(execs + 5):
+                started = time.perf_counter()
+                await client.exec(sandbox_id, ["true"])
+                if i >= 5:
+                    running.append(time.perf_counter() - started)
+                await asyncio.sleep(0.02)
+        finally:
+            await client.close()
+    return running, creating
 
 
 async def exec_true(root: Path, isolation: str, count: int) -> list[float]:
@@ -110,11 +139,19 @@ async def main() -> None:
         process_exec = await exec_true(tmp / "process", "process", execs)
         ns_create = await create(tmp / "nsc", "namespaces", creates)
         process_create = await create(tmp / "pc", "process", creates)
+    e2e_ns, e2e_ns_create = await through_up("namespaces", execs, creates)
+    e2e_process, e2e_process_create = await through_up("process", execs, creates)
     spawn = spawn_floor(execs)
     bwrap = bwrap_floor(min(execs, 50))
     extra = percentile(ns_exec, 50) - percentile(process_exec, 50)
     create_p50 = percentile(ns_create, 50) * 1000
+    e2e_extra = percentile(e2e_ns, 50) - percentile(e2e_process, 50)
+    e2e_create_p50 = percentile(e2e_ns_create, 50) * 1000
     rows = [
+        latency_row("sandhold up: `client.exec(sid, ['true'])`, namespaced", e2e_ns),
+        latency_row("sandhold up: `client.exec(sid, ['true'])`, process driver", e2e_process),
+        latency_row("sandhold up: create → running, namespaced", e2e_ns_create),
+        latency_row("sandhold up: create → running, process driver", e2e_process_create),
         latency_row("exec `true`, namespaced (joins the box)", ns_exec),
         latency_row("exec `true`, process driver (UNISOLATED)", process_exec),
         latency_row("floor: subprocess.run(['true'])", spawn),
@@ -131,6 +168,16 @@ async def main() -> None:
                 verdict(extra * 1000 <= GOAL_EXEC_EXTRA_P50_MS),
             ],
             [
+                "exec round trip p50 through `sandhold up`: namespaced minus process",
+                f"{e2e_extra * 1000:+.2f} ms",
+                verdict(e2e_extra * 1000 <= GOAL_EXEC_EXTRA_P50_MS),
+            ],
+            [
+                f"create → running through `sandhold up` p50 ≤ {GOAL_CREATE_P50_MS:g} ms",
+                f"{e2e_create_p50:.1f} ms",
+                verdict(e2e_create_p50 <= GOAL_CREATE_P50_MS),
+            ],
+            [
                 f"create → running (host side) p50 ≤ {GOAL_CREATE_P50_MS:g} ms",
                 f"{create_p50:.1f} ms",
                 verdict(create_p50 <= GOAL_CREATE_P50_MS),
@@ -138,8 +185,9 @@ async def main() -> None:
         ],
     )
     body = f"""\
-Host side only (`ProcessDriver` in the bench's process, no NATS): the end-to-end
-figures with `sandhold up`, which now runs the namespaced driver, are in (c) and (d).
+Through `sandhold up --driver namespaces|process` (one sandbox, sequential
+execs 20 ms apart), then the host side alone (`ProcessDriver` in the bench's
+process, no NATS), then the floors — all in this one run.
 
 {table(LATENCY_HEADERS, rows)}
 

@@ -91,6 +91,7 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
         }
         assert runtime["gateway"]["url"] == up.gateway_url.rstrip("/")
         client = await connect(up.url)
+        idle = await running_sandbox(client, key="idle")  # its box is a process too
         sandbox_id = await running_sandbox(client)
         done = up.cli("exec", sandbox_id, "--", "true")
         assert done.returncode == 0
@@ -98,7 +99,8 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
         sleeper = asyncio.create_task(client.exec(sandbox_id, ["sleep", "600"], key="sleeper"))
         command_id = command_id_for(sandbox_id, "sleeper")
         await wait_until(lambda: _running(client, sandbox_id, command_id), what="sleep running")
-        tree = _pids_of_tree(pids) + _pids_in(sandbox_id)
+        tree = _pids_of_tree(pids) + _pids_in(sandbox_id) + _pids_in(idle)
+        assert _pids_in(idle), "the idle sandbox's box runs"
         assert any(_cmdline(p) == "sleep 600" for p in tree)
         sleeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

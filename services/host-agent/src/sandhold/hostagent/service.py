@@ -575,8 +575,17 @@ class HostAgent:
         )
 
     async def _interrupt_everything(self) -> None:
-        """On a full shutdown (`sandhold up` stopping): end commands and record it."""
-        for sandbox_id in {self._watcher_sandbox[c] for c in self._watchers}:
+        """On a full shutdown (`sandhold up` stopping): end commands and record it.
+
+        Every sandbox here is quieted, idle ones too: a namespaced sandbox's box
+        is a process of its own, and nothing may outlive `sandhold up`. The next
+        command after a restart starts a new box.
+        """
+        with_commands = {self._watcher_sandbox[c] for c in self._watchers}
+        for sandbox_id in [
+            *with_commands,
+            *(set(self.driver.layout.sandbox_ids()) - with_commands),
+        ]:
             await self.driver.stop_sandbox(sandbox_id)
         if self._watchers:
             await asyncio.wait(list(self._watchers.values()), timeout=30)

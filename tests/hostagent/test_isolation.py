@@ -320,3 +320,45 @@ async def test_a_commands_final_kill_reaches_only_its_own_processes(two: Process
     assert neighbour.exit_record() is None
     await two.interrupt(A, "neighbour", grace_s=0)
     assert (await neighbour.wait()).reason == "interrupted"
+
+
+def _tiny_image(directory: Path) -> None:
+    """A root file system of three programs and the libraries they need (from the host)."""
+    import shutil
+    import subprocess
+
+    programs = ["/bin/sh", "/bin/sleep", "/bin/cat"]
+    needed = set(programs)
+    for program in programs:
+        listed = subprocess.run(["ldd", program], capture_output=True, text=True).stdout
+        needed |= {word for word in listed.split() if word.startswith("/")}
+    for path in needed:
+        target = directory / os.path.realpath(path).lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.realpath(path), target)
+        alias = directory / path.lstrip("/")
+        if not alias.exists():
+            alias.parent.mkdir(parents=True, exist_ok=True)
+            alias.symlink_to(os.path.realpath(path))
+    (directory / "etc").mkdir(exist_ok=True)
+    (directory / "etc" / "image-marker").write_text("from the image\n")
+
+
+async def test_an_image_is_the_whole_base_and_only_from_the_image_directories(
+    make_driver, root: Path, tmp_path: Path
+) -> None:
+    from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
+
+    images = tmp_path / "images"
+    _tiny_image(images / "tiny")
+    driver = await make_driver(image_roots=[images])
+    await driver.create_sandbox(A, None, SandboxSettings(image="tiny"))
+    out, err, end = await run(
+        driver, A, "cat /etc/image-marker; test -e /usr/bin/python3 || echo no-python"
+    )
+    assert (out, end.exit_code) == ("from the image\nno-python\n", 0), err
+    assert driver.sandbox_capabilities(A)["base"] == "image tiny"
+    # A host directory outside the image directories is never a base.
+    for image in ("/", str(root), "../" * 8 + "etc"):
+        with pytest.raises(IsolationUnavailable, match="not in this host's image directories"):
+            await driver.create_sandbox(B, None, SandboxSettings(image=image))

@@ -127,6 +127,20 @@ class Up:
         return self.process.returncode
 
 
+def _box_files(directory: Path) -> list[Path]:
+    """Every sandbox's box.json under a host root (or a data dir's hosts/*), listed
+    without descending into the sandboxes' files, which an agent may be deleting."""
+    roots = [directory]
+    with contextlib.suppress(OSError):
+        roots += [directory / "hosts" / name for name in os.listdir(directory / "hosts")]
+    found = []
+    for root in roots:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(root / "sandboxes"):
+                found.append(root / "sandboxes" / name / "box.json")
+    return found
+
+
 def box_inits(directory: Path) -> list[int]:
     """The pids of the sandbox boxes' inits under a data dir or host root, still running.
 
@@ -136,7 +150,9 @@ def box_inits(directory: Path) -> list[int]:
     sandbox is thawed first.
     """
     found = []
-    for box in directory.glob("**/sandboxes/*/box.json"):
+    for box in _box_files(directory):
+        if not box.exists():
+            continue
         host_id = box.parent.parent.parent.name
         with contextlib.suppress(OSError, ValueError):
             detect_cgroups(host_id).thaw(box.parent.name)

@@ -96,15 +96,6 @@ def parse_mounts(text: str) -> list[Mount]:
     return mounts
 
 
-def parse_oom_kills(text: str) -> int:
-    """The ``oom_kill N`` counter of v1 ``memory.oom_control`` or v2 ``memory.events``."""
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
-            return int(value)
-    return 0
-
-
 def parse_flat_keyed(text: str) -> dict[str, int]:
     """A cgroup "flat keyed" file (``key value`` per line), such as cpu.stat."""
     out = {}
@@ -115,13 +106,14 @@ def parse_flat_keyed(text: str) -> dict[str, int]:
     return out
 
 
+def parse_oom_kills(text: str) -> int:
+    """The ``oom_kill N`` counter of v1 ``memory.oom_control`` or v2 ``memory.events``."""
+    return parse_flat_keyed(text).get("oom_kill", 0)
+
+
 def parse_pids_max_events(text: str) -> int:
     """The "max" count of a pids.events file: forks refused by a pids.max."""
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "max":
-            return int(value)
-    return 0
+    return parse_flat_keyed(text).get("max", 0)
 
 
 def parse_pids(text: str) -> list[int]:

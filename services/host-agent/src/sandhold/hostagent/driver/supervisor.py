@@ -212,16 +212,10 @@ class Supervisor:
             os.write(status_w, f"F{reason}".encode())
             raise RuntimeError(reason)
 
-        pid = str(os.getpid()).encode()  # our pid in the box; cgroupfs reads it so
-        for procs in self.spec.cgroup_procs:
-            try:
-                fd = os.open(procs, os.O_WRONLY)
-                try:
-                    os.write(fd, pid)
-                finally:
-                    os.close(fd)
-            except OSError as err:
-                fail(f"cannot join cgroup {procs}: {err.strerror}")
+        if (
+            problem := self._join_cgroups()
+        ) is not None:  # our pid in the box: cgroupfs reads it so
+            fail(problem)
         if (problem := joiner.enter()) is not None:
             fail(problem)
         if problem := launch_problem_inside(self.spec.argv, self.spec.cwd, self.spec.env):
@@ -229,8 +223,8 @@ class Supervisor:
         if (problem := joiner.install_filter()) is not None:
             fail(problem)
 
-    def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
-        """Runs in the child between fork and exec: join cgroups, private /tmp."""
+    def _join_cgroups(self) -> str | None:
+        """In the child: write our pid into the command's cgroups; why not, if it failed."""
         pid = str(os.getpid()).encode()
         for procs in self.spec.cgroup_procs:
             try:
@@ -240,8 +234,14 @@ class Supervisor:
                 finally:
                     os.close(fd)
             except OSError as err:
-                os.write(status_w, f"Fcannot join cgroup {procs}: {err.strerror}".encode())
-                raise
+                return f"cannot join cgroup {procs}: {err.strerror}"
+        return None
+
+    def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
+        """Runs in the child between fork and exec: join cgroups, private /tmp."""
+        if (problem := self._join_cgroups()) is not None:
+            os.write(status_w, f"F{problem}".encode())
+            raise OSError(problem)
         if isolation is None:
             os.write(status_w, b"Nprivate /tmp disabled")
             return

@@ -9,6 +9,7 @@ the live path and the replay tool do.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -33,9 +34,16 @@ Outcome = list[ev.AnyEvent] | Rejected
 
 
 def create(
-    key: str = CREATE_KEY, *, tenant: str = TENANT, memory_limit_bytes: int | None = None
+    key: str = CREATE_KEY,
+    *,
+    tenant: str = TENANT,
+    memory_limit_bytes: int | None = None,
+    **settings: Any,
 ) -> rq.CreateSandbox:
-    return rq.CreateSandbox(key=key, tenant=tenant, memory_limit_bytes=memory_limit_bytes)
+    """A create request; ``settings``: any other field of it (network, limits)."""
+    return rq.CreateSandbox(
+        key=key, tenant=tenant, memory_limit_bytes=memory_limit_bytes, **settings
+    )
 
 
 def start(key: str = "start-1", *, tenant: str = TENANT, sandbox_id: str = SID) -> rq.StartSandbox:

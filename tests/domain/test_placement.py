@@ -142,3 +142,11 @@ def test_a_restarted_agent_registers_again_with_a_new_epoch() -> None:
 def test_a_registration_that_is_not_newer_is_nothing_new(epoch: int) -> None:
     state = _apply(None, _registered(epoch=1), time=10.0)
     assert decide_register(state, _registered(epoch=epoch)) == []
+
+
+def test_a_sandbox_with_a_disk_quota_goes_only_to_a_host_that_enforces_one() -> None:
+    hosts = [host("roomy", slots=8), HostInfo(host="quota", capacity_sandboxes=2,
+             memory_bytes=8 * GiB, disk_quota=True)]  # fmt: skip
+    assert choose_host(hosts, {}, memory_limit_bytes=None) == "roomy"
+    assert choose_host(hosts, {}, memory_limit_bytes=None, disk_limit_bytes=GiB) == "quota"
+    assert choose_host(hosts[:1], {}, memory_limit_bytes=None, disk_limit_bytes=GiB) is None

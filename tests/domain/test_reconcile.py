@@ -101,6 +101,18 @@ def test_a_placed_sandbox_is_started_by_its_host() -> None:
     assert plan(state, must_not_choose) == Plan([], [(HOST_A, start_work)])
 
 
+def test_a_sandbox_is_started_with_every_limit_and_setting_it_was_created_with() -> None:
+    asked = create(
+        network="egress", image="tiny", pids_limit=64, cpu_limit=0.5, disk_limit_bytes=128 * MiB
+    )
+    state = given_sandbox(asked, placed())
+    start_work = wk.StartSandboxWork(
+        sandbox_id=SID, generation=1, network="egress", image="tiny",
+        pids_limit=64, cpu_limit=0.5, disk_limit_bytes=128 * MiB,
+    )  # fmt: skip
+    assert plan(state, must_not_choose) == Plan([], [(HOST_A, start_work)])
+
+
 @pytest.mark.parametrize(
     "history",
     [STARTING, RUNNING, STOPPED, FAILED, DELETED],

@@ -404,6 +404,10 @@ def _json(**fields: object) -> bytes:
         (_json(type="command.run", key="k", sandbox_id=SID, argv=[1]), "argv"),
         (_json(type="sandbox.create", key="k", memory_limit_bytes="big"), "memory_limit_bytes"),
         (_json(type="sandbox.create", key="k", memory_limit_bytes=1024), "memory_limit_bytes"),
+        (_json(type="sandbox.create", key="k", disk_limit_bytes=1024), "disk_limit_bytes"),
+        (_json(type="sandbox.create", key="k", disk_limit_bytes="10G"), "disk_limit_bytes"),
+        (_json(type="sandbox.create", key="k", pids_limit=1), "pids_limit"),
+        (_json(type="sandbox.create", key="k", network="host"), "network"),
         (_json(type="sandbox.create", key="has space"), "key"),
         (_json(type="sandbox.create", key=""), "key"),
         (_json(type="sandbox.create", key="k", tenant="a/b"), "tenant"),
@@ -424,6 +428,10 @@ def _json(**fields: object) -> bytes:
         "argv-not-strings",
         "memory-wrong-type",
         "memory-too-small",
+        "disk-too-small",
+        "disk-wrong-type",
+        "pids-too-few",
+        "network-unknown",
         "key-with-space",
         "empty-key",
         "bad-tenant",
@@ -446,6 +454,7 @@ def test_a_request_that_is_not_json_is_refused() -> None:
     "request_",
     [
         create(memory_limit_bytes=64 * MiB, tenant="acme"),
+        create(disk_limit_bytes=64 * MiB, pids_limit=64, cpu_limit=0.5, network="egress"),
         start(),
         stop(),
         delete(),
@@ -462,6 +471,9 @@ def test_the_digest_ignores_the_key_but_not_the_body() -> None:
     assert rq.request_digest(run("a")) == rq.request_digest(run("b"))
     assert rq.request_digest(run("a")) != rq.request_digest(run("a", argv=["other"]))
     assert rq.request_digest(stop("a")) != rq.request_digest(start("a"))
+    # A field added later changes the digest only when it asks for something.
+    assert rq.request_digest(create(disk_limit_bytes=None)) == rq.request_digest(create())
+    assert rq.request_digest(create(disk_limit_bytes=64 * MiB)) != rq.request_digest(create())
 
 
 def noted(request: rq.AnyRequest) -> list[ev.AnyEvent]:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
-from sandhold.hostagent.driver.cgroups import detect_cgroups
+from sandhold.hostagent.driver.cgroups import detect_cgroups, parse_mounts
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
 
@@ -163,6 +163,14 @@ def box_inits(directory: Path) -> list[int]:
     return found
 
 
+def unmount_under(root: Path) -> None:
+    """Sandboxes' own disks (driver/disk.py) left mounted under ``root``."""
+    inside = f"{root.resolve()}/"
+    for mount in parse_mounts(Path("/proc/self/mounts").read_text()):
+        if str(mount.target).startswith(inside):
+            subprocess.run(["umount", "-l", str(mount.target)], capture_output=True, check=False)
+
+
 def _kill_leftovers(data_dir: Path) -> None:
     """Any process still running from this data dir (a test that failed midway)."""
     for pid in box_inits(data_dir):
@@ -180,6 +188,7 @@ def _kill_leftovers(data_dir: Path) -> None:
         if marker in cmdline or cwd.startswith(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_dir.name), signal.SIGKILL)
+    unmount_under(data_dir)
 
 
 class RunLog:

@@ -50,3 +50,31 @@ async def test_nats_the_gateway_and_metrics_are_unreachable_from_inside(
 def _metrics_ports(up: Up) -> list[int]:
     """Every service's /metrics port, from runtime.json."""
     return [urlparse(url).port or 0 for url in up.runtime["metrics"].values()]
+
+
+async def test_a_disk_quota_holds_through_a_snapshot_and_a_restore(up: Up, client: Client):
+    shown = await client.show_sandbox(await running_sandbox(client))
+    if shown.capabilities.get("disk_quota") != "True":
+        pytest.skip(f"no disk quota on this host: {shown.capabilities.get('message')}")
+    quota = 64 * 1024 * 1024
+    first = await client.create_sandbox(disk_limit_bytes=quota)
+    first = await client.wait_for_phase(first.id, {"running"}, timeout=60)
+    assert first.disk_limit_bytes == quota
+    assert first.capabilities["disk_limit_bytes"] == str(quota)
+    await client.exec(first.id, ["sh", "-c", "echo mine > /workspace/kept"])
+    snapshot = await client.snapshot(first.id, "before-fill")
+    snapshot = await client.wait_for_save(first.id, snapshot.id, timeout=60)
+    assert snapshot.state == "completed", snapshot
+    # Restored into a new sandbox: onto its own disk, which is its quota again.
+    second = await client.create_sandbox(disk_limit_bytes=quota, from_snapshot=snapshot.id)
+    second = await client.wait_for_phase(second.id, {"running"}, timeout=120)
+    kept = await client.exec(second.id, ["cat", "/workspace/kept"])
+    assert kept.stdout == b"mine\n"
+    fill = await client.exec(second.id, ["dd", "if=/dev/zero", "of=/workspace/big", "bs=1M"])
+    assert fill.command.state == "resource_exhausted", fill.command
+    assert "disk quota reached" in fill.command.reason
+    assert up.cli_json("sandbox", "show", second.id)["disk_limit_bytes"] == quota
+    # Each sandbox has a disk of its own: the first still has room.
+    room = ["dd", "if=/dev/zero", "of=/workspace/ok", "bs=1M", "count=8"]
+    done = (await client.exec(first.id, room)).command
+    assert (done.state, done.exit_code) == ("exited", 0), done

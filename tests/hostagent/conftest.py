@@ -30,6 +30,8 @@ from sandhold.hostagent.driver.cgroups import parse_mounts
 from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
+from tests.e2e.harness import unmount_under
+
 
 def supervisor_pids(root: Path) -> list[int]:
     """Pids of the supervisors started for ``root`` (from their command lines)."""
@@ -76,6 +78,7 @@ def reap(root: Path, host_id: str) -> None:
                 cgroups.kill_all(sandbox_dir.name)
                 cgroups.remove(sandbox_dir.name)
         cgroups.remove_host()
+    unmount_under(root)
 
 
 def unified_mounts() -> list[Path]:

@@ -362,3 +362,62 @@ async def test_an_image_is_the_whole_base_and_only_from_the_image_directories(
     for image in ("/", str(root), "../" * 8 + "etc"):
         with pytest.raises(IsolationUnavailable, match="not in this host's image directories"):
             await driver.create_sandbox(B, None, SandboxSettings(image=image))
+
+
+async def test_a_full_disk_ends_resource_exhausted_naming_the_disk_quota(
+    driver: ProcessDriver,
+) -> None:
+    from sandhold.hostagent.driver import disk
+    from sandhold.hostagent.driver.boxes import SandboxSettings
+
+    if (why := disk.problem()) is not None:
+        pytest.skip(why)
+    assert driver.capabilities()["disk_quota"] is True
+    limit = 64 << 20
+    await driver.create_sandbox(A, None, SandboxSettings(disk_limit_bytes=limit))
+    await driver.create_sandbox(B, None)
+    fs_dir = driver.layout.sandbox_dir(A) / "fs"
+    assert fs_dir.is_mount()
+    assert driver.sandbox_capabilities(A)["disk_limit_bytes"] == str(limit)
+    # The sandbox sees its quota as its root's size (overlayfs reports its upper's).
+    out, err, end = await run(driver, A, "df -k / | tail -1")
+    assert end.exit_code == 0, err
+    assert 40 * 1024 < int(out.split()[1]) <= limit // 1024, out
+    # An ordinary failure on a disk with room is just an exit.
+    _, _, end = await run(driver, A, "echo some > /workspace/small; exit 3")
+    assert (end.reason, end.exit_code) == ("exited", 3)
+    # Writing past the quota (anywhere in the root) fails, and says why.
+    _, err, end = await run(driver, A, "dd if=/dev/zero of=/home/sandbox/big bs=1M count=200")
+    assert end.reason == "resource_exhausted", (end, err)
+    assert "disk quota reached" in end.detail and "MiB" in end.detail
+    assert "No space left on device" in err
+    # Files of the sandbox are on its disk, and nothing of them reached the host's.
+    assert (driver.save_root(A) / "root" / "workspace" / "small").read_text() == "some\n"
+    # The quota is that sandbox's: its neighbour writes on.
+    _, err, end = await run(driver, B, "dd if=/dev/zero of=/workspace/big bs=1M count=80")
+    assert (end.reason, end.exit_code) == ("exited", 0), err
+    # Freed space is usable again, and destroying the sandbox ends its disk.
+    _, _, end = await run(driver, A, "rm /home/sandbox/big && echo again > /workspace/again")
+    assert (end.reason, end.exit_code) == ("exited", 0)
+    await driver.destroy_sandbox(A)
+    assert not fs_dir.is_mount() and not driver.layout.sandbox_dir(A).exists()
+
+
+async def test_a_sandbox_disk_is_mounted_again_after_the_host_lost_its_mounts(
+    driver: ProcessDriver,
+) -> None:
+    from sandhold.hostagent.driver import disk
+    from sandhold.hostagent.driver.boxes import SandboxSettings
+
+    if (why := disk.problem()) is not None:
+        pytest.skip(why)
+    await driver.create_sandbox(A, None, SandboxSettings(disk_limit_bytes=64 << 20))
+    _, _, end = await run(driver, A, "echo kept > /workspace/kept")
+    assert end.exit_code == 0
+    await driver.stop_sandbox(A, grace=0)
+    # A reboot: the box and the mount are gone, the image stays.
+    disk.detach(driver.layout.sandbox_dir(A) / "fs")
+    assert driver.has_local_copy(A)  # looks through the disk, mounting it again
+    await driver.create_sandbox(A, None)
+    out, _, end = await run(driver, A, "cat /workspace/kept; df -k / | tail -1")
+    assert out.splitlines()[0] == "kept" and int(out.splitlines()[1].split()[1]) < 65536, out

@@ -100,6 +100,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 image=args.image,
                 pids_limit=args.pids_limit,
                 cpu_limit=args.cpus,
+                disk_limit_bytes=args.disk_mb * 1024 * 1024 if args.disk_mb else None,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -405,6 +406,12 @@ def _parser() -> argparse.ArgumentParser:
         "--cpus",
         type=float,
         help="CPU time per period, in CPUs (0.5: half a core); a throttle (default: none)",
+    )
+    create.add_argument(
+        "--disk-mb",
+        type=int,
+        help="size of the persistent root (a file system of its own, at least 64); past "
+        "it writes fail and the command ends resource_exhausted (default: no quota)",
     )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")

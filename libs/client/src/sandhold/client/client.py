@@ -156,6 +156,7 @@ class Client:
         image: str | None = None,
         pids_limit: int | None = None,
         cpu_limit: float | None = None,
+        disk_limit_bytes: int | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -170,6 +171,7 @@ class Client:
                 image=image,
                 pids_limit=pids_limit,
                 cpu_limit=cpu_limit,
+                disk_limit_bytes=disk_limit_bytes,
             )
         )
         assert reply.sandbox is not None

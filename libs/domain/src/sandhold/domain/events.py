@@ -37,6 +37,7 @@ class SandboxCreated(Event, tag="sandbox.created"):
     image: str | None = None  # the read-only base's directory on the host; None: the host's own
     pids_limit: int | None = None  # None: the host's default
     cpu_limit: float | None = None  # CPUs; None: no limit
+    disk_limit_bytes: int | None = None  # the persistent layer's quota; None: none
 
 
 class SandboxPlaced(Event, tag="sandbox.placed"):

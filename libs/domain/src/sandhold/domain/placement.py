@@ -15,6 +15,7 @@ class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The network modes its isolation enforces; None: an unisolated development
     # host (the process driver), which enforces none and is marked so everywhere.
     network_modes: frozenset[str] | None = None
+    disk_quota: bool = False  # whether it can give a sandbox a file system of a set size
 
 
 def network_modes(capabilities: Mapping[str, str]) -> frozenset[str] | None:
@@ -31,12 +32,14 @@ def choose_host(
     memory_limit_bytes: int | None,
     prefer: str | None = None,
     network: str = "none",
+    disk_limit_bytes: int | None = None,
 ) -> str | None:
     """The live host with the most free sandbox slots that fits, or None.
 
     `prefer` (the host a stopped sandbox's workspace lives on) wins whenever it
     is live and has room, so a restart finds its files. A host whose isolation
-    cannot enforce the sandbox's `network` is never chosen.
+    cannot enforce the sandbox's `network`, or the disk quota it asked for, is
+    never chosen.
     """
     fitting = [
         h
@@ -45,6 +48,7 @@ def choose_host(
         and load.get(h.host, 0) < h.capacity_sandboxes
         and (memory_limit_bytes is None or memory_limit_bytes <= h.memory_bytes)
         and (h.network_modes is None or network in h.network_modes)
+        and (disk_limit_bytes is None or h.disk_quota)
     ]
     if not fitting:
         return None

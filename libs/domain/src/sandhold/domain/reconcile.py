@@ -82,6 +82,7 @@ def plan(
             image=state.image,
             pids_limit=state.pids_limit,
             cpu_limit=state.cpu_limit,
+            disk_limit_bytes=state.disk_limit_bytes,
             restore_save_id=state.restore_save_id,
         )
         work.append((host, start))

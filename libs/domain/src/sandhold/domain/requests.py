@@ -26,6 +26,8 @@ MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024)]
 PidsLimit = Annotated[int, msgspec.Meta(ge=16, le=4 * 1024 * 1024)]
 # CPUs' worth of time per scheduling period (0.5 = half a core); a throttle.
 CpuLimit = Annotated[float, msgspec.Meta(ge=0.01, le=1024)]
+# The persistent layer's size, in bytes: a file system of its own (64 MiB..16 TiB).
+DiskLimit = Annotated[int, msgspec.Meta(ge=64 * 1024 * 1024, le=16 * 1024**4)]
 
 
 class Request(
@@ -69,6 +71,7 @@ class CreateSandbox(Request, tag="sandbox.create"):
     image: ImagePath | None = None
     pids_limit: PidsLimit | None = None  # default: the host's (4096)
     cpu_limit: CpuLimit | None = None  # default: no limit
+    disk_limit_bytes: DiskLimit | None = None  # default: no quota (the host's free space)
 
 
 class StartSandbox(Request, tag="sandbox.start"):
@@ -146,6 +149,7 @@ _LATER_FIELDS: dict[str, object] = {
     "user": "user",
     "pids_limit": None,
     "cpu_limit": None,
+    "disk_limit_bytes": None,
 }
 
 

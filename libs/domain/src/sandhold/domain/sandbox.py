@@ -112,6 +112,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     image: str | None = None
     pids_limit: int | None = None
     cpu_limit: float | None = None
+    disk_limit_bytes: int | None = None
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
     restore_save_id: str | None = None  # what the current placement restores, if needed
@@ -162,6 +163,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             image=event.image,
             pids_limit=event.pids_limit,
             cpu_limit=event.cpu_limit,
+            disk_limit_bytes=event.disk_limit_bytes,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -434,6 +436,7 @@ def _create(
             image=request.image,
             pids_limit=request.pids_limit,
             cpu_limit=request.cpu_limit,
+            disk_limit_bytes=request.disk_limit_bytes,
         )
     ]
 

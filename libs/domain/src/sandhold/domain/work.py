@@ -26,6 +26,7 @@ class StartSandboxWork(HostWork, tag="start_sandbox"):
     image: str | None = None
     pids_limit: int | None = None  # None: the host's default
     cpu_limit: float | None = None
+    disk_limit_bytes: int | None = None  # a file system of this size for its persistent layer
     # Materialise the workspace from this save when the host has none for the sandbox.
     restore_save_id: str | None = None
 

@@ -352,9 +352,15 @@ class HostAgent:
                         # The copy here is from an older placement (the sandbox ran
                         # elsewhere since): never reuse it, start from the save.
                         await self.driver.destroy_sandbox(sid)
+                    settings = SandboxSettings(
+                        network=work.network,
+                        image=work.image,
+                        disk_limit_bytes=work.disk_limit_bytes,
+                    )
+                    # Its disk first: a restore writes into it.
+                    await self.driver.provision(sid, settings)
                     if work.restore_save_id is not None:
                         await self.saving.restore_workspace(sid, work.restore_save_id)
-                    settings = SandboxSettings(network=work.network, image=work.image)
                     await self.driver.create_sandbox(
                         sid,
                         work.memory_limit_bytes,

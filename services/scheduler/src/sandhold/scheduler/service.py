@@ -278,6 +278,7 @@ class Scheduler:
                         live=self.leases.is_live(registered.host)
                         and registered.status == "registered",
                         network_modes=network_modes(registered.capabilities),
+                        disk_quota=registered.capabilities.get("disk_quota") == "True",
                     )
                 )
         return choose_host(
@@ -286,6 +287,7 @@ class Scheduler:
             memory_limit_bytes=state.memory_limit_bytes,
             prefer=state.host,
             network=state.network,
+            disk_limit_bytes=state.disk_limit_bytes,
         )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from sandhold.hostagent.driver import disk
 from sandhold.hostagent.driver.box import (
     BOX_MODULE,
     SLIRP4NETNS,
@@ -69,9 +70,23 @@ class SandboxSettings:
 
     network: str = "none"
     image: str | None = None
+    # The persistent layer's size limit (a file system of its own, disk.py); None: none.
+    disk_limit_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"network": self.network, "image": self.image}
+        return {
+            "network": self.network,
+            "image": self.image,
+            "disk_limit_bytes": self.disk_limit_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SandboxSettings:
+        return cls(
+            network=raw.get("network", "none"),
+            image=raw.get("image"),
+            disk_limit_bytes=raw.get("disk_limit_bytes"),
+        )
 
 
 def _bwrap() -> str:
@@ -148,7 +163,10 @@ class Boxes:
         """The host's, with what this sandbox asked for in place of the host's choices."""
         settings = self.settings(sandbox_id)
         base = "host" if settings.image is None else f"image {settings.image}"
-        return {**self.capabilities(), "network": settings.network, "base": base}
+        mine = {"network": settings.network, "base": base}
+        if settings.disk_limit_bytes is not None:
+            mine["disk_limit_bytes"] = str(settings.disk_limit_bytes)
+        return {**self.capabilities(), **mine}
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -163,10 +181,12 @@ class Boxes:
             # The sandbox's root may change its base (copied up into its upper
             # layer): needs idmapped mounts; without them the base is read-only.
             "root_writes_base": self._idmapped_base,
+            "disk_quota": disk.problem() is None,
             "message_isolation": (
                 "namespaces: mapped users, own pid/mount/net/ipc/uts, no host capabilities"
                 + ("" if self._seccomp else f"; no seccomp filter: {self._seccomp_problem}")
                 + ("" if "egress" in network_modes() else "; no egress: slirp4netns not installed")
+                + ("" if (why := disk.problem()) is None else f"; {why}")
             ),
         }
 
@@ -188,11 +208,13 @@ class Boxes:
     def settings(self, sandbox_id: str) -> SandboxSettings:
         try:
             raw = json.loads((self.layout.sandbox_dir(sandbox_id) / "isolation.json").read_text())
-            return SandboxSettings(network=raw.get("network", "none"), image=raw.get("image"))
+            return SandboxSettings.from_json(raw)
         except (OSError, ValueError):
             return SandboxSettings()
 
-    def prepare(self, sandbox_id: str, settings: SandboxSettings) -> None:
+    def provision(self, sandbox_id: str, settings: SandboxSettings) -> None:
+        """Record what the sandbox asked for and give it its disk, before any file
+        of it is written here (a restore included); safe to repeat."""
         if settings.network not in (modes := network_modes()):
             hint = " (egress needs slirp4netns: apt install slirp4netns)" * (
                 settings.network == "egress"
@@ -201,12 +223,39 @@ class Boxes:
                 f"network mode {settings.network!r} is not available on this host "
                 f"(it offers {', '.join(modes)}){hint}"
             )
+        self._base_for(settings)  # refuses an image outside the image directories
         directory = self.layout.sandbox_dir(sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
+        if settings.disk_limit_bytes is not None:
+            if (why := disk.problem()) is not None:
+                raise IsolationUnavailable(why)
+            try:
+                disk.attach(directory, self.fs(sandbox_id).directory, settings.disk_limit_bytes)
+            except disk.DiskUnavailable as err:
+                raise IsolationUnavailable(f"the sandbox's disk: {err}") from err
         (directory / "isolation.json").write_text(json.dumps(settings.to_json()))
+
+    def prepare(self, sandbox_id: str, settings: SandboxSettings) -> None:
+        self.provision(sandbox_id, settings)
         prepare(self.fs(sandbox_id), self._base_for(settings), self.id_offset(sandbox_id))
 
+    def mount_disk(self, sandbox_id: str) -> None:
+        """The sandbox's disk mounted again if it has one (gone after a host reboot)."""
+        try:
+            disk.attach_existing(self.layout.sandbox_dir(sandbox_id), self.fs(sandbox_id).directory)
+        except disk.DiskUnavailable as err:
+            raise IsolationUnavailable(f"the sandbox's disk: {err}") from err
+
+    def unmount_disk(self, sandbox_id: str) -> None:
+        disk.detach(self.fs(sandbox_id).directory)
+
+    def disk_dir(self, sandbox_id: str) -> str | None:
+        """Where the sandbox's own disk is mounted, if it has one."""
+        directory = self.layout.sandbox_dir(sandbox_id)
+        return str(self.fs(sandbox_id).directory) if (directory / disk.IMAGE).exists() else None
+
     def has_files(self, sandbox_id: str) -> bool:
+        self.mount_disk(sandbox_id)
         return has_files(self.fs(sandbox_id))
 
     def claim_restored(self, sandbox_id: str) -> None:
@@ -231,6 +280,7 @@ class Boxes:
             return state
         settings = self.settings(sandbox_id)
         directory = self.layout.sandbox_dir(sandbox_id)
+        await asyncio.to_thread(self.mount_disk, sandbox_id)
         cgroup = await asyncio.to_thread(self.cgroups.create_command, sandbox_id, BOX_CGROUP)
         offset = self.id_offset(sandbox_id)
         spec = self._spec(

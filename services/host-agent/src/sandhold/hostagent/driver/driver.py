@@ -59,6 +59,7 @@ class _Placement:
     env: dict[str, str]
     box: dict[str, Any] | None
     keep_visible: list[str]
+    disk: str | None = None  # the sandbox's own disk's mount point, if it has one
 
 
 class SandboxNotFound(LookupError):
@@ -162,8 +163,7 @@ class ProcessDriver:
             "memory_limit": self.cgroups.enforces_memory_limit,
             "pids_limit": self.cgroups.enforces_pids_limit,
             "cpu_limit": self.cgroups.enforces_cpu_limit,
-            # No quota on the persistent layer yet (it would need project quotas
-            # or a file system per sandbox): said, not pretended.
+            # A file system per sandbox (disk.py): namespaced sandboxes only.
             "disk_quota": False,
             "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
         }
@@ -172,6 +172,7 @@ class ProcessDriver:
             message = isolation.pop("message_isolation")
             if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
                 message += f"; {self.cgroups.message}"
+            limits["disk_quota"] = isolation.pop("disk_quota")
             return {**isolation, **limits, "tmp_isolation": True, "message": message}
         degraded = ["UNISOLATED process driver (development only): commands run as the host's root"]
         if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
@@ -231,6 +232,15 @@ class ProcessDriver:
         if self.boxes is not None:
             self.boxes.claim_restored(sandbox_id)
 
+    async def provision(self, sandbox_id: str, settings: SandboxSettings) -> None:
+        """Give the sandbox what must exist before any file of it is written here
+        (its disk, when it has a limit), e.g. before a restore; safe to repeat."""
+        if self.boxes is None:
+            if settings.disk_limit_bytes is not None:
+                raise IsolationUnavailable("the process driver enforces no disk quota")
+            return
+        await asyncio.to_thread(self.boxes.provision, sandbox_id, settings)
+
     async def create_sandbox(
         self,
         sandbox_id: str,
@@ -251,6 +261,7 @@ class ProcessDriver:
             self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes, pids_limit, cpu_limit
         )
         if self.boxes is None:
+            await self.provision(sandbox_id, settings or SandboxSettings())
             self.layout.workspace(sandbox_id).mkdir(parents=True, exist_ok=True)
             return
         current = self.boxes.settings(sandbox_id) if settings is None else settings
@@ -270,6 +281,9 @@ class ProcessDriver:
         await asyncio.to_thread(self.cgroups.remove, sandbox_id)
         for key in [key for key in self._handles if key[0] == sandbox_id]:
             self._handles.pop(key).detach()
+        if self.boxes is not None:
+            # Unmounted first: rmtree must not empty the disk and then stop at its mount.
+            await asyncio.to_thread(self.boxes.unmount_disk, sandbox_id)
         await asyncio.to_thread(shutil.rmtree, sandbox_dir, ignore_errors=True)
 
     async def stop_sandbox(
@@ -423,6 +437,7 @@ class ProcessDriver:
             env=command_env(user, env, DEFAULT_PATH),
             box=self.boxes.target(state, user).to_json(),
             keep_visible=[],
+            disk=self.boxes.disk_dir(handle.sandbox_id),
         )
 
     async def _hand_over(
@@ -455,6 +470,7 @@ class ProcessDriver:
             keep_visible=placement.keep_visible,
             created_at=time.time(),
             box=placement.box,
+            disk_dir=placement.disk,
         )
         write_json(paths.spec, spec.to_json())
         for stream in (paths.stdout, paths.stderr):

@@ -27,6 +27,7 @@ class SandboxDriver(Protocol):
     def sandbox_capabilities(self, sandbox_id: str) -> dict[str, Any]: ...
 
     # sandboxes
+    async def provision(self, sandbox_id: str, settings: SandboxSettings) -> None: ...
     async def create_sandbox(
         self,
         sandbox_id: str,

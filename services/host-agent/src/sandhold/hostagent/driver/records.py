@@ -90,6 +90,9 @@ class CommandSpec:
     # Where the command runs: None on the host (the unisolated process driver),
     # else the box to join and as whom (``joining.BoxTarget`` as JSON).
     box: dict[str, Any] | None = None
+    # The sandbox's own disk (disk.py): a command that fails while it is full
+    # ran out of disk.
+    disk_dir: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids, parse_pids_max_events
+from sandhold.hostagent.driver.disk import exhausted
 from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
@@ -350,6 +351,9 @@ class Supervisor:
             return parse_pids_max_events(Path(self.spec.pids_file).read_text())
         return 0
 
+    def full_disk(self) -> str | None:
+        return None if self.spec.disk_dir is None else exhausted(self.spec.disk_dir)
+
     def exit_record(self, child: subprocess.Popen[bytes]) -> CommandExit:
         code = child.returncode
         assert code is not None
@@ -367,6 +371,8 @@ class Supervisor:
             # that failed after its forks were refused ran out of processes.
             reason = "resource_exhausted"
             detail = f"process limit (pids) reached: {refused} fork(s) refused"
+        elif self.ending is None and code != 0 and (full := self.full_disk()) is not None:
+            reason, detail = "resource_exhausted", full
         elif self.ending is not None:
             reason, detail = self.ending, self.ending_detail
         else:

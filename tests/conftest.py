@@ -6,7 +6,6 @@ testcontainers, where a Docker engine exists.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -91,21 +90,6 @@ def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsClust
         yield cluster
     finally:
         cluster.stop()
-
-
-async def wait_until(predicate, *, timeout: float = 20.0, interval: float = 0.02, what: str = ""):
-    """Poll `predicate` (sync or async) until truthy; fail with `what` after `timeout`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        await asyncio.sleep(interval)
 
 
 ROOT = Path(__file__).resolve().parent.parent

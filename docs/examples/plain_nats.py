@@ -54,12 +54,16 @@ async def main(url: str) -> None:
     print(f"sandbox {sandbox_id} is running")
 
     # 3. Run a command. The reply carries its id (also derivable from the key).
-    reply = await send(nc, js, {
-        "type": "command.run",
-        "key": f"run-{uuid.uuid4()}",
-        "sandbox_id": sandbox_id,
-        "argv": ["sh", "-c", "echo hello from sandhold; exit 3"],
-    })
+    reply = await send(
+        nc,
+        js,
+        {
+            "type": "command.run",
+            "key": f"run-{uuid.uuid4()}",
+            "sandbox_id": sandbox_id,
+            "argv": ["sh", "-c", "echo hello from sandhold; exit 3"],
+        },
+    )
     command_id = reply["command"]["id"]
     print(f"command {command_id} is {reply['command']['state']}")
 
@@ -76,14 +80,15 @@ async def main(url: str) -> None:
     output = {name: b"" for name in kept}
     if any(kept.values()):
         chunks = await js.subscribe(
-            f"{PREFIX}.out.{sandbox_id}.{command_id}.*", stream="SH_OUTPUT",
+            f"{PREFIX}.out.{sandbox_id}.{command_id}.*",
+            stream="SH_OUTPUT",
             ordered_consumer=True,
         )
         while any(len(output[name]) < size for name, size in kept.items()):
             msg = await chunks.next_msg(timeout=30)
             name, offset = msg.headers["Sh-Stream"], int(msg.headers["Sh-Offset"])
             if offset <= len(output[name]):  # skip bytes we already have
-                output[name] += msg.data[len(output[name]) - offset:]
+                output[name] += msg.data[len(output[name]) - offset :]
         await chunks.unsubscribe()
     for name, data in output.items():
         print(f"{name}: {data.decode(errors='replace')!r}")
@@ -93,8 +98,11 @@ async def main(url: str) -> None:
     print(f"command ended: state={event['state']} exit_code={event['exit_code']}")
 
     # 6. Clean up: delete the sandbox (not waiting for it to go).
-    await send(nc, js, {"type": "sandbox.delete", "key": f"delete-{uuid.uuid4()}",
-                        "sandbox_id": sandbox_id})
+    await send(
+        nc,
+        js,
+        {"type": "sandbox.delete", "key": f"delete-{uuid.uuid4()}", "sandbox_id": sandbox_id},
+    )
     await nc.drain()
 
 

@@ -11,7 +11,7 @@ from sandhold.bus import deadletters
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
 
-from tests.conftest import wait_until
+from tests.support.waiting import wait_until
 
 
 async def test_a_request_that_exhausts_its_deliveries_is_answered_and_removed(

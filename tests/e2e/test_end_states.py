@@ -8,9 +8,9 @@ import time
 import msgspec
 from sandhold.client import Client
 
-from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 
 
 def test_the_readme_flow_create_then_exec_prints_hello_and_exits_3(up: Up):

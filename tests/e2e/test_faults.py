@@ -13,9 +13,9 @@ from sandhold.client import Client, connect
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for, sandbox_id_for
 
-from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 
 
 def _lines(path) -> list[str]:

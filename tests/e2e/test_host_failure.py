@@ -19,8 +19,8 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for
 
-from tests.conftest import wait_until
 from tests.e2e.harness import SANDHOLD, Up, box_inits
+from tests.support.waiting import wait_until
 
 LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
 
@@ -377,8 +377,20 @@ async def test_services_killed_during_a_recovery_recover_it_exactly_once(cluster
         what="fenced, by the restarted recovery service",
     )
     scheduler = up.service_pid("scheduler")
+
+    async def requests_stored() -> int:
+        return (await client.js.stream_info(client.names.requests_stream)).state.last_seq
+
+    async def requests_stored_after(seq: int) -> bool:
+        return await requests_stored() > seq
+
+    before = await requests_stored()
     start = asyncio.create_task(client.start_sandbox(sandbox_id))
-    await asyncio.sleep(0.05)
+    # The start is stored (acked by JetStream) when the scheduler dies: it must be
+    # decided by the next one, however far the first one got with it.
+    await wait_until(
+        lambda: requests_stored_after(before), timeout=30, what="the start request stored"
+    )
     os.kill(scheduler, signal.SIGKILL)
     os.kill(up.service_pid("saver"), signal.SIGKILL)
     await asyncio.wait_for(start, 60)

@@ -17,9 +17,9 @@ from sandhold.client import Client, connect
 from sandhold.domain import sandbox as sb
 from sandhold.saves import SaveStore, restore
 
-from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 
 MiB = 1024 * 1024
 

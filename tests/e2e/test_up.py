@@ -15,9 +15,9 @@ from sandhold.bus.server import NatsServer
 from sandhold.client import connect
 from sandhold.domain.requests import command_id_for
 
-from tests.conftest import wait_until
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
+from tests.support.waiting import wait_until
 
 
 def _pids_of_tree(root_pids: list[int]) -> list[int]:

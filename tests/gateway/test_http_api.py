@@ -8,8 +8,8 @@ import signal
 import httpx
 import msgspec
 
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, problem, running_sandbox, sse_events
+from tests.support.waiting import wait_until
 
 RUN = {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]}
 

@@ -19,8 +19,8 @@ from sandhold.bus.append import last_sequence
 from sandhold.domain import requests as rq
 from sandhold.gateway.openapi import document
 
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, nats_client, sse_events, start_gateway_up
+from tests.support.waiting import wait_until
 
 ST = str(Path(sys.executable).parent / "st")
 

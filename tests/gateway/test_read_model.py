@@ -15,9 +15,9 @@ from sandhold.bus.names import Names
 from sandhold.bus.read import read_subjects
 from sandhold.gateway.readmodel import TABLES, ReadModel
 
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, nats_client, running_sandbox
 from tests.gateway.test_tasks_http import YAML
+from tests.support.waiting import wait_until
 
 
 def dump(path: Path) -> dict[str, list[tuple]]:

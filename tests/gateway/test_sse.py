@@ -12,8 +12,8 @@ import httpx
 from sandhold.bus.read import read_subject
 from sandhold.domain import requests as rq
 
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, nats_client, running_sandbox, sse_events
+from tests.support.waiting import wait_until
 
 
 async def _log_seqs(gw: Gw, sandbox_id: str) -> list[int]:

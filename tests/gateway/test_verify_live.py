@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sandhold.cli import audit
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, nats_client, running_sandbox
+from tests.support.waiting import wait_until
 
 
 async def test_verify_of_a_sandbox_that_moved_on_is_not_a_difference(

@@ -143,16 +143,3 @@ async def collect(
             else:
                 return out["stdout"], out["stderr"], item
     raise AssertionError("watch ended without an exit")
-
-
-async def eventually(
-    predicate: Callable[[], object], *, timeout: float = 20.0, what: str = ""
-) -> object:
-    """Poll until ``predicate()`` is truthy; fail after ``timeout`` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not (value := predicate()):
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout}s: {what or predicate}") from None
-    return value

@@ -13,7 +13,9 @@ from sandhold.hostagent.driver.handle import LAUNCH_CONFIRM_S
 from sandhold.hostagent.driver.process_identity import ProcessIdentity, parse_stat
 from sandhold.hostagent.driver.records import CommandSpec, write_json
 
-from .conftest import collect, eventually
+from tests.support.waiting import wait_until
+
+from .conftest import collect
 
 PY = "python3"  # the sandbox's own, from its base (the host's /usr)
 SB = "sb1"
@@ -65,7 +67,7 @@ async def test_command_outlives_the_driver_and_is_adopted(make_driver: MakeDrive
     stdout, _, end = await collect(adopted["c1"], offsets={"stdout": len(seen)})
     assert stdout == b"second\n"
     assert (end.reason, end.exit_code) == ("exited", 7)
-    await eventually(lambda: not supervisor.is_alive(), what="supervisor exits after the exit")
+    await wait_until(lambda: not supervisor.is_alive(), what="supervisor exits after the exit")
 
 
 async def test_exit_written_while_no_driver_runs_is_read_after_restart(
@@ -80,7 +82,7 @@ async def test_exit_written_while_no_driver_runs_is_read_after_restart(
     await _go(helper, "go-while-closed")
     await helper.close()
     exit_file = first.layout.command(SB, "c1").exit
-    await eventually(exit_file.exists, what="the supervisor records the exit on its own")
+    await wait_until(exit_file.exists, what="the supervisor records the exit on its own")
 
     second = await make_driver()
     [adopted] = second.adopt_all()

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
 
-from .conftest import collect, eventually, unified_mounts
+from tests.support.waiting import wait_until
+
+from .conftest import collect, unified_mounts
 
 PY = "python3"  # the sandbox's own, from its base (the host's /usr)
 SB = "sb1"
@@ -72,7 +74,7 @@ async def test_freeze_stops_the_sandbox_and_thaw_resumes_it(driver: ProcessDrive
     await driver.create_sandbox(SB, None)
     workspace = driver.workspace(SB)
     handle = await driver.launch(SB, "counter", [PY, "-c", COUNTER])
-    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    await wait_until(lambda: _counter(workspace) > 10, what="the counter runs")
     await driver.freeze(SB)
     try:
         frozen_at = _counter(workspace)
@@ -81,7 +83,7 @@ async def test_freeze_stops_the_sandbox_and_thaw_resumes_it(driver: ProcessDrive
         assert _counter(workspace) == frozen_at
     finally:
         await driver.thaw(SB)
-    await eventually(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
+    await wait_until(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
     assert await driver.interrupt(SB, "counter", grace_s=1.0)
     assert (await handle.wait()).reason == "interrupted"
 
@@ -91,18 +93,18 @@ async def test_freeze_falls_back_to_sigstop_without_cgroups(make_driver: MakeDri
     await driver.create_sandbox(SB, None)
     workspace = driver.workspace(SB)
     handle = await driver.launch(SB, "counter", [PY, "-c", COUNTER])
-    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    await wait_until(lambda: _counter(workspace) > 10, what="the counter runs")
     child = await handle.started()
     assert isinstance(child, int)
     await driver.freeze(SB)
     try:
-        await eventually(lambda: _state(child) == "T", what="the command is stopped")
+        await wait_until(lambda: _state(child) == "T", what="the command is stopped")
         stopped_at = _counter(workspace)
         await asyncio.sleep(0.3)
         assert _counter(workspace) == stopped_at
     finally:
         await driver.thaw(SB)
-    await eventually(lambda: _counter(workspace) > stopped_at + 10, what="the counter resumes")
+    await wait_until(lambda: _counter(workspace) > stopped_at + 10, what="the counter resumes")
     await driver.stop_sandbox(SB, grace=1.0)
     assert (await handle.wait()).reason == "interrupted"
 
@@ -164,7 +166,7 @@ async def test_cgroup_v2_freeze_kill_and_remove_on_the_unified_hierarchy(
     child = await handle.started()
     assert isinstance(child, int)
     assert child in cgroups.pids(SB)  # with the sandbox's init beside it
-    await eventually(lambda: _counter(workspace) > 10, what="the counter runs")
+    await wait_until(lambda: _counter(workspace) > 10, what="the counter runs")
     await driver.freeze(SB)
     try:
         frozen_at = _counter(workspace)
@@ -172,7 +174,7 @@ async def test_cgroup_v2_freeze_kill_and_remove_on_the_unified_hierarchy(
         assert _counter(workspace) == frozen_at
     finally:
         await driver.thaw(SB)
-    await eventually(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
+    await wait_until(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
     await driver.destroy_sandbox(SB)
     assert not (mounts[0] / "sandhold" / host_id / SB).exists()
     assert not Path(f"/proc/{child}").exists()

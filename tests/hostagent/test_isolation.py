@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from sandhold.hostagent.driver import CommandExit, ProcessDriver
 
-from .conftest import collect, eventually
+from tests.support.waiting import wait_until
+
+from .conftest import collect
 
 A, B = "sb-a", "sb-b"
 
@@ -299,7 +301,7 @@ async def test_a_cpu_limit_throttles_a_busy_command(driver: ProcessDriver) -> No
         return driver.cgroups.cpu_stat("slow").get("nr_throttled", 0) > before + 3
 
     try:
-        await eventually(throttled, timeout=60, what="the busy command is throttled")
+        await wait_until(throttled, timeout=60, what="the busy command is throttled")
     finally:
         await driver.interrupt("slow", "spin", grace_s=0)
     end = await handle.wait()

@@ -15,8 +15,8 @@ from sandhold.domain.retry import backoff_delay, retry_budget
 from sandhold.domain.task_manifest import RetryPolicy
 from sandhold.orchestrator.git import CloneFailed, classify_stderr, clone
 
-from tests.conftest import wait_until
 from tests.orchestrator.conftest import GitDaemon, GitRepo, ProxyFactory, git
+from tests.support.waiting import wait_until
 
 TIMEOUT_S = 60.0
 # Real backoff, kept short: these tests are about which failures are retried.

@@ -14,9 +14,9 @@ import pytest
 from sandhold.client import connect
 from sandhold.domain.task_manifest import load_manifest
 
-from tests.conftest import wait_until
 from tests.e2e.harness import RunLog, Up
 from tests.orchestrator.conftest import GitDaemon, GitRepo, git
+from tests.support.waiting import wait_until
 
 TASKS = 10
 

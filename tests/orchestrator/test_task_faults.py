@@ -26,8 +26,8 @@ from sandhold.domain import task as tk
 from sandhold.domain.envelope import wrap
 from sandhold.domain.task_manifest import load_manifest
 
-from tests.conftest import wait_until
 from tests.e2e.harness import RunLog, Up
+from tests.support.waiting import Readiness, wait_until
 
 
 class Receiver:
@@ -416,13 +416,16 @@ async def test_a_sandbox_created_after_its_task_ended_and_a_restart_is_released(
         state = await _finished(client, view.id, timeout=30)
         assert state.state == "cancelled" and state.failed_stage == "provisioning"
         orchestrator = f.up.service_pid("orchestrator")
+        readiness = await Readiness().listen(client.nc, client.names)
         os.kill(orchestrator, signal.SIGKILL)
         await wait_until(
             lambda: f.up.service_pid("orchestrator") != orchestrator,
             timeout=30,
             what="the orchestrator restarted",
         )
-        await asyncio.sleep(2)  # noqa: ASYNC110 - let it start up before the create lands
+        # Serving (its stores folded, its requests consumed) before the create lands.
+        await readiness.wait_for("orchestrator", f.up.service_pid("orchestrator"))
+        await readiness.close()
     finally:
         os.kill(scheduler, signal.SIGCONT)
     sandbox_id = rq.sandbox_id_for("default", f"{view.id}:sandbox")

@@ -31,9 +31,10 @@ from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import load_manifest, parse_manifest
 from sandhold.domain.task_views import TaskReply
 
-from tests.conftest import ROOT, wait_until
+from tests.conftest import ROOT
 from tests.e2e.harness import Up
 from tests.orchestrator.conftest import GitDaemon, GitRepo, ProxyFactory, git
+from tests.support.waiting import wait_until
 
 QUICK_RETRY = {"base_delay": "0.1s", "max_delay": "0.5s"}
 

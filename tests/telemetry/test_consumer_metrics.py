@@ -17,7 +17,7 @@ from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume, dead_letter, delivery
 from sandhold.telemetry import metrics
 
-from tests.conftest import wait_until
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

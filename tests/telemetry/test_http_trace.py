@@ -10,8 +10,8 @@ import httpx
 import pytest
 from sandhold.client import connect
 
-from tests.conftest import wait_until
 from tests.gateway.conftest import Gw, start_gateway_up
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 from sandhold.telemetry import context, logs
 
-from tests.conftest import wait_until
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -19,8 +19,8 @@ from sandhold.client import Client, connect
 from sandhold.domain import task as tk
 from sandhold.domain.task_manifest import load_manifest
 
-from tests.conftest import wait_until
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 
 Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sandhold.client import Client, connect
 from sandhold.domain.task_manifest import load_manifest
 
-from tests.conftest import wait_until
 from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
 from tests.telemetry.otlp import OtlpReceiver
 
 COMMAND_EVENTS = ["command.queued", "command.dispatched", "command.started", "command.ended"]

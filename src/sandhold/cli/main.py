@@ -45,8 +45,8 @@ def _server(args: argparse.Namespace) -> tuple[str, str]:
     url = args.nats or os.environ.get("SANDHOLD_NATS_URL") or runtime.get("nats_url")
     if not url:
         raise SystemExit(
-            "sandhold: no server found: run `sandhold up`, or pass --nats URL "
-            "(or set SANDHOLD_NATS_URL)"
+            f"sandhold: no server found (no {Path(args.data_dir) / 'runtime.json'}): run "
+            "`sandhold up`, or pass --nats URL (or set SANDHOLD_NATS_URL), or --data-dir DIR"
         )
     prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or runtime.get("prefix") or "sh"
     return url, prefix
@@ -281,13 +281,44 @@ async def _command(args: argparse.Namespace, client: Client) -> int:
 # --- parser ------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sandhold", description=__doc__)
+def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """The options every command takes, before or after its name (`sandhold up
+    --data-dir D` as well as `sandhold --data-dir D up`). Below the top level
+    they default to "not given", so they never undo one given earlier."""
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
     p.add_argument(
-        "--nats", help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)"
+        "--nats",
+        default=default(None),
+        help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)",
     )
-    p.add_argument("--prefix", help="subject/stream prefix (default sh)")
-    p.add_argument("--data-dir", default=os.environ.get("SANDHOLD_DATA_DIR", ".sandhold"))
+    p.add_argument("--prefix", default=default(None), help="subject/stream prefix (default sh)")
+    p.add_argument(
+        "--data-dir",
+        default=default(os.environ.get("SANDHOLD_DATA_DIR", ".sandhold")),
+        help="where `sandhold up` keeps its state (default .sandhold, or SANDHOLD_DATA_DIR)",
+    )
+
+
+def _everywhere(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:  # argparse keeps its subcommands here
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                _global_options(command, defaults=False)
+                _everywhere(command)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _build_parser()
+    _everywhere(p)
+    return p
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandhold", description=__doc__)
+    _global_options(p, defaults=True)
     sub = p.add_subparsers(dest="group", required=True)
 
     up = sub.add_parser("up", help="run NATS and every service here (the embedded default)")
@@ -618,7 +649,8 @@ def _token(args: argparse.Namespace) -> int:
 
 def _run_service(args: argparse.Namespace) -> None:
     service_args = list(args.service_args)
-    if "--nats" not in service_args:
+    asks_for_help = "-h" in service_args or "--help" in service_args
+    if "--nats" not in service_args and not asks_for_help:
         url, prefix = _server(args)
         service_args += ["--nats", url]
         if "--prefix" not in service_args:
@@ -630,7 +662,7 @@ def _run_service(args: argparse.Namespace) -> None:
     elif args.service == "recovery":
         from sandhold.recovery.__main__ import main as service_main
     elif args.service == "metrics":
-        from sandhold.cli.metrics import main as service_main
+        from sandhold.metrics.__main__ import main as service_main
     elif args.service == "orchestrator":
         from sandhold.orchestrator.__main__ import main as service_main
     elif args.service == "gateway":

@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import msgspec
-from nats.js.api import DeliverPolicy
-from sandhold.bus.codec import STREAM_HEADER
-from sandhold.bus.read import read_subjects
+from nats.aio.msg import Msg
+from sandhold.bus.codec import STREAM_HEADER, decode_envelope
+from sandhold.bus.follow import Follower
 from sandhold.client import Client
 from sandhold.domain import task as tk
+from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
-from sandhold.domain.fold import fold
 from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.saves import SaveStore
@@ -129,64 +129,64 @@ def _print(view: TaskView, as_json: bool) -> None:
 async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
     """Print the task's events as they happen (and its agent steps' output),
     until it ends; exit with its outcome."""
-    following: set[str] = set()
-    subs = []
+    state: tk.Task | None = None
     changed = asyncio.Event()
+    seen: set[str] = set()  # the steps' commands whose output is being (or was) shown
+    followers: list[Follower[bytes]] = []
 
-    async def on_event(_msg) -> None:
+    def on_event(_seq: int, _msg: object, envelope: Envelope) -> None:
+        nonlocal state
+        state = tk.evolve(state, envelope)
+        if state is not None and state.tenant == client.tenant:
+            _print_event(envelope, as_json)
         changed.set()
 
-    async def on_chunk(msg) -> None:
+    def on_chunk(_seq: int, msg: Msg, data: bytes) -> None:
         stream = (msg.headers or {}).get(STREAM_HEADER, "stdout")
         target = sys.stderr if stream == "stderr" else sys.stdout
-        target.write(msg.data.decode("utf-8", "replace"))
+        target.write(data.decode("utf-8", "replace"))
         target.flush()
 
-    subs.append(await client.nc.subscribe(client.names.events("task", task_id), cb=on_event))
+    events = Follower(
+        client.js,
+        client.names.events_stream,
+        client.names.events("task", task_id),
+        decode_envelope,
+        on_event,
+        what="task event",
+    )
     try:
-        last_seq, state = 0, None
+        await events.start()
         while True:
             changed.clear()
-            # Only what came since the last read, folded onto what we have.
-            records = await read_subjects(
-                client.js,
-                client.names.events_stream,
-                client.names.events("task", task_id),
-                start_seq=last_seq + 1,
-            )
-            state = fold(tk.evolve, (r.envelope for r in records), state)
             if state is None or state.tenant != client.tenant:
                 raise Rejected("task_not_found", f"no task {task_id}")
-            for record in records:
-                _print_event(record.envelope, as_json)
-            last_seq = records[-1].seq if records else last_seq
             for step in state.steps.values():
-                if as_json or not step.command_id or step.command_id in following:
+                if as_json or not step.command_id or step.command_id in seen:
                     continue
-                following.add(step.command_id)
+                seen.add(step.command_id)
                 if step.done:  # ended before we looked: its recorded output
                     sys.stdout.write(step.output)
                     continue
                 assert step.sandbox_id is not None
-                subject = client.names.output(step.sandbox_id, step.command_id) + ".*"
-                subs.append(
-                    await client.js.subscribe(
-                        subject,
-                        stream=client.names.output_stream,
-                        ordered_consumer=True,
-                        deliver_policy=DeliverPolicy.ALL,
-                        cb=on_chunk,
-                    )
+                output = Follower(
+                    client.js,
+                    client.names.output_stream,
+                    client.names.output(step.sandbox_id, step.command_id) + ".*",
+                    bytes,
+                    on_chunk,
+                    what="output",
                 )
+                followers.append(output)
+                await output.start(timeout=None)
             if state.terminal:
                 await client.nc.flush()
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), 2.0)
+            await changed.wait()
     finally:
-        for sub in subs:
+        for follower in [events, *followers]:
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+                await follower.stop()
     view = task_view(state)
     if not as_json:
         _print(view, False)

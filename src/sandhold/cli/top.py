@@ -12,9 +12,8 @@ import time
 
 import msgspec
 from sandhold.client import Client
+from sandhold.metrics.service import follow_log
 from sandhold.telemetry.log_metrics import LogMetrics, percentile
-
-from sandhold.cli.metrics import follow_log
 
 _TASK_STATUSES = ("completed", "failed", "cancelled", "timed_out")
 
@@ -97,7 +96,7 @@ def _fmt(key: str, value: object) -> str:
 
 async def top(client: Client, *, interval: float, once: bool, as_json: bool) -> int:
     folded = LogMetrics()
-    sub = await follow_log(client.js, client.names, folded)
+    follower = await follow_log(client.js, client.names, folded)
     try:
         while True:
             numbers = summary(folded, time.time())
@@ -112,4 +111,4 @@ async def top(client: Client, *, interval: float, once: bool, as_json: bool) -> 
                 return 0
             await asyncio.sleep(interval)
     finally:
-        await sub.unsubscribe()
+        await follower.stop()

@@ -135,7 +135,7 @@ class Runtime:
             ),
             Child(
                 "metrics",
-                [*base, "sandhold.cli.metrics", *common, *extra.get("metrics", [])],
+                [*base, "sandhold.metrics", *common, *extra.get("metrics", [])],
                 logs / "metrics.log",
                 "metrics",
             ),

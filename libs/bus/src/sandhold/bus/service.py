@@ -1,4 +1,20 @@
-"""What every service shell shares: connecting, readiness, signals, uvloop."""
+"""The service shell: what every service's life shares, written once.
+
+    async with Shell("saver", url, names, replicas=r) as shell:
+        store = shell.store("sandbox", sb.evolve)     # folded, then followed
+        await shell.start_stores()
+        await shell.work_queue(durable, config, handle, batch=32, what="requests")
+        shell.spawn(loop(), "schedule")
+        await shell.serve()                           # ready, until stopped or crashed
+
+Connecting and ensuring the streams happen on entry; leaving stops the loops,
+the stores' followers and the connection, within a deadline even when NATS is
+gone. A loop that raises (rather than handling its own trouble) is a crash:
+logged with its traceback, the service stops and `serve` raises
+`ServiceCrashed`, so the process exits non-zero and its supervisor (`sandhold
+up`, systemd, Kubernetes) restarts it, instead of a dead loop going unnoticed.
+`run_service` runs one under uvloop with SIGTERM/SIGINT as a graceful stop.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +24,27 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
-from typing import Protocol
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+from sandhold.bus import deadletters
 from sandhold.bus.names import Names
+from sandhold.bus.reconciler import consume
+from sandhold.bus.store import AggregateStore, Evolve
+from sandhold.bus.streams import ensure_streams
 from sandhold.telemetry import metrics, setup
+
+S = TypeVar("S")
+# How long a stopping service may take to finish its loops and close, before
+# they are cancelled (and, should even that hang, the process ends anyway).
+STOP_TIMEOUT_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +57,160 @@ class Service(Protocol):
     async def shutdown(self) -> None: ...
 
 
+class ServiceCrashed(RuntimeError):
+    """A service's loop raised: the service stopped (its traceback is logged)."""
+
+
+class Shell:
+    def __init__(
+        self,
+        name: str,
+        nats_url: str,
+        names: Names,
+        *,
+        replicas: int = 1,
+        connection_name: str | None = None,
+    ) -> None:
+        self.name = name
+        self.names = names
+        self._url = nats_url
+        self._replicas = replicas
+        self._connection_name = connection_name or f"sandhold-{name}"
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._stores: list[AggregateStore[Any]] = []
+        self._tasks: dict[asyncio.Task[None], str] = {}
+        self._closers: list[Callable[[], Awaitable[object]]] = []
+        self._winding_down: list[Callable[[], Awaitable[object]]] = []
+        self._stopping = asyncio.Event()
+        self._crash: tuple[str, BaseException] | None = None
+        self._entered_by: asyncio.Task[Any] | None = None
+        self._serving = False
+
+    @property
+    def nc(self) -> NATS:
+        assert self._nc is not None, "use the shell inside `async with`"
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        assert self._js is not None, "use the shell inside `async with`"
+        return self._js
+
+    async def __aenter__(self) -> Shell:
+        self._entered_by = asyncio.current_task()
+        self._nc = await connect(self._url, name=self._connection_name)
+        self._js = self._nc.jetstream()
+        await ensure_streams(self._js, self.names, replicas=self._replicas)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._end_tasks()
+        for close in reversed(self._closers):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(close(), STOP_TIMEOUT_S)
+        if self._nc is not None:
+            await close_quickly(self._nc, *self._stores)
+
+    # --- what a service is made of ---------------------------------------------
+
+    def store(self, kind: str, evolve: Evolve[S], *, actor: str | None = None) -> AggregateStore[S]:
+        """An aggregate store of `kind`, stopped with the shell (`start_stores` folds it)."""
+        store = AggregateStore(self.js, self.names, kind, evolve, actor=actor or self.name)
+        self._stores.append(store)
+        return store
+
+    async def start_stores(self) -> None:
+        """Fold every store made so far from the log, in the order they were made."""
+        for store in self._stores:
+            await store.start()
+
+    async def work_queue(
+        self,
+        stream: str,
+        config: ConsumerConfig,
+        handle: Callable[[Msg], Awaitable[None]],
+        *,
+        batch: int,
+        what: str,
+    ) -> asyncio.Task[None]:
+        """A durable consumer on `stream`, handled one message at a time in a loop
+        of the shell; messages it gives up on are answered and counted
+        (`deadletters`). Creating the consumer also updates an existing one."""
+        assert config.durable_name is not None
+        await self.js.add_consumer(stream, config)
+        sub = await self.js.pull_subscribe_bind(config.durable_name, stream)
+        await deadletters.watch(self.nc, stream, config.durable_name, what=what)
+        return self.spawn(consume(sub, handle, batch=batch, what=what), what)
+
+    def on_stopping(self, wind_down: Callable[[], Awaitable[object]]) -> None:
+        """Something to do once a stop began, while the loops still run (a host
+        agent interrupts its commands while it still renews its lease)."""
+        self._winding_down.append(wind_down)
+
+    def spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run a loop for the service's lifetime; if it raises, the service stops."""
+        task = asyncio.create_task(coroutine, name=f"{self.name}: {name}")
+        self._tasks[task] = name
+        task.add_done_callback(self._ended)
+        return task
+
+    def on_close(self, close: Callable[[], Awaitable[object]]) -> None:
+        """Something to close when the shell closes (before the connection)."""
+        self._closers.append(close)
+
+    # --- its life ---------------------------------------------------------------
+
+    async def serve(self, **ready: object) -> None:
+        """Announce readiness, then serve until stopped; raise if a loop crashed."""
+        self._serving = True
+        if not self._stopping.is_set():
+            await announce_ready(self.nc, self.names, self.name, **ready)
+            await self._stopping.wait()
+        for wind_down in self._winding_down:
+            try:
+                await wind_down()
+            except Exception:
+                log.exception("%s: winding down failed", self.name)
+        await self._end_tasks()
+        if self._crash is not None:
+            name, error = self._crash
+            raise ServiceCrashed(f"{self.name}: its {name} loop crashed: {error!r}") from error
+
+    def stop(self) -> None:
+        """Begin a graceful stop; one still starting up is interrupted at once."""
+        self._stopping.set()
+        if not self._serving and self._entered_by is not None:
+            self._entered_by.cancel()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        name = self._tasks.pop(task, "?")
+        if task.cancelled() or self._stopping.is_set():
+            return
+        error = task.exception()
+        if error is None:
+            return  # a loop that had nothing more to do
+        log.critical("%s: its %s loop crashed; stopping", self.name, name, exc_info=error)
+        self._crash = (name, error)
+        self._stopping.set()
+
+    async def _end_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+
+
 async def connect(url: str | list[str], *, name: str) -> NATS:
+    """A connection that keeps trying (a server that is not up yet, or gone for a
+    while), saying so once every few seconds rather than twice a second."""
     servers = url if isinstance(url, list) else url.split(",")
+    quiet = _QuietErrors(name)
     return await nats.connect(
         servers=servers,
         name=name,
@@ -37,7 +218,33 @@ async def connect(url: str | list[str], *, name: str) -> NATS:
         reconnect_time_wait=0.5,
         connect_timeout=5,
         allow_reconnect=True,
+        error_cb=quiet.error,
+        disconnected_cb=quiet.disconnected,
+        reconnected_cb=quiet.reconnected,
     )
+
+
+class _QuietErrors:
+    """nats-py's callbacks, logged in one line each, a repeated error every 10 s."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._last: tuple[str, float] = ("", 0.0)
+
+    async def error(self, err: Exception) -> None:
+        said, at = self._last
+        now = asyncio.get_running_loop().time()
+        text = f"{type(err).__name__}: {err}"
+        if text != said or now - at > 10.0:
+            self._last = (text, now)
+            log.warning("%s: NATS: %s", self._name, text)
+
+    async def disconnected(self) -> None:
+        log.warning("%s: disconnected from NATS; reconnecting", self._name)
+
+    async def reconnected(self) -> None:
+        self._last = ("", 0.0)
+        log.warning("%s: reconnected to NATS", self._name)
 
 
 async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) -> None:
@@ -91,11 +298,30 @@ def run_service(
     async def main() -> None:
         service = make(args)
         loop = asyncio.get_running_loop()
+        running = asyncio.ensure_future(service.run())
+
+        def stop() -> None:
+            log.info("%s: stopping", service.name)
+            asyncio.ensure_future(service.shutdown())
+            # A stop that does not finish in time is cut short, and a process
+            # whose loop cannot even do that (a stuck thread) ends anyway.
+            loop.call_later(STOP_TIMEOUT_S, running.cancel)
+            deadline = threading.Timer(2 * STOP_TIMEOUT_S + 5, _exit_now, (service.name,))
+            deadline.daemon = True
+            deadline.start()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.shutdown()))
-        await service.run()
+            loop.add_signal_handler(sig, stop)
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
 
     uvloop.run(main())
+
+
+def _exit_now(name: str) -> None:
+    log.error("%s: did not stop in time; exiting", name)
+    logging.shutdown()
+    os._exit(1)
 
 
 async def close_quickly(nc: NATS, *stores: object) -> None:
@@ -108,7 +334,8 @@ async def close_quickly(nc: NATS, *stores: object) -> None:
         stop = getattr(store, "stop", None)
         if stop is not None:
             with contextlib.suppress(Exception):
-                await stop()
+                await asyncio.wait_for(stop(), 2)
     with contextlib.suppress(Exception):
         await nc.flush(timeout=2)
-    await nc.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), 5)

@@ -1,6 +1,6 @@
 """A live projection of one aggregate kind, plus the decide-and-append loop.
 
-One ordered consumer follows `<prefix>.ev.<kind>.>` and folds every event into
+One follower (`follow.py`) reads `<prefix>.ev.<kind>.>` and folds every event into
 an in-memory state per aggregate with the domain's `evolve`. Deciding uses
 that state and appends with its sequence as the expected one; if JetStream
 says someone else wrote first, the store catches up on that aggregate and
@@ -18,10 +18,10 @@ from typing import Generic, TypeVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 from sandhold.bus.append import WrongSequence, append, last_sequence
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.follow import Follower, stream_sequence  # noqa: F401 - re-exported
 from sandhold.bus.names import Names
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import InfraError, Rejected
@@ -55,10 +55,7 @@ class AggregateStore(Generic[S]):
         self._states: dict[str, S] = {}
         self._seqs: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
-        self._sub = None
-        self._high_water = 0
-        self._caught_up = asyncio.Event()
-        self._target = 0
+        self._follower: Follower[Envelope] | None = None
         # Decisions on one aggregate in this process take turns; other processes
         # are kept honest by the fence.
         self._locks: dict[str, asyncio.Lock] = {}
@@ -70,26 +67,19 @@ class AggregateStore(Generic[S]):
 
     async def start(self, *, timeout: float = 60.0) -> None:
         """Replay every aggregate of this kind, then follow live events."""
-        self._target = await last_sequence(
-            self._js, self._stream, self._names.events(self._kind, ">")
-        )
-        if self._target == 0:
-            self._caught_up.set()
-        self._sub = await self._js.subscribe(
+        self._follower = Follower(
+            self._js,
+            self._stream,
             self._names.events(self._kind, ">"),
-            stream=self._stream,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-            cb=self._on_msg,
-            pending_msgs_limit=-1,
-            pending_bytes_limit=-1,
+            decode_envelope,
+            self._on_event,
+            what=f"{self._kind} event",
         )
-        await asyncio.wait_for(self._caught_up.wait(), timeout)
+        await self._follower.start(timeout=timeout)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        if self._follower is not None:
+            await self._follower.stop()
 
     def listen(self, callback: Callable[[str], None]) -> None:
         """`callback(aggregate_id)` after every change to an aggregate."""
@@ -114,18 +104,9 @@ class AggregateStore(Generic[S]):
         else:
             self._traces.pop(aggregate_id, None)
 
-    async def _on_msg(self, msg: Msg) -> None:
-        seq = stream_sequence(msg)
+    def _on_event(self, seq: int, msg: Msg, envelope: Envelope) -> None:
         aggregate_id = msg.subject.rsplit(".", 1)[1]
-        try:
-            envelope = decode_envelope(msg.data)
-        except msgspec.DecodeError:
-            log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
-        else:
-            self._apply(aggregate_id, seq, [envelope], (msg.headers or {}).get(context.TRACEPARENT))
-        self._high_water = max(self._high_water, seq)
-        if self._high_water >= self._target:
-            self._caught_up.set()
+        self._apply(aggregate_id, seq, [envelope], (msg.headers or {}).get(context.TRACEPARENT))
 
     def _apply(
         self, aggregate_id: str, seq: int, envelopes: list[Envelope], traceparent: str | None
@@ -274,15 +255,3 @@ class AggregateStore(Generic[S]):
         for envelope, new_seq in zip(envelopes, sequences, strict=True):
             self._apply(aggregate_id, new_seq, [envelope], traceparent)
         return envelopes
-
-
-def stream_sequence(msg: Msg) -> int:
-    """The stream sequence from a JetStream message's reply subject.
-
-    `msg.metadata` parses the whole subject into dataclasses and a datetime:
-    about ten times the cost, on the hot path of every replay. The subject is
-    `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...` (9 tokens), or with a
-    domain and account hash in front (12 or more).
-    """
-    tokens = msg.reply.split(".")
-    return int(tokens[5] if len(tokens) == 9 else tokens[7])

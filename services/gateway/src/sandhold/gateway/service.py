@@ -19,8 +19,7 @@ import msgspec
 import uvicorn
 from nats.aio.msg import Msg
 from sandhold.bus.names import Names
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.service import Shell
 from sandhold.gateway.app import create_app
 from sandhold.gateway.readmodel import ReadModel
 from sandhold.gateway.tokens import Tokens
@@ -57,31 +56,27 @@ class Gateway:
         keepalive_s: float = 15.0,
         replicas: int = 1,
     ) -> None:
-        self._url = nats_url
         self._names = names
+        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
         self._host = host
         self._port = port
         self._fd = fd  # a listening socket handed down by `sandhold up`
         self._read_model_path = read_model_path
         self._tokens_path = tokens_path
         self._keepalive_s = keepalive_s
-        self._replicas = replicas
-        self._stopping = asyncio.Event()
         self.port: int | None = None
 
     async def run(self) -> None:
-        nc = await connect(self._url, name="sandhold-gateway")
-        read_model = ReadModel(self._read_model_path, self._names)
-        tasks: list[asyncio.Task] = []
-        try:
-            js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
+        async with self._shell as shell:
+            js = shell.js
+            read_model = ReadModel(self._read_model_path, self._names)
             await read_model.open()
+            shell.on_close(read_model.close)
             if read_model.position > await read_model.log_end(js):
                 # The log is not the one this read model was built from (a new server).
                 log.warning("read model is ahead of the log: rebuilding it")
                 await read_model.rebuild(js)
-            tasks.append(asyncio.create_task(read_model.follow(js)))
+            shell.spawn(read_model.follow(js), "read model")
 
             async def on_rebuild(msg: Msg) -> None:
                 try:
@@ -92,9 +87,9 @@ class Gateway:
                     body = {"ok": False, "error": str(err)}
                 await msg.respond(msgspec.json.encode(body))
 
-            await nc.subscribe(rebuild_subject(self._names), cb=on_rebuild)
+            await shell.nc.subscribe(rebuild_subject(self._names), cb=on_rebuild)
             ctx = Context(
-                nc,
+                shell.nc,
                 self._names,
                 read_model,
                 Tokens(self._tokens_path),
@@ -113,29 +108,26 @@ class Gateway:
             )
             sockets = None if self._fd is None else [socket.socket(fileno=self._fd)]
             serving = asyncio.create_task(server.serve(sockets=sockets))
-            tasks.append(serving)
-            while not server.started:
-                if serving.done():
-                    await serving  # raises why it could not start (port in use)
-                    raise RuntimeError("the HTTP server stopped before it started")
-                await asyncio.sleep(0.02)
-            self.port = server.servers[0].sockets[0].getsockname()[1]
-            await announce_ready(nc, self._names, self.name, port=self.port, address=self._host)
-            log.info("gateway ready on http://%s:%d", self._host, self.port)
-            stop = asyncio.create_task(self._stopping.wait())
-            await asyncio.wait({stop, serving}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(serving), 5)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
+            try:
+                while not server.started:
+                    if serving.done():
+                        await serving  # raises why it could not start (port in use)
+                        raise RuntimeError("the HTTP server stopped before it started")
+                    await asyncio.sleep(0.02)
+                self.port = server.servers[0].sockets[0].getsockname()[1]
+                shell.spawn(_while_serving(serving), "HTTP server")
+                log.info("gateway ready on http://%s:%d", self._host, self.port)
+                await shell.serve(port=self.port, address=self._host)
+            finally:
+                server.should_exit = True
                 with contextlib.suppress(BaseException):
-                    await task
-            await read_model.close()
-            await close_quickly(nc)
+                    await asyncio.wait_for(serving, 5)
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
+
+
+async def _while_serving(serving: asyncio.Task[None]) -> None:
+    """Ends the gateway if its HTTP server stops by itself (it is the gateway)."""
+    await asyncio.shield(serving)
+    raise RuntimeError("the HTTP server stopped")

@@ -21,13 +21,11 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from nats.js.errors import NotFoundError
-from sandhold.bus import deadletters, leases
+from sandhold.bus import leases
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import consume, dead_letter
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.store import AggregateStore
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.reconciler import dead_letter
+from sandhold.bus.service import Shell
 from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
@@ -67,11 +65,13 @@ class HostAgent:
         isolation: Isolation = "namespaces",
         image_roots: list[Path] | None = None,
     ) -> None:
-        self._url = nats_url
         self._names = names
         self.host_id = host_id
+        connection = f"sandhold-host-agent-{host_id}"
+        self._shell = Shell(
+            self.name, nats_url, names, replicas=replicas, connection_name=connection
+        )
         self._root = Path(root)
-        self._replicas = replicas
         self._capacity = capacity_sandboxes
         self._lease_interval = lease_interval
         self._lease_ttl = lease_ttl
@@ -81,7 +81,6 @@ class HostAgent:
         self._interrupt_on_exit = interrupt_on_exit
         self._isolation: Isolation = isolation
         self._image_roots = image_roots
-        self._stopping = asyncio.Event()
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
         self._jobs: set[asyncio.Task[None]] = set()
@@ -90,76 +89,81 @@ class HostAgent:
     # --- lifecycle ------------------------------------------------------------
 
     async def run(self) -> None:
-        self._nc = nc = await connect(self._url, name=f"sandhold-host-agent-{self.host_id}")
         self.driver: SandboxDriver = ProcessDriver(
             self._root, self.host_id, isolation=self._isolation, image_roots=self._image_roots
         )
-        try:
-            js = self._js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
+        async with self._shell as shell:
+            self._nc, self._js = shell.nc, shell.js
             await self.driver.start()
-            self.sandboxes = AggregateStore(
-                js, self._names, "sandbox", sb.evolve, actor=f"host-agent:{self.host_id}"
-            )
-            self.hosts = AggregateStore(
-                js, self._names, "host", host_domain.evolve, actor=f"host-agent:{self.host_id}"
-            )
-            await self.sandboxes.start()
-            await self.hosts.start()
+            shell.on_close(self.driver.close)
+            actor = f"host-agent:{self.host_id}"
+            self.sandboxes = shell.store("sandbox", sb.evolve, actor=actor)
+            self.hosts = shell.store("host", host_domain.evolve, actor=actor)
+            await shell.start_stores()
             self.saving = HostSaves(
-                nc, self._names, self.driver, SaveStore(js, self._names), self._root, self.host_id
+                shell.nc,
+                self._names,
+                self.driver,
+                SaveStore(shell.js, self._names),
+                self._root,
+                self.host_id,
             )
             for sandbox_id in self.driver.layout.sandbox_ids():
                 # A previous agent may have died between freeze and thaw.
                 with contextlib.suppress(Exception):
                     await self.driver.thaw(sandbox_id)
-            self._kv = await leases.lease_bucket(js, self._names)
+            self._kv = await leases.lease_bucket(shell.js, self._names)
             await self._register()
             await self._drop_stale_copies()
             for handle in self.driver.adopt_all():
                 if self._is_current(handle.sandbox_id):
                     self._watch(handle)
-            sub = await js.pull_subscribe(
-                self._names.work(self.host_id),
-                durable=f"host-{self.host_id}",
-                stream=self._names.hostwork_stream,
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_deliver=20),
-            )
+            shell.on_close(self._end_watchers)
+            shell.spawn(self._renew_lease(), "lease renewal")
             # Work given up on is dropped: the scheduler sends again what state calls for.
-            await deadletters.watch(
-                nc, self._names.hostwork_stream, f"host-{self.host_id}", what="host work"
+            consumer = ConsumerConfig(
+                durable_name=f"host-{self.host_id}",
+                filter_subject=self._names.work(self.host_id),
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=60,
+                max_deliver=20,
             )
-            tasks = [asyncio.create_task(self._renew_lease()), asyncio.create_task(self._work(sub))]
-            await announce_ready(nc, self._names, self.name, host=self.host_id, epoch=self.epoch)
+            working = await shell.work_queue(
+                self._names.hostwork_stream,
+                consumer,
+                self._handle,
+                batch=16,
+                what=f"work for {self.host_id}",
+            )
+            shell.on_stopping(lambda: self._wind_down(working))
             log.info(
                 "host-agent %s ready (epoch %d, %s)",
                 self.host_id,
                 self.epoch,
                 self.driver.capabilities(),
             )
-            await self._stopping.wait()
-            renewing, working = tasks
-            working.cancel()
+            await shell.serve(host=self.host_id, epoch=self.epoch)
+
+    async def _wind_down(self, working: asyncio.Task[None]) -> None:
+        """No new work, no job left half-done; with `interrupt_on_exit`, every
+        command interrupted while the lease is still renewed (a slow command's
+        grace must not look like a host failure)."""
+        working.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await working
+        for job in list(self._jobs):
+            job.cancel()
+        if self._interrupt_on_exit:
+            await self._interrupt_everything()
+
+    async def _end_watchers(self) -> None:
+        for task in list(self._watchers.values()):
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await working
-            for job in list(self._jobs):
-                job.cancel()
-            if self._interrupt_on_exit:
-                # Still renewing: a slow command's grace must not look like a host failure.
-                await self._interrupt_everything()
-            renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewing
-            for task in list(self._watchers.values()):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        finally:
-            await self.driver.close()
-            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
+                await task
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
 
     async def _register(self) -> None:
         await self._adopt_recovery_settings()
@@ -293,9 +297,6 @@ class HostAgent:
                 await self.driver.destroy_sandbox(sandbox_id)
 
     # --- work -----------------------------------------------------------------
-
-    async def _work(self, sub) -> None:
-        await consume(sub, self._handle, batch=16, what=f"work for {self.host_id}")
 
     async def _handle(self, msg: Msg) -> None:
         try:

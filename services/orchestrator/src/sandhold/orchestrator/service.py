@@ -19,17 +19,12 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
-from sandhold.bus import deadletters
-from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import consume
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.store import AggregateStore
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.service import Shell
 from sandhold.client import Client
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
-from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
@@ -58,16 +53,14 @@ class Orchestrator:
         decision_wait_s: float = 60.0,
         http_egress: Egress = "public",
     ) -> None:
-        self._url = nats_url
         self._names = names
+        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
         self._work_dir = work_dir
-        self._replicas = replicas
         # JetStream remembers message ids for 120 s (the streams' duplicate window):
         # inside this margin a re-send shows whether a request had left.
         self._proof_window_s = proof_window_s
         self._decision_wait_s = decision_wait_s
         self._http = HttpTool(egress=http_egress)
-        self._stopping = asyncio.Event()
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._live: dict[str, Runner] = {}
         # Each task's sandbox id (it follows from the task), and the last phase
@@ -77,108 +70,67 @@ class Orchestrator:
 
     async def run(self) -> None:
         check_configuration()
-        nc = await connect(self._url, name="sandhold-orchestrator")
-        try:
-            js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
-            self._js = js
-            self._client = Client(nc, self._names)
-            self.tasks = AggregateStore(js, self._names, "task", tk.evolve, actor="orchestrator")
-            sandbox_store = AggregateStore(
-                js, self._names, "sandbox", sb.evolve, actor="orchestrator"
-            )
+        async with self._shell as shell:
+            self._nc, self._js = shell.nc, shell.js
+            shell.on_close(self._end_runners)
+            shell.on_close(self._close_http)
+            self._client = Client(shell.nc, self._names)
+            sandbox_store = shell.store("sandbox", sb.evolve)
+            self.tasks = shell.store("task", tk.evolve)
             self._sandbox_store = sandbox_store
-            self._sandboxes = Sandboxes(nc, self._names, sandbox_store)
-            self._save_store = SaveStore(js, self._names)
+            self._sandboxes = Sandboxes(shell.nc, self._names, sandbox_store)
+            self._save_store = SaveStore(shell.js, self._names)
             self.tasks.listen(self._task_changed)
-            await sandbox_store.start()
-            await self.tasks.start()
-            await js.add_consumer(
-                self._names.requests_stream,
-                ConsumerConfig(
-                    durable_name="orchestrator",
-                    ack_policy=AckPolicy.EXPLICIT,
-                    # Deciding a task request takes milliseconds: one delivered to an
-                    # orchestrator that died goes to the next one soon.
-                    ack_wait=5,
-                    max_deliver=10,
-                    filter_subject=self._names.request("task.>"),
-                ),
-            )
-            sub = await js.pull_subscribe_bind("orchestrator", self._names.requests_stream)
-            await deadletters.watch(
-                nc, self._names.requests_stream, "orchestrator", what="task requests"
+            await shell.start_stores()
+            consumer = ConsumerConfig(
+                durable_name="orchestrator",
+                ack_policy=AckPolicy.EXPLICIT,
+                # Deciding a task request takes milliseconds: one delivered to an
+                # orchestrator that died goes to the next one soon.
+                ack_wait=5,
+                max_deliver=10,
+                filter_subject=self._names.request("task.>"),
             )
             for task_id in self.tasks.ids():
                 self._ensure_runner(task_id)
             sandbox_store.listen(self._sandbox_changed)
-            await announce_ready(nc, self._names, self.name)
+            await shell.work_queue(
+                self._names.requests_stream, consumer, self._handle, batch=16, what="task requests"
+            )
             log.info("orchestrator ready: %d unfinished task(s) resumed", len(self._runners))
-            requests = asyncio.create_task(
-                consume(sub, self._handle, batch=16, what="task requests")
-            )
-            await self._stopping.wait()
-            requests.cancel()
-            for task in [requests, *self._runners.values()]:
-                task.cancel()
-            for task in [requests, *self._runners.values()]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        finally:
-            self._http.close()
-            await close_quickly(
-                nc, getattr(self, "tasks", None), getattr(self, "_sandbox_store", None)
-            )
+            await shell.serve()
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
+
+    async def _end_runners(self) -> None:
+        runners = list(self._runners.values())
+        for runner in runners:
+            runner.cancel()
+        if runners:
+            await asyncio.wait(runners, timeout=5)
+
+    async def _close_http(self) -> None:
+        self._http.close()
 
     # --- requests ----------------------------------------------------------------
 
     async def _handle(self, msg: Msg) -> None:
-        reply_to = (msg.headers or {}).get(REPLY_HEADER)
-        try:
-            request = tk.decode_task_request(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            log.warning("malformed task request on %s: %s", msg.subject, err)
-            await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
-            await msg.term()
-            return
-        expected = self._names.request(tk.task_request_tag(request))
-        if msg.subject != expected:
-            message = (
-                f"malformed request: a {tk.task_request_tag(request)!r} request was sent to "
-                f"{msg.subject}; send it to {expected}"
-            )
-            await self._reply(reply_to, _error("malformed_request", message))
-            await msg.term()
-            return
-        task_id = tk.aggregate_of(request)
-        try:
-            executed = await self.tasks.execute(
-                task_id,
-                lambda state: tk.decide(state, request),
-                id_base=f"req:{request.key}",
-                causation_id=request.key,
-                correlation_id=request.key,
-            )
-        except Rejected as err:
-            await self._reply(reply_to, _error(err.code, err.message))
-            await msg.ack()
-            return
-        except InfraError as err:
-            log.warning("task request %s not decided yet: %s", request.key, err)
-            await msg.nak(delay=1)
-            return
-        assert executed.state is not None
-        await self._reply(reply_to, TaskReply(ok=True, task=task_view(executed.state)))
-        await msg.ack()
-        self._ensure_runner(task_id)
+        request = await answer(self._nc, self._names, msg, _REQUESTS, self._decide)
+        if request is not None:
+            self._ensure_runner(tk.aggregate_of(request))
 
-    async def _reply(self, reply_to: str | None, reply: TaskReply) -> None:
-        if reply_to:
-            nc = self._js._nc
-            await nc.publish(reply_to, _fitting(reply, nc.max_payload))
+    async def _decide(self, request: tk.AnyTaskRequest) -> bytes:
+        executed = await self.tasks.execute(
+            tk.aggregate_of(request),
+            lambda state: tk.decide(state, request),
+            id_base=f"req:{request.key}",
+            causation_id=request.key,
+            correlation_id=request.key,
+        )
+        assert executed.state is not None
+        reply = TaskReply(ok=True, task=task_view(executed.state))
+        return _fitting(reply, self._nc.max_payload)
 
     # --- runners ------------------------------------------------------------------
 
@@ -245,7 +197,7 @@ class Orchestrator:
         """One runner at a time per task; one that fails is replaced by a new one,
         which treats whatever it finds claimed as interrupted (it was)."""
         delay = 0.5
-        while not self._stopping.is_set():
+        while not self._shell.stopping:
             runner = Runner(
                 task_id,
                 tasks=self.tasks,
@@ -308,5 +260,13 @@ def _fitting(reply: TaskReply, limit: int) -> bytes:
     return _encoder.encode(replace(reply, task=replace(view, steps=[], attempts=[])))
 
 
-def _error(code: str, message: str) -> TaskReply:
-    return TaskReply(ok=False, error=ErrorBody(code=code, message=message))
+def _error(code: str, message: str) -> bytes:
+    return _encoder.encode(TaskReply(ok=False, error=ErrorBody(code=code, message=message)))
+
+
+_REQUESTS = RequestKinds(
+    decode=tk.decode_task_request,
+    tag_of=tk.task_request_tag,
+    error=_error,
+    what="task requests",
+)

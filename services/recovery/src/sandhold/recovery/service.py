@@ -12,16 +12,13 @@ writing. Nothing is restarted here: the next start or command does that.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 import msgspec
 from sandhold.bus import leases
 from sandhold.bus.names import Names
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.store import AggregateStore
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.service import Shell
 from sandhold.domain import host as host_domain
 from sandhold.domain import recovery as policy
 from sandhold.domain import sandbox as sb
@@ -43,46 +40,32 @@ class Recovery:
         fence_margin: float = 2.0,
         tick_s: float = 0.2,
     ) -> None:
-        self._url = nats_url
         self._names = names
-        self._replicas = replicas
+        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
         self._ttl = lease_ttl
         self._margin = fence_margin
         self._tick_s = tick_s
-        self._stopping = asyncio.Event()
         self._started_at = time.time()
 
     async def run(self) -> None:
-        nc = await connect(self._url, name="sandhold-recovery")
-        try:
-            js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
-            kv = await leases.lease_bucket(js, self._names)
+        async with self._shell as shell:
+            kv = await leases.lease_bucket(shell.js, self._names)
             settings = leases.RecoverySettings(lease_ttl_s=self._ttl, fence_margin_s=self._margin)
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
-            self.hosts = AggregateStore(
-                js, self._names, "host", host_domain.evolve, actor="recovery"
-            )
-            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="recovery")
+            self.hosts = shell.store("host", host_domain.evolve)
+            self.sandboxes = shell.store("sandbox", sb.evolve)
             self.leases = leases.LeaseWatcher(kv, ttl=self._ttl)
-            await self.hosts.start()
-            await self.sandboxes.start()
+            await shell.start_stores()
             await self.leases.start()
-            task = asyncio.create_task(self._watch())
-            await announce_ready(nc, self._names, self.name)
+            shell.on_close(self.leases.stop)
+            shell.spawn(self._watch(), "watch")
             log.info(
                 "recovery ready (lease_ttl %.1fs, fence_margin %.1fs)", self._ttl, self._margin
             )
-            await self._stopping.wait()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await self.leases.stop()
-        finally:
-            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
+            await shell.serve()
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
 
     async def _watch(self) -> None:
         while True:

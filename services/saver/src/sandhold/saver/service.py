@@ -17,9 +17,7 @@ import time
 import msgspec
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.store import AggregateStore
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.service import Shell
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.domain.errors import SandholdError
@@ -43,15 +41,13 @@ class Saver:
         gc_interval_s: float = 600.0,
         gc_grace_s: float = 3600.0,
     ) -> None:
-        self._url = nats_url
         self._names = names
-        self._replicas = replicas
+        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
         self._tick_s = tick_s
         self._save_timeout_s = save_timeout_s
         self._keep_last = keep_last
         self._gc_interval_s = gc_interval_s
         self._gc_grace_s = gc_grace_s
-        self._stopping = asyncio.Event()
         self._dirty_loop = DirtyLoop(
             self._reconcile,
             what="reconciling saves",
@@ -62,34 +58,23 @@ class Saver:
         self._store_lock = asyncio.Lock()
 
     async def run(self) -> None:
-        nc = await connect(self._url, name="sandhold-saver")
-        try:
-            js = self._js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
-            self.store = SaveStore(js, self._names)
-            self.sandboxes = AggregateStore(js, self._names, "sandbox", sb.evolve, actor="saver")
+        async with self._shell as shell:
+            self._js = shell.js
+            self.store = SaveStore(shell.js, self._names)
+            self.sandboxes = shell.store("sandbox", sb.evolve)
             self.sandboxes.listen(self._mark_dirty)
-            await self.sandboxes.start()
+            await shell.start_stores()
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
-            tasks = [
-                asyncio.create_task(self._schedule()),
-                asyncio.create_task(self._dirty_loop.run()),
-                asyncio.create_task(self._collector()),
-            ]
-            await nc.subscribe(f"{self._names.prefix}.admin.gc", cb=self._on_gc_request)
-            await announce_ready(nc, self._names, self.name)
+            shell.spawn(self._schedule(), "schedule")
+            shell.spawn(self._dirty_loop.run(), "reconcile")
+            shell.spawn(self._collector(), "collector")
+            await shell.nc.subscribe(f"{self._names.prefix}.admin.gc", cb=self._on_gc_request)
             log.info("saver ready")
-            await self._stopping.wait()
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        finally:
-            await close_quickly(nc, getattr(self, "sandboxes", None))
+            await shell.serve()
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
 
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)

@@ -10,30 +10,26 @@ nothing is left to do, and sends the host work that state calls for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-from sandhold.bus import deadletters, leases
-from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus import leases
+from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import DirtyLoop, consume, dead_letter, send_work
-from sandhold.bus.service import announce_ready, close_quickly, connect
-from sandhold.bus.store import AggregateStore
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.reconciler import DirtyLoop, send_work
+from sandhold.bus.service import Shell
 from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
-from sandhold.domain.errors import InfraError, Rejected
+from sandhold.domain.errors import Rejected
 from sandhold.domain.placement import HostInfo, choose_host, network_modes
 from sandhold.domain.reconcile import plan
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
 from sandhold.saves.errors import MissingManifest
 from sandhold.saves.store import SaveStore
-from sandhold.telemetry import metrics
 
 log = logging.getLogger("sandhold.scheduler")
 
@@ -53,133 +49,78 @@ class Scheduler:
         defaults: sb.Defaults = sb.Defaults(),  # noqa: B008 - frozen
         durable: str = "scheduler",
     ) -> None:
-        self._url = nats_url
         self._names = names
-        self._replicas = replicas
+        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
         self._lease_ttl = lease_ttl
         self._defaults = defaults
         self._durable = durable
-        self._stopping = asyncio.Event()
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
 
     async def run(self) -> None:
-        nc = await connect(self._url, name="sandhold-scheduler")
-        try:
-            js = nc.jetstream()
-            await ensure_streams(js, self._names, replicas=self._replicas)
-            self._js = js
-            self.sandboxes = AggregateStore(
-                js, self._names, "sandbox", sb.evolve, actor="scheduler"
-            )
-            self.hosts = AggregateStore(
-                js, self._names, "host", host_domain.evolve, actor="scheduler"
-            )
+        async with self._shell as shell:
+            self._nc, self._js = shell.nc, shell.js
+            self.hosts = shell.store("host", host_domain.evolve)
+            self.sandboxes = shell.store("sandbox", sb.evolve)
             self.leases = leases.LeaseWatcher(
-                await leases.lease_bucket(js, self._names), ttl=self._lease_ttl
+                await leases.lease_bucket(shell.js, self._names), ttl=self._lease_ttl
             )
             self.leases.on_renewal(self._host_renewed)
             self.sandboxes.listen(self._mark_dirty)
-            await self.hosts.start()
-            await self.sandboxes.start()
+            await shell.start_stores()
             await self.leases.start()
+            shell.on_close(self.leases.stop)
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
             # Sandbox and command requests; task requests are the orchestrator's.
             # Creating the consumer also moves one made with the old `req.>` filter.
-            await js.add_consumer(
-                self._names.requests_stream,
-                ConsumerConfig(
-                    durable_name=self._durable,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    # Deciding takes milliseconds; a request delivered to a scheduler
-                    # that died reaches the next one well within a client's 30 s wait.
-                    ack_wait=10,
-                    max_deliver=10,
-                    filter_subjects=[
-                        self._names.request("sandbox.>"),
-                        self._names.request("command.>"),
-                    ],
-                ),
+            consumer = ConsumerConfig(
+                durable_name=self._durable,
+                ack_policy=AckPolicy.EXPLICIT,
+                # Deciding takes milliseconds; a request delivered to a scheduler
+                # that died reaches the next one well within a client's 30 s wait.
+                ack_wait=10,
+                max_deliver=10,
+                filter_subjects=[
+                    self._names.request("sandbox.>"),
+                    self._names.request("command.>"),
+                ],
             )
-            sub = await js.pull_subscribe_bind(self._durable, self._names.requests_stream)
-            await deadletters.watch(nc, self._names.requests_stream, self._durable, what="requests")
-            await announce_ready(nc, self._names, self.name)
+            await shell.work_queue(
+                self._names.requests_stream, consumer, self._handle, batch=32, what="requests"
+            )
+            shell.spawn(self._dirty_loop.run(), "reconcile")
+            shell.spawn(self._sweep(), "sweep")
             log.info("scheduler ready")
-            tasks = [
-                asyncio.create_task(self._requests(sub)),
-                asyncio.create_task(self._dirty_loop.run()),
-                asyncio.create_task(self._sweep()),
-            ]
-            await self._stopping.wait()
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await self.leases.stop()
-        finally:
-            await close_quickly(nc, getattr(self, "sandboxes", None), getattr(self, "hosts", None))
+            await shell.serve()
 
     async def shutdown(self) -> None:
-        self._stopping.set()
+        self._shell.stop()
 
     # --- requests -------------------------------------------------------------
 
-    async def _requests(self, sub) -> None:
-        await consume(sub, self._handle, batch=32, what="requests")
-
     async def _handle(self, msg: Msg) -> None:
-        reply_to = (msg.headers or {}).get(REPLY_HEADER)
-        try:
-            request = rq.decode_request(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as err:
-            # A poison message: answer it, drop it, never redeliver it.
-            log.warning("malformed request on %s: %s", msg.subject, err)
-            await self._reply(reply_to, _error("malformed_request", f"malformed request: {err}"))
-            await dead_letter(msg, "requests")
-            return
-        expected_subject = self._names.request(rq.request_tag(request))
-        if msg.subject != expected_subject:
-            message = (
-                f"malformed request: a {rq.request_tag(request)!r} request was sent to "
-                f"{msg.subject}; send it to {expected_subject}"
-            )
-            await self._reply(reply_to, _error("malformed_request", message))
-            await dead_letter(msg, "requests")
-            return
+        request = await answer(self._nc, self._names, msg, _REQUESTS, self._decide)
+        if request is not None:
+            self._mark_dirty(sb.aggregate_of(request))
+
+    async def _decide(self, request: rq.AnyRequest) -> bytes:
         sandbox_id = sb.aggregate_of(request)
-        try:
-            if isinstance(request, rq.CreateSandbox) and request.seed is not None:
-                await self._check_seed(request.seed, sandbox_id)
-            executed = await self.sandboxes.execute(
-                sandbox_id,
-                lambda state: sb.decide(
-                    state, request, defaults=self._defaults, find_snapshot=self._find_snapshot
-                ),
-                id_base=f"req:{request.key}",
-                causation_id=request.key,
-                correlation_id=request.key,
-            )
-        except Rejected as err:
-            await self._reply(reply_to, _error(err.code, err.message))
-            await msg.ack()
-            return
-        except InfraError as err:
-            log.warning("request %s not decided yet: %s", request.key, err)
-            await msg.nak(delay=1)
-            return
+        if isinstance(request, rq.CreateSandbox) and request.seed is not None:
+            await self._check_seed(request.seed, sandbox_id)
+        executed = await self.sandboxes.execute(
+            sandbox_id,
+            lambda state: sb.decide(
+                state, request, defaults=self._defaults, find_snapshot=self._find_snapshot
+            ),
+            id_base=f"req:{request.key}",
+            causation_id=request.key,
+            correlation_id=request.key,
+        )
         assert executed.state is not None
         record = sb.result_of(executed.state, request)
-        await self._reply(reply_to, reply_for(record, sandbox_id))
-        await msg.ack()
-        self._mark_dirty(sandbox_id)
-
-    async def _reply(self, reply_to: str | None, reply: Reply) -> None:
-        metrics.replied(reply.error.code if reply.error else "ok")
-        if reply_to:
-            await self._js._nc.publish(reply_to, _reply_encoder.encode(reply))
+        return _reply_encoder.encode(reply_for(record, sandbox_id))
 
     async def _check_seed(self, save_id: str, sandbox_id: str) -> None:
         """A seed must be stored, and staged for exactly this sandbox: the id is
@@ -291,5 +232,10 @@ class Scheduler:
         )
 
 
-def _error(code: str, message: str) -> Reply:
-    return Reply(ok=False, error=ErrorBody(code=code, message=message))
+def _error(code: str, message: str) -> bytes:
+    return _reply_encoder.encode(Reply(ok=False, error=ErrorBody(code=code, message=message)))
+
+
+_REQUESTS = RequestKinds(
+    decode=rq.decode_request, tag_of=rq.request_tag, error=_error, what="requests"
+)

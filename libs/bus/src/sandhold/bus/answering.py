@@ -1,0 +1,94 @@
+"""Answering a request off the REQUESTS work queue: the one way, for every kind.
+
+decode strictly → check it came on its own subject → decide (behind the
+fence) → reply → ack. A malformed request is answered `malformed_request`
+and dead-lettered (never redelivered, counted); a refusal is answered with
+its code and acked; an infrastructure error leaves the request for a
+redelivery, so a client waiting on its reply gets one once the cause passed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.names import Names
+from sandhold.bus.reconciler import dead_letter
+from sandhold.domain.errors import InfraError, Rejected
+from sandhold.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class RequestKinds(Generic[R]):
+    """How one family of requests is read and refused (sandbox and command
+    requests for the scheduler, task requests for the orchestrator)."""
+
+    def __init__(
+        self,
+        *,
+        decode: Callable[[bytes], R],
+        tag_of: Callable[[R], str],
+        error: Callable[[str, str], bytes],
+        what: str,
+    ) -> None:
+        self.decode = decode
+        self.tag_of = tag_of
+        self.error = error
+        self.what = what
+
+
+async def answer(
+    nc: NATS,
+    names: Names,
+    msg: Msg,
+    kinds: RequestKinds[R],
+    decide: Callable[[R], Awaitable[bytes]],
+) -> R | None:
+    """Answer one request; `decide` returns the encoded reply (or raises
+    `Rejected` / `InfraError`). Returns the request when it was decided."""
+    reply_to = (msg.headers or {}).get(REPLY_HEADER)
+    try:
+        request = kinds.decode(msg.data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as err:
+        log.warning("malformed %s on %s: %s", kinds.what, msg.subject, err)
+        await _reply(nc, reply_to, "malformed_request", kinds.error(
+            "malformed_request", f"malformed request: {err}"
+        ))  # fmt: skip
+        await dead_letter(msg, kinds.what)
+        return None
+    tag = kinds.tag_of(request)
+    expected = names.request(tag)
+    if msg.subject != expected:
+        message = (
+            f"malformed request: a {tag!r} request was sent to {msg.subject}; send it to {expected}"
+        )
+        await _reply(nc, reply_to, "malformed_request", kinds.error("malformed_request", message))
+        await dead_letter(msg, kinds.what)
+        return None
+    try:
+        reply = await decide(request)
+    except Rejected as err:
+        await _reply(nc, reply_to, err.code, kinds.error(err.code, err.message))
+        await msg.ack()
+        return None
+    except InfraError as err:
+        log.warning("%s on %s not decided yet: %s", kinds.what, msg.subject, err)
+        await msg.nak(delay=1)
+        return None
+    await _reply(nc, reply_to, "ok", reply)
+    await msg.ack()
+    return request
+
+
+async def _reply(nc: NATS, reply_to: str | None, outcome: str, body: bytes) -> None:
+    metrics.replied(outcome)
+    if reply_to:
+        await nc.publish(reply_to, body)

@@ -1,0 +1,1 @@
+"""The metrics service: the log folded into Prometheus metrics."""

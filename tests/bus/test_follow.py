@@ -1,0 +1,130 @@
+"""`Follower`: the one way the log is read in order — replay, catch-up, live, resume."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import nats.errors
+from nats.aio.msg import Msg
+from sandhold.bus.follow import Follower
+from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer, free_port
+from sandhold.bus.service import connect
+from sandhold.bus.streams import ensure_streams
+
+from tests.support.waiting import wait_until
+
+
+def _number(data: bytes) -> int:
+    return int(data)  # ValueError is not a decode error: numbers only in these tests
+
+
+async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS, names: Names):
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-1")
+    for n in range(50):
+        await js.publish(subject, str(n).encode())
+    seen: list[tuple[int, int]] = []
+    at_catch_up: list[int] = []
+
+    def handle(seq: int, _msg: Msg, value: int) -> None:
+        seen.append((seq, value))
+
+    follower = Follower(js, names.events_stream, names.events("sandbox", ">"), int, handle)
+    try:
+        await follower.start(timeout=10)
+        at_catch_up.append(len(seen))
+        for n in range(50, 60):
+            await js.publish(subject, str(n).encode())
+        await wait_until(lambda: len(seen) == 60, what="the live messages")
+    finally:
+        await follower.stop()
+    assert at_catch_up == [50]  # caught up only once the 50 that were there were handled
+    assert [value for _, value in seen] == list(range(60))
+    assert [seq for seq, _ in seen] == sorted({seq for seq, _ in seen})  # in order, once each
+    assert follower.position == seen[-1][0]
+
+
+async def test_it_starts_from_a_sequence(nc: nats.NATS, names: Names):
+    js = nc.jetstream()
+    acks = [await js.publish(names.events("task", "t-1"), str(n).encode()) for n in range(5)]
+    seen: list[int] = []
+    follower = Follower(
+        js,
+        names.events_stream,
+        names.events("task", ">"),
+        int,
+        lambda _seq, _msg, value: seen.append(value),
+        start_seq=acks[3].seq,
+    )
+    await follower.start(timeout=10)
+    await follower.stop()
+    assert seen == [3, 4]
+
+
+async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted(
+    nc: nats.NATS, names: Names
+):
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-2")
+    import msgspec
+
+    def decode(data: bytes) -> int:
+        if not data.isdigit():
+            raise msgspec.DecodeError("not a number")
+        return int(data)
+
+    handled: list[int] = []
+
+    def handle(_seq: int, _msg: Msg, value: int) -> None:
+        if value == 13:
+            raise RuntimeError("unlucky")
+        handled.append(value)
+
+    for payload in (b"1", b"junk", b"13", b"2", b"junk"):
+        await js.publish(subject, payload)
+    follower = Follower(js, names.events_stream, subject, decode, handle)
+    await follower.start(timeout=10)  # the last message is undecodable: catching up still ends
+    await follower.stop()
+    assert handled == [1, 2]
+    assert (follower.undecodable, follower.failed) == (2, 1)
+
+
+async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
+    port = free_port()
+    server = NatsServer(tmp_path / "nats", port=port)
+    server.start()
+    names = Names("resume")
+    conn = await connect(server.url, name="test-follow")
+    seen: list[int] = []
+    try:
+        js = conn.jetstream()
+        await ensure_streams(js, names)
+        subject = names.events("sandbox", "sb-3")
+        for n in range(3):
+            await js.publish(subject, str(n).encode())
+        follower = Follower(js, names.events_stream, subject, int, lambda _s, _m, v: seen.append(v))
+        await follower.start(timeout=10)
+        server.kill()
+        server.start()
+        await wait_until(lambda: conn.is_connected, timeout=30, what="the reconnect")
+
+        async def published(n: int) -> bool:
+            try:  # JetStream may still be recovering its streams
+                await js.publish(
+                    subject, str(n).encode(), timeout=2, headers={"Nats-Msg-Id": f"n{n}"}
+                )
+            except nats.errors.TimeoutError:
+                return False
+            return True
+
+        for n in range(3, 6):
+            await wait_until(lambda n=n: published(n), timeout=30, what=f"publish {n}")
+        await wait_until(lambda: len(seen) >= 6, timeout=30, what="the messages after the restart")
+        await follower.stop()
+        assert seen == list(range(6))  # nothing twice, nothing skipped
+    finally:
+        await conn.close()
+        server.stop()
+        await asyncio.sleep(0)

@@ -1,0 +1,126 @@
+"""The service shell: a crashed loop stops the service loudly; a stop is bounded,
+connected or not (real service processes, a real nats-server killed under them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer, free_port
+from sandhold.bus.service import STOP_TIMEOUT_S, ServiceCrashed, Shell
+
+
+async def test_a_loop_that_raises_stops_the_service_and_says_which(nats_url: str, names: Names):
+    shell = Shell("test", nats_url, names)
+
+    async def broken() -> None:
+        await asyncio.sleep(0.05)
+        raise ValueError("the loop's own bug")
+
+    async def steady() -> None:
+        await asyncio.Event().wait()
+
+    with pytest.raises(ServiceCrashed, match="its broken loop crashed: ValueError"):
+        async with shell:
+            shell.spawn(steady(), "steady")
+            shell.spawn(broken(), "broken")
+            await asyncio.wait_for(shell.serve(), 10)
+    assert shell.nc.is_closed
+
+
+async def test_a_stop_while_serving_ends_every_loop_and_closes(nats_url: str, names: Names):
+    shell = Shell("test", nats_url, names)
+    order: list[str] = []
+
+    async def loop() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            order.append("loop ended")
+
+    async def wind_down() -> None:
+        order.append("wind down")  # while the loops still run
+
+    async def close() -> None:
+        order.append("closed")
+
+    async with shell:
+        shell.spawn(loop(), "loop")
+        shell.on_stopping(wind_down)
+        shell.on_close(close)
+        asyncio.get_running_loop().call_later(0.1, shell.stop)
+        await asyncio.wait_for(shell.serve(), 10)
+    assert order == ["wind down", "loop ended", "closed"]
+    assert shell.nc.is_closed
+
+
+def _service(module: str, url: str, names: Names, tmp_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SANDHOLD_NATS_URL": url, "SANDHOLD_PREFIX": names.prefix}
+    with (tmp_path / f"{module}.log").open("wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", module], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def _exits_within(process: subprocess.Popen[bytes], seconds: float) -> int:
+    try:
+        return process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {seconds}s after SIGTERM") from None
+
+
+@pytest.mark.parametrize("module", ["sandhold.scheduler", "sandhold.recovery", "sandhold.saver"])
+async def test_sigterm_stops_a_service_whose_nats_server_is_gone(module: str, tmp_path: Path):
+    server = NatsServer(tmp_path / "nats", port=free_port())
+    server.start()
+    names = Names("gone")
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        nc = await nats.connect(server.url)
+        ready = await nc.subscribe(names.ready)
+        process = _service(module, server.url, names, tmp_path)
+        async with asyncio.timeout(60):
+            while True:
+                said = msgspec.json.decode((await ready.next_msg(timeout=60)).data)
+                if said["pid"] == process.pid:
+                    break
+        await nc.close()
+        server.kill()
+        process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = await asyncio.to_thread(_exits_within, process, 2 * STOP_TIMEOUT_S + 10)
+        assert code == 0, (tmp_path / f"{module}.log").read_text()[-2000:]
+        assert time.monotonic() - started < 2 * STOP_TIMEOUT_S + 10
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        server.stop()
+
+
+async def test_sigterm_stops_a_service_still_waiting_for_its_first_connection(tmp_path: Path):
+    names = Names("never")
+    nowhere = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    process = _service("sandhold.recovery", nowhere, names, tmp_path)
+    try:
+        log = tmp_path / "sandhold.recovery.log"
+        deadline = time.monotonic() + 30
+        while b"Connection refused" not in log.read_bytes():  # it is trying
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(_exits_within, process, STOP_TIMEOUT_S) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        process.wait()

@@ -1,0 +1,1 @@
+"""Helpers the tests share: imported from here, never out of a conftest file."""

@@ -267,7 +267,7 @@ async def main() -> None:
                     for r in range(rounds):
                         names = Names(f"bs{r}")
                         await ensure_streams(js, names)
-                        store = SaveStore(js, names, timeout=30)
+                        store = SaveStore(nc, names, timeout=30)
                         # Alternate which goes first so neither always gets a cold server.
                         for which in ["save", "raw"] if r % 2 == 0 else ["raw", "save"]:
                             if which == "save":

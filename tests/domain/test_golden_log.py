@@ -177,7 +177,7 @@ def test_the_sandbox_replays_field_by_field(sandbox: Sandbox) -> None:
     assert sandbox.delete_requested is True
     assert sandbox.capabilities == {"runtime": "runc", "net": "none"}
     assert list(sandbox.commands) == [BUILD, SERVE, MISSING, QUEUED]
-    assert sandbox_view(sandbox).commands == {
+    assert sandbox_view(sandbox, now=sandbox.created_at).commands == {
         "exited": 1,
         "interrupted": 1,
         "launch_failed": 1,

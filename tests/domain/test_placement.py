@@ -150,3 +150,16 @@ def test_a_sandbox_with_a_disk_quota_goes_only_to_a_host_that_enforces_one() -> 
     assert choose_host(hosts, {}, memory_limit_bytes=None) == "roomy"
     assert choose_host(hosts, {}, memory_limit_bytes=None, disk_limit_bytes=GiB) == "quota"
     assert choose_host(hosts[:1], {}, memory_limit_bytes=None, disk_limit_bytes=GiB) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "age", "expected"),
+    [("registered", 0.5, "live"), ("registered", 2.5, "suspect"), ("registered", 6.0, "down"),
+     ("registered", None, "down"), ("lost", 0.5, "lost"), ("fenced", None, "fenced")],
+)  # fmt: skip
+def test_a_hosts_liveness_is_recoverys_verdict_else_its_leases_age(status, age, expected):
+    from sandhold.domain.host import Host, liveness
+
+    host = Host(host="a", epoch=1, capacity_sandboxes=4, memory_bytes=GiB, registered_at=0.0,
+                status=status)  # fmt: skip
+    assert liveness(host, lease_age_s=age, ttl_s=5.0, interval_s=1.0) == expected

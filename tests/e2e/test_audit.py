@@ -97,3 +97,29 @@ def test_events_tail_follows_live_events(up: Up):
         "command.started",
         "command.ended",
     ]
+
+
+async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
+    import nats
+    from sandhold.bus.names import Names
+
+    names = Names(up.runtime["prefix"])
+    sandbox_id = "sb-00000000000000ff"
+    future = {
+        "id": "future:0", "aggregate_id": sandbox_id, "time": 1.0, "actor": "a-newer-version",
+        "causation_id": "c", "correlation_id": "c",
+        "event": {"type": "sandbox.teleported", "to": "mars"},
+    }  # fmt: skip
+    nc = await nats.connect(up.url)
+    try:
+        await nc.jetstream().publish(
+            names.events("sandbox", sandbox_id), msgspec.json.encode(future)
+        )
+    finally:
+        await nc.close()
+    done = up.cli("audit", "export", "--sandbox", sandbox_id)
+    assert done.returncode == 0, done.stderr
+    [line] = [msgspec.json.decode(x) for x in done.stdout.splitlines()]
+    assert (line["type"], line["event"]["to"], line["actor"]) == (
+        "sandbox.teleported", "mars", "a-newer-version",
+    )  # fmt: skip

@@ -452,7 +452,7 @@ async def test_agent_killed_alone_with_its_supervisor_gone_ends_the_command_unkn
 def sb_view(state: sb.Sandbox):
     from sandhold.domain.views import sandbox_view
 
-    return sandbox_view(state)
+    return sandbox_view(state, now=time.time())
 
 
 async def test_a_sandbox_waiting_for_room_is_placed_when_a_slot_frees(tmp_path: Path):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -82,7 +83,7 @@ async def test_every_completed_save_is_crash_consistent(client: Client):
         )
     finally:
         writer.cancel()
-    store = SaveStore(client.js, client.names)
+    store = SaveStore(client.nc, client.names)
     checked = 0
     for save_id in _completed(state):
         values = [
@@ -258,7 +259,7 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     view = await client.show_sandbox(copy.id)
     assert view.recoverable_from.startswith(f"only the snapshot {snap.id}")
     # and the store can restore that snapshot anywhere, verified
-    store = SaveStore(client.js, client.names)
+    store = SaveStore(client.nc, client.names)
     stats = await restore(store, await store.get_manifest(snap.id), tmp_path / "restored")
     # a namespaced sandbox's save holds its whole root, the workspace in it
     assert (tmp_path / "restored/root/workspace/dir/file").read_bytes() == b"hello\n"
@@ -340,7 +341,7 @@ async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_compl
 def sb_view(state: sb.Sandbox):
     from sandhold.domain.views import sandbox_view
 
-    return sandbox_view(state)
+    return sandbox_view(state, now=time.time())
 
 
 async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(
@@ -378,7 +379,7 @@ async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(
     assert done.returncode == 0, done.stderr
     result = msgspec.json.decode(done.stdout)
     assert result["ok"] and result["deleted_chunks"] > 0 and result["deleted_manifests"] > 0
-    store = SaveStore(client.js, client.names)
+    store = SaveStore(client.nc, client.names)
     kept = [r.id for r in state.saves.values() if r.state == "completed"]
     assert len(kept) == 5
     for save_id in kept:

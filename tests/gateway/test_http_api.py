@@ -230,7 +230,7 @@ async def test_lists_paginate_and_filter(acme: httpx.AsyncClient, globex: httpx.
         await globex.delete(f"/api/v1/sandboxes/{sandbox_id}")
 
     hosts = (await acme.get("/api/v1/hosts")).json()["items"]
-    assert [h["host"] for h in hosts] == ["local"] and hosts[0]["status"] == "registered"
+    assert [h["host"] for h in hosts] == ["local"] and hosts[0]["status"] == "live"
 
 
 async def test_events_of_a_new_sandbox_stream_in_order(acme: httpx.AsyncClient):

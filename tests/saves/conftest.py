@@ -19,7 +19,7 @@ from sandhold.saves.manifest import xattr_is_carried
 @pytest.fixture
 async def store(nc: nats.NATS, names: Names) -> AsyncIterator[SaveStore]:
     js = nc.jetstream()
-    yield SaveStore(js, names)
+    yield SaveStore(nc, names)
     # The shared fixture leaves the SAVES stream behind; these tests put
     # hundreds of MiB in it, so drop it here.
     with contextlib.suppress(Exception):

@@ -16,29 +16,15 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.follow import stream_sequence
 from sandhold.bus.read import read_subjects
+from sandhold.bus.records import record_of
 from sandhold.client import Client
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Recorded
 from sandhold.domain.errors import Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.views import sandbox_view
-
-
-class ExportedEvent(msgspec.Struct, kw_only=True):
-    """One line of `sandhold audit export`: the event with its whole envelope."""
-
-    seq: int
-    subject: str
-    id: str
-    type: str
-    aggregate_id: str
-    time: float
-    actor: str
-    causation_id: str
-    correlation_id: str
-    trace_id: str | None
-    event: object
 
 
 def parse_point(at: str | None) -> tuple[int | None, float | None]:
@@ -233,22 +219,13 @@ async def export(client: Client, sandbox_id: str | None, since: str | None) -> i
         client.names.events("sandbox", sandbox_id) if sandbox_id else f"{client.names.prefix}.ev.>"
     )
     for msg in await read_subjects(client.js, client.names.events_stream, subject, raw=True):
-        envelope = decode_envelope(msg.data)
-        if moment is not None and envelope.time < moment:
+        try:  # any event, of a type this version knows or not, is exported as it is
+            line = record_of(stream_sequence(msg), msg.subject, msg.data)
+        except msgspec.DecodeError:
+            print(f"sandhold: skipped an unreadable event at {msg.subject}", file=sys.stderr)
             continue
-        line = ExportedEvent(
-            seq=msg.metadata.sequence.stream,
-            subject=msg.subject,
-            id=envelope.id,
-            type=envelope.type,
-            aggregate_id=envelope.aggregate_id,
-            time=envelope.time,
-            actor=envelope.actor,
-            causation_id=envelope.causation_id,
-            correlation_id=envelope.correlation_id,
-            trace_id=envelope.trace_id,
-            event=envelope.event,
-        )
+        if moment is not None and line.time < moment:
+            continue
         sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
     sys.stdout.flush()
     return 0

@@ -93,7 +93,7 @@ async def read_artifact(client: Client, task_id: str, path: str) -> bytes:
     found = next((a for a in view.artifacts if a.path == path), None)
     if found is None:
         raise Rejected("artifact_not_found", f"task {task_id} has no artifact {path!r}")
-    store = SaveStore(client.js, client.names)
+    store = SaveStore(client.nc, client.names)
     manifest = await store.get_manifest(found.save_id)
     entries = manifest.workspace_entries()
     entry = next((e for e in entries if e.path.decode("utf-8", "replace") == path), None)

@@ -1,4 +1,5 @@
-"""Answering a request off the REQUESTS work queue: the one way, for every kind.
+"""Requests on the REQUESTS work queue: publishing one, and answering it — the
+one way, for every kind.
 
 decode strictly → check it came on its own subject → decide (behind the
 fence) → reply → ack. A malformed request is answered `malformed_request`
@@ -16,11 +17,13 @@ from typing import Generic, TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import Header, PubAck
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.domain.errors import InfraError, Rejected
-from sandhold.telemetry import metrics
+from sandhold.telemetry import context, metrics
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +95,15 @@ async def _reply(nc: NATS, reply_to: str | None, outcome: str, body: bytes) -> N
     metrics.replied(outcome)
     if reply_to:
         await nc.publish(reply_to, body)
+
+
+async def publish_request(
+    js: JetStreamContext, names: Names, subject: str, payload: bytes, *, msg_id: str, reply_to: str
+) -> PubAck:
+    """Store a request in the REQUESTS stream, its answer to go to `reply_to`
+    (the one way a client or a service asks: the trace continues with it)."""
+    headers = {Header.MSG_ID: msg_id, REPLY_HEADER: reply_to}
+    traceparent = context.traceparent()
+    if traceparent:
+        headers[context.TRACEPARENT] = traceparent
+    return await js.publish(subject, payload, stream=names.requests_stream, headers=headers)

@@ -100,3 +100,24 @@ class LeaseWatcher:
     def lease(self, host: str) -> Lease | None:
         seen = self._seen.get(host)
         return seen[1] if seen is not None else None
+
+
+async def published_settings(kv: KeyValue) -> dict[str, float]:
+    """What the recovery service published (`lease_ttl_s`, `fence_margin_s`), with
+    the defaults where it has not (yet)."""
+    settings = {"lease_ttl_s": 5.0, "fence_margin_s": 2.0}
+    with contextlib.suppress(Exception):
+        entry = await kv.get(SETTINGS_KEY)
+        settings.update(msgspec.json.decode(entry.value or b"{}"))
+    return settings
+
+
+async def lease_age(kv: KeyValue, host_id: str, *, now: float) -> tuple[float | None, float]:
+    """(seconds since the host last renewed, by its own clock — None without a
+    lease; how often it renews)."""
+    try:
+        entry = await kv.get(host_id)
+        lease = _decode(entry.value or b"")
+    except Exception:  # no lease (yet), or one not readable
+        return None, 1.0
+    return max(0.0, now - lease.renewed_at), lease.interval_s

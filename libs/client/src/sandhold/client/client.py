@@ -11,11 +11,12 @@ from collections.abc import Callable
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import Header, RawStreamMsg
-from nats.js.errors import NotFoundError
-from sandhold.bus.codec import OFFSET_HEADER, REPLY_HEADER, STREAM_HEADER, decode_envelope
-from sandhold.bus.leases import SETTINGS_KEY
+from sandhold.bus import leases
+from sandhold.bus.answering import publish_request
+from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, decode_envelope
 from sandhold.bus.names import Names
+from sandhold.bus.output import OutputLog
+from sandhold.bus.ownership import tenant_of
 from sandhold.bus.read import read_subject, read_subjects
 from sandhold.bus.service import close_quickly
 from sandhold.bus.service import connect as bus_connect
@@ -27,7 +28,7 @@ from sandhold.domain.commands import END_STATES as _END_STATES
 from sandhold.domain.envelope import Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
-from sandhold.domain.host import Host
+from sandhold.domain.host import Host, liveness
 from sandhold.domain.host import evolve as evolve_host
 from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskReply, TaskView, task_view
@@ -118,16 +119,13 @@ class Client:
             # One id per call: a publish retried inside this call is dropped as a
             # duplicate by the stream, while a later call with the same key reaches
             # the service and gets the original result back (decision 001).
-            headers = {Header.MSG_ID: f"{msg_id}:{inbox[-22:]}", REPLY_HEADER: inbox}
             # A trace starts here (or continues the caller's) and lasts until the
             # reply: the service and every one after it add their spans to it.
             with context.span(f"request {subject.rsplit('.req.', 1)[-1]}", kind="client"):
-                traceparent = context.traceparent()
-                if traceparent:
-                    headers[context.TRACEPARENT] = traceparent
-                await self.js.publish(
-                    subject, payload, stream=self.names.requests_stream, headers=headers
-                )
+                await publish_request(
+                    self.js, self.names, subject, payload,
+                    msg_id=f"{msg_id}:{inbox[-22:]}", reply_to=inbox,
+                )  # fmt: skip
                 try:
                     msg = await sub.next_msg(timeout=self.request_timeout)
                 except TimeoutError as err:
@@ -228,11 +226,8 @@ class Client:
         ages, and the lease settings the services use."""
         states: dict[str, Host | None] = await self.fold_all("host", evolve_host)
         kv = await self.js.key_value(self.names.lease_bucket)
-        settings: dict[str, object] = {}
-        with contextlib.suppress(Exception):
-            entry = await kv.get(SETTINGS_KEY)
-            settings = msgspec.json.decode(entry.value or b"{}")
-        ttl = float(settings.get("lease_ttl_s", 5.0))
+        settings = await leases.published_settings(kv)
+        ttl = settings["lease_ttl_s"]
         placed: dict[str, int] = {}
         for view in await self.list_sandboxes():
             if view.host and view.phase in sb.ACTIVE_PHASES:
@@ -241,21 +236,9 @@ class Client:
         for host_id, state in sorted(states.items()):
             if state is None:
                 continue
-            lease, age = None, None
-            with contextlib.suppress(Exception):
-                entry = await kv.get(host_id)
-                lease = msgspec.json.decode(entry.value or b"{}")
-                # the host's clock; on one machine (or with NTP) good enough for a listing
-                age = max(0.0, time.time() - float(lease["renewed_at"]))
-            interval = float((lease or {}).get("interval_s", 1.0))
-            if state.status != "registered":
-                status = state.status
-            elif age is None or age > ttl:
-                status = "down"
-            elif age > 2 * interval:
-                status = "suspect"
-            else:
-                status = "live"
+            # the host's clock; on one machine (or with NTP) good enough for a listing
+            age, interval = await leases.lease_age(kv, host_id, now=time.time())
+            status = liveness(state, lease_age_s=age, ttl_s=ttl, interval_s=interval)
             hosts.append(
                 {
                     "host": host_id,
@@ -272,7 +255,7 @@ class Client:
         return {
             "hosts": hosts,
             "lease_ttl_s": ttl,
-            "fence_margin_s": settings.get("fence_margin_s", 2.0),
+            "fence_margin_s": settings["fence_margin_s"],
         }
 
     async def storage(self) -> dict[str, object]:
@@ -355,22 +338,11 @@ class Client:
         state = await self.sandbox_state(sandbox_id)
         if state is None:
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
-        return sandbox_view(state)
+        return sandbox_view(state, now=time.time())
 
     async def _owns(self, sandbox_id: str) -> bool:
-        """Whether the sandbox is this tenant's: its first event (one direct get)."""
-        try:
-            msg = await self.js.get_msg(
-                self.names.events_stream,
-                seq=1,
-                subject=self.names.events("sandbox", sandbox_id),
-                next=True,
-                direct=True,
-            )
-        except NotFoundError:
-            return False
-        created = decode_envelope(msg.data or b"").event
-        return isinstance(created, ev.SandboxCreated) and created.tenant == self.tenant
+        """Whether the sandbox is this tenant's (`ownership`)."""
+        return await tenant_of(self.js, self.names, "sandbox", sandbox_id) == self.tenant
 
     async def fold_all(self, kind: str, evolve) -> dict:
         """Every aggregate of a kind, folded from the log: id -> state."""
@@ -385,7 +357,7 @@ class Client:
     async def list_sandboxes(self, *, include_deleted: bool = False) -> list[SandboxView]:
         states = await self.fold_all("sandbox", sb.evolve)
         return [
-            sandbox_view(s)
+            sandbox_view(s, now=time.time())
             for s in states.values()
             if s is not None
             and s.tenant == self.tenant
@@ -429,31 +401,9 @@ class Client:
         chunk needed is found by bisecting sequences (a few direct gets)."""
         if not await self._owns(sandbox_id):
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
-        name = self.names.output_stream
-        subject = f"{self.names.output(sandbox_id, command_id)}.{stream}"
-        try:
-            last = await self.js.get_last_msg(name, subject, direct=True)
-        except NotFoundError:
-            return b""
-        want = _chunk_end(last) - limit  # the first byte wanted
-        lo, hi = 1, last.seq or 1
-        while lo < hi:  # the lowest sequence whose next chunk ends after `want`
-            mid = (lo + hi) // 2
-            probe = await self.js.get_msg(name, seq=mid, subject=subject, next=True, direct=True)
-            if _chunk_end(probe) > want:
-                hi = mid
-            else:
-                lo = (probe.seq or mid) + 1
-        tail = bytearray()
-        start: int | None = None
-        for msg in await read_subjects(self.js, name, subject, raw=True, start_seq=lo):
-            offset = int(msg.headers[OFFSET_HEADER])
-            if start is None:
-                start = offset
-            end = start + len(tail)
-            if offset <= end < offset + len(msg.data):
-                tail += msg.data[end - offset :]
-        return bytes(tail[-limit:]) if limit > 0 else b""
+        return await OutputLog(self.js, self.names).tail(
+            sandbox_id, command_id, limit=limit, stream=stream
+        )
 
     # --- exec -----------------------------------------------------------------
 
@@ -590,7 +540,7 @@ class Client:
         """Wait until the sandbox reaches one of `phases`."""
         return await self.wait_for(
             sandbox_id,
-            lambda s: sandbox_view(s) if s.phase in phases else None,
+            lambda s: sandbox_view(s, now=time.time()) if s.phase in phases else None,
             timeout=timeout,
             what=f"phase {sorted(phases)}",
         )
@@ -663,8 +613,3 @@ class _OutputPrinter:
 async def connect(url: str | list[str], *, prefix: str = "sh", tenant: str = "default") -> Client:
     nc = await bus_connect(url, name="sandhold-client")
     return Client(nc, Names(prefix), tenant=tenant)
-
-
-def _chunk_end(msg: RawStreamMsg) -> int:
-    """Where an OUTPUT chunk ends in its stream of bytes."""
-    return int((msg.headers or {})[OFFSET_HEADER]) + len(msg.data or b"")

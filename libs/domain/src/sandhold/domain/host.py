@@ -66,3 +66,21 @@ def decide_fenced(state: Host | None, *, epoch: int) -> list[ev.AnyEvent]:
     if state is None or state.epoch != epoch or state.status != "lost":
         return []
     return [ev.HostFenced(host=state.host, epoch=epoch)]
+
+
+HostLiveness = Literal["live", "suspect", "down", "lost", "fenced"]
+
+
+def liveness(
+    host: Host, *, lease_age_s: float | None, ttl_s: float, interval_s: float
+) -> HostLiveness:
+    """How a host is doing, as `host ls` and `GET /api/v1/hosts` show it: what
+    recovery declared (lost, fenced), else from its lease's age: renewed within
+    two intervals (live), later but within the TTL (suspect), or not (down)."""
+    if host.status != "registered":
+        return host.status
+    if lease_age_s is None or lease_age_s > ttl_s:
+        return "down"
+    if lease_age_s > 2 * interval_s:
+        return "suspect"
+    return "live"

@@ -17,6 +17,7 @@ from sandhold.domain import saves as sv
 from sandhold.domain.commands import END_STATES, CommandState
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
+from sandhold.domain.idempotency import seen_before
 
 Phase = Literal[
     "pending",  # created (or asked to start again), waiting for a host
@@ -335,20 +336,6 @@ def _update_command(sandbox: Sandbox, command_id: str, /, **changes: object) -> 
 # --- decide ------------------------------------------------------------------
 
 
-def _check_key(state: Sandbox, key: str, digest: str) -> bool:
-    """True when this exact request was already applied; raises on a reused key."""
-    seen = state.requests.get(key)
-    if seen is None:
-        return False
-    if seen != digest:
-        raise Rejected(
-            "idempotency_conflict",
-            f"idempotency key {key!r} was already used for a different request; "
-            "use a new key for new work",
-        )
-    return True
-
-
 def _require(state: Sandbox | None, sandbox_id: str, tenant: str) -> Sandbox:
     # Another tenant's sandbox is reported exactly like a missing one.
     if state is None or state.tenant != tenant:
@@ -401,7 +388,7 @@ def _create(
     find_snapshot: FindSnapshot,
 ) -> list[ev.AnyEvent]:
     if state is not None:
-        _check_key(state, request.key, digest)
+        seen_before(state.requests, request.key, digest)
         return []
     source_sandbox_id = None
     if request.from_snapshot is not None and request.seed is not None:
@@ -447,7 +434,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             raise AssertionError("decided by _create")
         case rq.StartSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest):
+            if seen_before(state.requests, request.key, digest):
                 return []
             if state.phase == "deleted" or state.delete_requested:
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
@@ -468,7 +455,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             return []  # already pending, placed, starting, running or recovering
         case rq.StopSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest):
+            if seen_before(state.requests, request.key, digest):
                 return []
             if state.phase == "deleted":
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
@@ -484,7 +471,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             ]
         case rq.SnapshotSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest):
+            if seen_before(state.requests, request.key, digest):
                 return []
             # The decision point for the host-failure issue: a lost sandbox is refused here.
             if state.phase in ("lost", "recovering"):
@@ -524,12 +511,12 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             ]
         case rq.DeleteSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest) or state.delete_requested:
+            if seen_before(state.requests, request.key, digest) or state.delete_requested:
                 return []
             return [ev.SandboxDeleteRequested(request_key=request.key, request_digest=digest)]
         case rq.RunCommand():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest):
+            if seen_before(state.requests, request.key, digest):
                 return []
             if state.delete_requested or state.phase not in LAUNCHABLE_PHASES:
                 raise Rejected(
@@ -555,7 +542,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             ]
         case rq.CancelCommand():
             state = _require(state, request.sandbox_id, request.tenant)
-            if _check_key(state, request.key, digest):
+            if seen_before(state.requests, request.key, digest):
                 return []
             command = state.commands.get(request.command_id)
             if command is None:

@@ -17,6 +17,7 @@ import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
+from sandhold.domain.idempotency import seen_before
 from sandhold.domain.requests import IdempotencyKey, Tenant
 from sandhold.domain.task_manifest import RecordedManifest, RecordedStep, TaskManifest
 
@@ -319,7 +320,7 @@ def decide(state: Task | None, request: AnyTaskRequest) -> list[ev.AnyEvent]:
     digest = task_request_digest(request)
     if isinstance(request, SubmitTask):
         if state is not None:
-            _check_key(state, request.key, digest)
+            seen_before(state.requests, request.key, digest)
             return []
         return [
             ev.TaskSubmitted(
@@ -332,26 +333,13 @@ def decide(state: Task | None, request: AnyTaskRequest) -> list[ev.AnyEvent]:
         ]
     if state is None or state.tenant != request.tenant:
         raise Rejected("task_not_found", f"no task {request.task_id}")
-    if _check_key(state, request.key, digest) or state.cancel_requested:
+    if seen_before(state.requests, request.key, digest) or state.cancel_requested:
         return []
     if state.terminal:
         raise Rejected(
             "task_finished", f"task {state.id} already ended {state.state}; nothing to cancel"
         )
     return [ev.TaskCancelRequested(request_key=request.key, request_digest=digest)]
-
-
-def _check_key(state: Task, key: str, digest: str) -> bool:
-    seen = state.requests.get(key)
-    if seen is None:
-        return False
-    if seen != digest:
-        raise Rejected(
-            "idempotency_conflict",
-            f"idempotency key {key!r} was already used for a different request; "
-            "use a new key for new work",
-        )
-    return True
 
 
 # --- the pipeline, as the runner walks it ----------------------------------------

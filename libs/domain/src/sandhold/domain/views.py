@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from datetime import UTC, datetime
 
 import msgspec
 from sandhold.domain import saves as sv
@@ -160,9 +160,9 @@ def _recoverable_from(s: Sandbox) -> str:
 
 
 def _ago(at: float | None) -> str:
-    return (
-        "at an unknown time" if at is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-    )
+    if at is None:
+        return "at an unknown time"
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _recovery(s: Sandbox) -> dict[str, object] | None:
@@ -184,8 +184,8 @@ def _recovery(s: Sandbox) -> dict[str, object] | None:
     }
 
 
-def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
-    now = time.time() if now is None else now
+def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
+    """The sandbox as clients see it at `now` (save health and RPO depend on it)."""
     counts: dict[str, int] = {}
     for c in s.commands.values():
         counts[c.state] = counts.get(c.state, 0) + 1
@@ -232,9 +232,9 @@ def sandbox_view(s: Sandbox, *, now: float | None = None) -> SandboxView:
     )
 
 
-def reply_for(record: Sandbox | Command | sv.SaveRecord, sandbox_id: str) -> Reply:
+def reply_for(record: Sandbox | Command | sv.SaveRecord, sandbox_id: str, *, now: float) -> Reply:
     if isinstance(record, Sandbox):
-        return Reply(ok=True, sandbox=sandbox_view(record))
+        return Reply(ok=True, sandbox=sandbox_view(record, now=now))
     if isinstance(record, sv.SaveRecord):
         return Reply(ok=True, save=save_view(sandbox_id, record))
     return Reply(ok=True, command=command_view(sandbox_id, record))

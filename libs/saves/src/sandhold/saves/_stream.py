@@ -12,22 +12,24 @@ import asyncio
 import json
 from typing import Any
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, Header, RawStreamMsg
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from sandhold.bus.append import WRONG_LAST_SEQUENCE
 from sandhold.saves.errors import SaveStoreError
 
 _ATTEMPTS = 3
+_API_PREFIX = "$JS.API"  # JetStream's API subjects (no domain: sandhold does not set one)
 _TRANSIENT = (NatsTimeoutError, NoStreamResponseError, NoRespondersError, ServiceUnavailableError)
 
 
 class SavesStream:
-    def __init__(self, js: JetStreamContext, stream: str, *, timeout: float) -> None:
-        self._js = js
+    def __init__(self, nc: NATS, stream: str, *, timeout: float) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
         self._stream = stream
         self._timeout = timeout
 
@@ -140,12 +142,18 @@ class SavesStream:
         return found
 
     async def _api(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
-        subject = f"{self._js._prefix}.{operation}"
+        """One JetStream API request, made with the public request/reply call."""
         try:
-            return await self._js._api_request(
-                subject, json.dumps(body).encode(), timeout=self._timeout
+            msg = await self._nc.request(
+                f"{_API_PREFIX}.{operation}", json.dumps(body).encode(), timeout=self._timeout
             )
         except _TRANSIENT as err:
             raise SaveStoreError(f"{operation}: no answer ({err!r})", retryable=True) from err
-        except APIError as err:
-            raise SaveStoreError(f"{operation} refused: {err}") from err
+        answer = json.loads(msg.data)
+        if "error" in answer:
+            error = answer["error"]
+            raise SaveStoreError(
+                f"{operation} refused: {error.get('description', error)} "
+                f"(code {error.get('err_code', error.get('code'))})"
+            )
+        return answer

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import msgspec
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 from nats.js.api import RawStreamMsg
 from sandhold.bus.names import Names
 from sandhold.saves._bounded import for_each, for_each_sized
@@ -91,8 +91,8 @@ def check_save_id(save_id: str) -> str:
 class SaveStore:
     """Chunks and manifests of every sandbox's saves, on the SAVES stream."""
 
-    def __init__(self, js: JetStreamContext, names: Names, *, timeout: float = 10.0) -> None:
-        self._s = SavesStream(js, names.saves_stream, timeout=timeout)
+    def __init__(self, nc: NATS, names: Names, *, timeout: float = 10.0) -> None:
+        self._s = SavesStream(nc, names.saves_stream, timeout=timeout)
         self._names = names
         self._chunk_prefix = names.chunk("")
 

@@ -95,6 +95,8 @@ class CommandOutput(msgspec.Struct, kw_only=True):
 
 class HostView(msgspec.Struct, kw_only=True):
     host: str
+    # live | suspect | down (from its lease's age) | lost | fenced (recovery's
+    # verdict): the same as `sandhold host ls` (`host.liveness`)
     status: str
     epoch: int
     capacity_sandboxes: int
@@ -102,6 +104,8 @@ class HostView(msgspec.Struct, kw_only=True):
     registered_at: float
     capabilities: dict[str, str] = {}
     fence_at: float | None = None
+    last_renewal_age_s: float | None = None  # by the host's clock; None: no lease
+    lease_interval_s: float = 1.0
 
 
 class HostList(msgspec.Struct, kw_only=True):

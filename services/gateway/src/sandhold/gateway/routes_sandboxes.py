@@ -10,11 +10,10 @@ import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.params import FromPath
 from litestar.response import Stream
-from nats.js.errors import NotFoundError
-from sandhold.bus.codec import decode_envelope
-from sandhold.domain import events as ev
+from sandhold.bus import leases, ownership
 from sandhold.domain import requests as rq
 from sandhold.domain.commands import END_STATES
+from sandhold.domain.host import Host, liveness
 from sandhold.domain.views import sandbox_view, save_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import FieldError, ProblemError
@@ -83,7 +82,8 @@ def handlers(ctx: Context) -> list:
         elif not include_deleted:
             sql += " AND phase != 'deleted'"
         rows, next_cursor = await page(ctx, sql, params, after, limit, "created_at")
-        items = [sandbox_view(_sandbox(r[0])) for r in rows]
+        now = time.time()
+        items = [sandbox_view(_sandbox(r[0]), now=now) for r in rows]
         if items:  # commands are rows of their own: count them there
             marks = ", ".join("?" * len(items))
             counts = await ctx.read_model.query(
@@ -311,9 +311,20 @@ def handlers(ctx: Context) -> list:
         tenant_of(ctx, request)
         await fresh(ctx)
         rows = await ctx.read_model.query("SELECT state FROM hosts ORDER BY id")
-        return json_response(
-            b.HostList(items=[msgspec.json.decode(r[0], type=b.HostView) for r in rows])
-        )
+        kv = await leases.lease_bucket(ctx.js, ctx.names)
+        ttl = (await leases.published_settings(kv))["lease_ttl_s"]
+        items = []
+        for (row,) in rows:
+            host = msgspec.json.decode(row, type=Host)
+            age, interval = await leases.lease_age(kv, host.host, now=time.time())
+            status = liveness(host, lease_age_s=age, ttl_s=ttl, interval_s=interval)
+            view = msgspec.json.decode(row, type=b.HostView)
+            items.append(
+                msgspec.structs.replace(
+                    view, status=status, last_renewal_age_s=age, lease_interval_s=interval
+                )
+            )
+        return json_response(b.HostList(items=items))
 
     return [
         create_sandbox,
@@ -366,28 +377,14 @@ def sse_response(ctx: Context, subject: str, after: int) -> Stream:
     )
 
 
-async def first_event(ctx: Context, kind: str, aggregate_id: str) -> ev.AnyEvent | None:
-    """The aggregate's first event (its creation), by one direct get."""
-    try:
-        msg = await ctx.js.get_msg(
-            ctx.names.events_stream,
-            seq=1,
-            subject=ctx.names.events(kind, aggregate_id),
-            next=True,
-            direct=True,
-        )
-    except NotFoundError:
-        return None
-    try:
-        return decode_envelope(msg.data or b"").event
-    except msgspec.DecodeError:
-        return None
+async def owned(ctx: Context, tenant: str, kind: str, aggregate_id: str) -> None:
+    """Refuse, as not found, a sandbox or task that is not `tenant`'s (`ownership`)."""
+    if await ownership.tenant_of(ctx.js, ctx.names, kind, aggregate_id) != tenant:
+        raise ProblemError(f"{kind}_not_found", f"no {kind} {aggregate_id}")
 
 
 async def _owned(ctx: Context, tenant: str, sandbox_id: FromPath[str]) -> None:
-    created = await first_event(ctx, "sandbox", sandbox_id)
-    if not isinstance(created, ev.SandboxCreated) or created.tenant != tenant:
-        raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
+    await owned(ctx, tenant, "sandbox", sandbox_id)
 
 
 async def page(ctx: Context, sql: str, params: list, after, limit: int, order: str):

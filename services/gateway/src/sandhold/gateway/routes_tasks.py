@@ -10,13 +10,12 @@ import yaml
 from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from litestar.response import Stream
-from sandhold.domain import events as ev
 from sandhold.domain import task as tk
 from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.routes_sandboxes import first_event, last_event_id, page, sse_response
+from sandhold.gateway.routes_sandboxes import last_event_id, owned, page, sse_response
 from sandhold.gateway.web import (
     MAX_LIMIT,
     TASK_ID,
@@ -131,9 +130,7 @@ def handlers(ctx: Context) -> list:
     async def task_events(request: Request, task_id: FromPath[str]) -> Stream:
         tenant = tenant_of(ctx, request)
         after = last_event_id(request)
-        submitted = await first_event(ctx, "task", tid(task_id))
-        if not isinstance(submitted, ev.TaskSubmitted) or submitted.tenant != tenant:
-            raise ProblemError("task_not_found", f"no task {task_id}")
+        await owned(ctx, tenant, "task", tid(task_id))
         return sse_response(ctx, ctx.names.events("task", task_id), after)
 
     return [submit_task, list_tasks, show_task, cancel_task, task_events]

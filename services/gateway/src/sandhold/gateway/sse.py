@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from sandhold.bus.records import EventRecord, record_of
 
 log = logging.getLogger("sandhold.gateway.sse")
 
@@ -27,54 +29,7 @@ BATCH = 64  # events per pull at most...
 BATCH_BYTES = 256 * 1024  # ...and about this many bytes: big events come fewer at a time
 
 
-class EventRecord(msgspec.Struct, kw_only=True):
-    """One event with its envelope and stream sequence (the SSE `data:`; also a
-    line of `sandhold audit export`)."""
-
-    seq: int
-    subject: str
-    id: str
-    type: str
-    aggregate_id: str
-    time: float
-    actor: str
-    causation_id: str
-    correlation_id: str
-    trace_id: str | None = None
-    event: dict[str, object]
-
-
-class _RawEnvelope(msgspec.Struct, kw_only=True):
-    # Untyped event: the gateway forwards events it may not know yet.
-    id: str
-    aggregate_id: str
-    time: float
-    actor: str
-    causation_id: str
-    correlation_id: str
-    event: dict[str, object]
-    trace_id: str | None = None
-
-
-_raw_decoder = msgspec.json.Decoder(_RawEnvelope)
 _encoder = msgspec.json.Encoder()
-
-
-def record_of(seq: int, subject: str, data: bytes) -> EventRecord:
-    e = _raw_decoder.decode(data)
-    return EventRecord(
-        seq=seq,
-        subject=subject,
-        id=e.id,
-        type=str(e.event.get("type", "")),
-        aggregate_id=e.aggregate_id,
-        time=e.time,
-        actor=e.actor,
-        causation_id=e.causation_id,
-        correlation_id=e.correlation_id,
-        trace_id=e.trace_id,
-        event=e.event,
-    )
 
 
 def frame(record: EventRecord) -> bytes:
@@ -148,21 +103,37 @@ async def event_frames(
 _closing: set[asyncio.Future] = set()  # clean-ups running on after a cancellation
 
 
-async def _close(js: JetStreamContext, stream: str, sub) -> None:
+async def _close(js: JetStreamContext, stream: str, sub: _Pull) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(sub.unsubscribe(), 5)
+        await asyncio.wait_for(sub.sub.unsubscribe(), 5)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(js.delete_consumer(stream, sub._consumer), 5)  # noqa: SLF001
+        await asyncio.wait_for(js.delete_consumer(stream, sub.consumer), 5)
+
+
+class _Pull:
+    """A pull subscription on a consumer made here, so its name is known for the
+    clean-up (nats-py keeps it in a private attribute)."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription, consumer: str) -> None:
+        self.sub = sub
+        self.consumer = consumer
+
+    async def fetch(self, batch: int, *, timeout: float):
+        return await self.sub.fetch(batch, timeout=timeout)
+
+    async def consumer_info(self):
+        return await self.sub.consumer_info()
 
 
 async def _subscribe(
     js: JetStreamContext, stream: str, subject: str, start_seq: int, keepalive_s: float
-):
-    return await js.pull_subscribe(
-        subject,
-        durable=None,
-        stream=stream,
-        config=ConsumerConfig(
+) -> _Pull:
+    consumer = f"sse-{uuid.uuid4().hex}"
+    await js.add_consumer(
+        stream,
+        ConsumerConfig(
+            name=consumer,
+            filter_subject=subject,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=start_seq,
             ack_policy=AckPolicy.NONE,
@@ -170,3 +141,4 @@ async def _subscribe(
             inactive_threshold=max(30.0, 4 * keepalive_s),
         ),
     )
+    return _Pull(await js.pull_subscribe_bind(consumer=consumer, stream=stream), consumer)

@@ -104,7 +104,7 @@ class HostAgent:
                 shell.nc,
                 self._names,
                 self.driver,
-                SaveStore(shell.js, self._names),
+                SaveStore(shell.nc, self._names),
                 self._root,
                 self.host_id,
             )

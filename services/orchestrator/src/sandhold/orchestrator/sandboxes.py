@@ -18,15 +18,13 @@ from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.js.api import Header
-from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.answering import publish_request
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import Rejected
 from sandhold.domain.views import Reply
-from sandhold.telemetry import context
 
 T = TypeVar("T")
 _reply_decoder = msgspec.json.Decoder(Reply)
@@ -62,17 +60,17 @@ class Sandboxes:
         """Store the request in the REQUESTS stream; the reply comes later."""
         inbox = self._nc.new_inbox()
         sub = await self._nc.subscribe(inbox, max_msgs=1)
+        # The id is the key's alone (not the inbox's, as a client's is): a resend
+        # after a restart is then shown to be one (`duplicate`).
         msg_id = f"{request.tenant}:{request.key}:{rq.request_digest(request)}"
-        headers = {Header.MSG_ID: msg_id, REPLY_HEADER: inbox}
-        traceparent = context.traceparent()
-        if traceparent:  # the scheduler continues the task's trace
-            headers[context.TRACEPARENT] = traceparent
         try:
-            ack = await self._js.publish(
+            ack = await publish_request(
+                self._js,
+                self._names,
                 self._names.request(rq.request_tag(request)),
                 rq.encode_request(request),
-                stream=self._names.requests_stream,
-                headers=headers,
+                msg_id=msg_id,
+                reply_to=inbox,
             )
         except BaseException:
             await sub.unsubscribe()

@@ -18,11 +18,10 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
 from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.names import Names
+from sandhold.bus.output import OutputLog
 from sandhold.bus.service import Shell
-from sandhold.client import Client
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.task_views import TaskReply, task_view
@@ -74,12 +73,12 @@ class Orchestrator:
             self._nc, self._js = shell.nc, shell.js
             shell.on_close(self._end_runners)
             shell.on_close(self._close_http)
-            self._client = Client(shell.nc, self._names)
+            self._output = OutputLog(shell.js, self._names)
             sandbox_store = shell.store("sandbox", sb.evolve)
             self.tasks = shell.store("task", tk.evolve)
             self._sandbox_store = sandbox_store
             self._sandboxes = Sandboxes(shell.nc, self._names, sandbox_store)
-            self._save_store = SaveStore(shell.js, self._names)
+            self._save_store = SaveStore(shell.nc, self._names)
             self.tasks.listen(self._task_changed)
             await shell.start_stores()
             consumer = ConsumerConfig(
@@ -179,20 +178,6 @@ class Orchestrator:
         sandbox = self._sandboxes.state(sandbox_id)
         return sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
 
-    def _output_reader(self, task_id: str):
-        """Reads output as the task's tenant: clients see only their tenant's sandboxes.
-        Only the tail the ledger keeps is read: an output of gigabytes is never
-        loaded (nor timed out on) whole."""
-        state, _ = self.tasks.get(task_id)
-        client = self._client
-        if state is not None and state.tenant != client.tenant:
-            client = Client(self._client.nc, self._names, tenant=state.tenant)
-
-        async def read(sandbox_id: str, command_id: str) -> bytes:
-            return await client.read_output_tail(sandbox_id, command_id, limit=tk.OUTPUT_KEPT)
-
-        return read
-
     async def _drive(self, task_id: str) -> None:
         """One runner at a time per task; one that fails is replaced by a new one,
         which treats whatever it finds claimed as interrupted (it was)."""
@@ -204,8 +189,7 @@ class Orchestrator:
                 sandboxes=self._sandboxes,
                 save_store=self._save_store,
                 work_dir=self._work_dir,
-                output_reader=self._output_reader(task_id),
-                last_output_at=self._last_output_at,
+                output=self._output,
                 proof_window_s=self._proof_window_s,
                 decision_wait_s=self._decision_wait_s,
                 http=self._http,
@@ -234,14 +218,6 @@ class Orchestrator:
                     await self.tasks.sync(task_id)
             finally:
                 self._live.pop(task_id, None)
-
-    async def _last_output_at(self, sandbox_id: str, command_id: str) -> float | None:
-        subject = self._names.output(sandbox_id, command_id) + ".*"
-        try:
-            raw = await self._js.get_last_msg(self._names.output_stream, subject)
-        except NotFoundError:
-            return None
-        return raw.time.timestamp() if raw.time is not None else None
 
 
 def _fitting(reply: TaskReply, limit: int) -> bytes:

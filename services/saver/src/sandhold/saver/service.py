@@ -60,7 +60,7 @@ class Saver:
     async def run(self) -> None:
         async with self._shell as shell:
             self._js = shell.js
-            self.store = SaveStore(shell.js, self._names)
+            self.store = SaveStore(shell.nc, self._names)
             self.sandboxes = shell.store("sandbox", sb.evolve)
             self.sandboxes.listen(self._mark_dirty)
             await shell.start_stores()

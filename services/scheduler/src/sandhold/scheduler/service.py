@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.aio.msg import Msg
@@ -120,7 +121,7 @@ class Scheduler:
         )
         assert executed.state is not None
         record = sb.result_of(executed.state, request)
-        return _reply_encoder.encode(reply_for(record, sandbox_id))
+        return _reply_encoder.encode(reply_for(record, sandbox_id, now=time.time()))
 
     async def _check_seed(self, save_id: str, sandbox_id: str) -> None:
         """A seed must be stored, and staged for exactly this sandbox: the id is
@@ -129,7 +130,7 @@ class Scheduler:
         if state is not None:
             return  # already created: the aggregate answers the retry
         try:
-            manifest = await SaveStore(self._js, self._names).get_manifest(save_id)
+            manifest = await SaveStore(self._nc, self._names).get_manifest(save_id)
         except MissingManifest:
             manifest = None
         if manifest is None or manifest.sandbox_id != sandbox_id:

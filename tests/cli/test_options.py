@@ -70,3 +70,11 @@ def test_without_a_server_the_error_names_where_it_looked(tmp_path, capsys) -> N
         cli.main(["--data-dir", str(tmp_path / "d"), "sandbox", "ls"])
     assert "no server found" in str(exited.value.code)
     assert str(tmp_path / "d" / "runtime.json") in str(exited.value.code)
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_a_completion_script_knows_the_commands(shell, capsys) -> None:
+    cli.main(["completion", shell])
+    script = capsys.readouterr().out
+    for command in ("sandbox", "exec", "task", "snapshot", "--data-dir"):
+        assert command in script

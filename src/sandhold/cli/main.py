@@ -16,6 +16,7 @@ from sandhold.domain.errors import InfraError, Rejected
 
 from sandhold.cli import audit, tasks
 from sandhold.cli.progress import progress
+from sandhold.cli.status import status_block
 from sandhold.cli.top import top
 
 # How `exec` exits when the command did not simply exit: shell conventions where
@@ -117,7 +118,10 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
         case "show":
             view = await client.show_sandbox(args.id)
             view.storage = await client.storage()
-            _print_sandbox(view, args.json)
+            if args.json:
+                _print_json(view)
+            else:
+                print(status_block(view))
         case "start":
             _print_sandbox(await client.start_sandbox(args.id, key=args.key), args.json)
         case "stop":
@@ -396,6 +400,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tasks.add_parser(sub)
 
+    completion = sub.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Print a completion script for SHELL. Bash: "
+        "`sandhold completion bash > ~/.local/share/bash-completion/completions/sandhold`; "
+        "zsh: `sandhold completion zsh > ~/.zfunc/_sandhold`.",
+    )
+    completion.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+
     sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
     actions = sandbox.add_subparsers(dest="action", required=True)
     for name in ("create", "ls", "show", "start", "stop", "rm"):
@@ -583,6 +596,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             up(Path(args.data_dir), prefix, args.hosts, service_args, args.gateway_port)
         )
+    if args.group == "completion":
+        import shtab
+
+        print(shtab.complete(_parser(), shell=args.shell))
+        return
     if args.group == "token":
         raise SystemExit(_token(args))
     if args.group == "run":

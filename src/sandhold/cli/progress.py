@@ -1,4 +1,6 @@
-"""Progress of long saves and restores: a bar on a terminal, plain lines otherwise."""
+"""Progress of long saves and restores: a bar on stderr when it is a terminal,
+nothing otherwise (scripts and logs get the result line alone). The bar is
+erased before the result is printed."""
 
 from __future__ import annotations
 
@@ -16,24 +18,21 @@ _MiB = 1024 * 1024
 class _Render:
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
-        self.last_tenth = -1
         self.drawn = False
 
     def show(self, operation: str, done: int, total: int) -> None:
         fraction = done / total if total else 1.0
         text = f"{operation} {done / _MiB:.1f}/{total / _MiB:.1f} MiB"
-        if self.tty:
-            filled = int(fraction * 30)
-            sys.stderr.write(f"\r[{'#' * filled}{' ' * (30 - filled)}] {fraction:4.0%} {text}")
-            self.drawn = True
-        elif int(fraction * 10) != self.last_tenth:
-            self.last_tenth = int(fraction * 10)
-            sys.stderr.write(f"{fraction:.0%} {text}\n")
+        if not self.tty:
+            return
+        filled = int(fraction * 30)
+        sys.stderr.write(f"\r[{'#' * filled}{' ' * (30 - filled)}] {fraction:4.0%} {text}\x1b[K")
         sys.stderr.flush()
+        self.drawn = True
 
     def close(self) -> None:
         if self.drawn:
-            sys.stderr.write("\n")
+            sys.stderr.write("\r\x1b[K")  # the result line that follows starts clean
             sys.stderr.flush()
 
 

@@ -21,7 +21,7 @@ Argv = Annotated[list[Annotated[str, msgspec.Meta(max_length=65536)]], msgspec.M
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
 Grace = Annotated[float, msgspec.Meta(ge=0, le=3600)]
 # Below a few MiB the kernel cannot even start a Python interpreter in the cgroup.
-MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024)]
+MemoryLimit = Annotated[int, msgspec.Meta(ge=4 * 1024 * 1024, le=2**63 - 1)]
 # Processes and threads at once; a shell and a few tools need a dozen or so.
 PidsLimit = Annotated[int, msgspec.Meta(ge=16, le=4 * 1024 * 1024)]
 # CPUs' worth of time per scheduling period (0.5 = half a core); a throttle.

@@ -138,9 +138,21 @@ def decode_json(data: bytes, body_type: type, *, empty_ok: bool = False):
 
 def convert(parsed: object, body_type: type):
     try:
-        return msgspec.convert(parsed, body_type, strict=True)
+        return msgspec.convert(_integral(parsed), body_type, strict=True)
     except msgspec.ValidationError as err:
         raise invalid(err) from err
+
+
+def _integral(value: object) -> object:
+    """JSON (and JSON Schema) has one number type: 936878.0 is an integer there, so
+    an integral float is taken as an int (a float field takes an int as well)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 def invalid(err: msgspec.ValidationError) -> ProblemError:

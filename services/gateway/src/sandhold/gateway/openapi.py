@@ -64,7 +64,11 @@ def _enum(values: frozenset[str]) -> dict[str, Any]:
 
 
 LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": web.MAX_LIMIT}, "page size")
-CURSOR = _query("cursor", {"type": "string"}, "`next_cursor` of the previous page")
+CURSOR = _query(
+    "cursor",
+    {"type": "string", "pattern": web.CURSOR_PATTERN},
+    "`next_cursor` of the previous page: where it ended (`<time>~<id>`); the page after it",
+)
 
 
 def _problems(*statuses: int) -> dict[str, Any]:
@@ -105,11 +109,28 @@ def _op(
     return op
 
 
+SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^[0-9]{1,19}$"},
+        "event": {"type": "string"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {"$ref": "#/components/schemas/EventRecord"},
+        },
+        "retry": {"type": "integer", "minimum": 0},
+    },
+}
+
 SSE = {
     "200": {
         "description": "Server-Sent Events: `id:` is the stream sequence, `event:` the event "
         "type, `data:` an EventRecord (JSON); `: keep-alive` comments while idle",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {
+            # One event of the stream, as tools that read SSE (schemathesis) take it.
+            "text/event-stream": {"schema": SSE_EVENT}
+        },
     }
 }
 
@@ -344,6 +365,55 @@ def _any(t: type) -> dict[str, Any]:
     raise NotImplementedError(t)
 
 
+_MAX_DURATION_S = 30 * 86400
+_INT64 = {"format": "int64", "maximum": 2**63 - 1}
+
+
+def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
+    """What the server checks beyond the types' shapes, said in the schemas too,
+    so that every request the document allows is one the server accepts."""
+    manifest = components["TaskManifest"]
+    # exactly one of `agent` (one command) or a non-empty `pipeline`
+    manifest["oneOf"] = [
+        {"required": ["agent"], "properties": {"agent": {"type": "object"}}},
+        {"required": ["pipeline"], "properties": {"pipeline": {"type": "array", "minItems": 1}}},
+    ]
+    # exactly one of `agent` or `http`; an agent step is never delivered twice
+    components["Step"]["oneOf"] = [
+        {
+            "required": ["agent"],
+            "properties": {"agent": {"type": "object"}, "delivery": {"const": "at_least_once"}},
+        },
+        {"required": ["http"], "properties": {"http": {"type": "object"}}},
+    ]
+    # Durations: seconds, (0, 30 days]. Strings such as "90s" or "1h30m" are taken
+    # too (docs/tasks.md); the document gives the one form it can bound.
+    for name in ("Timeouts", "HangPolicy", "AgentCommand", "HttpCall", "RetryPolicy"):
+        for field, schema in components.get(name, {}).get("properties", {}).items():
+            if _is_duration(schema):
+                components[name]["properties"][field] = _duration(schema, field)
+    for schema in components.values():
+        for field in schema.get("properties", {}).values():
+            for option in field.get("anyOf", [field]):
+                if option.get("type") == "integer":
+                    option.update({k: v for k, v in _INT64.items() if k not in option})
+
+
+def _is_duration(schema: dict[str, Any]) -> bool:
+    types = {o.get("type") for o in schema.get("anyOf", [schema])}
+    return {"number", "string"} <= types
+
+
+def _duration(schema: dict[str, Any], field: str) -> dict[str, Any]:
+    number = {"type": "number", "exclusiveMinimum": 0, "maximum": _MAX_DURATION_S}
+    nullable = any(o.get("type") == "null" for o in schema.get("anyOf", []))
+    out: dict[str, Any] = {"anyOf": [number, {"type": "null"}]} if nullable else number
+    if "default" in schema:
+        out["default"] = schema["default"]
+    out["description"] = f"`{field}` in seconds, or a string such as '90s', '10m', '1h30m'"
+    return out
+
+
 def document() -> dict[str, Any]:
     types: list[type] = [
         Problem,
@@ -370,6 +440,7 @@ def document() -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
         types, schema_hook=_any, ref_template="#/components/schemas/{name}"
     )
+    _rules_msgspec_cannot_say(components)
     return {
         "openapi": "3.1.0",
         "info": {

@@ -351,16 +351,22 @@ def handlers(ctx: Context) -> list:
 
 
 def last_event_id(request: Request) -> int:
-    """`Last-Event-ID` (a reconnecting EventSource), else `?after=`; 0 = from the start."""
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    raw = raw.strip()
-    if not is_digits(raw) or len(raw) > 19:
-        raise ProblemError(
-            "invalid_header",
-            "Last-Event-ID (or ?after=) is the id of an event this stream sent: a sequence number",
-            errors=[FieldError(field="Last-Event-ID", message="a non-negative integer")],
-        )
-    return int(raw)
+    """`Last-Event-ID` (a reconnecting EventSource), else `?after=`; 0 = from the start.
+    Each one given must be a sequence number, whichever is used."""
+    given = {
+        "Last-Event-ID": request.headers.get("last-event-id"),
+        "after": request.query_params.get("after"),
+    }
+    for name, raw in given.items():
+        if raw is not None and not (is_digits(raw.strip()) and len(raw.strip()) <= 19):
+            raise ProblemError(
+                "invalid_header",
+                "Last-Event-ID (or ?after=) is the id of an event this stream sent: "
+                "a sequence number",
+                errors=[FieldError(field=name, message="a non-negative integer")],
+            )
+    raw = given["Last-Event-ID"] or given["after"] or "0"
+    return int(raw.strip())
 
 
 def sse_response(ctx: Context, subject: str, after: int) -> Stream:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
-from sandhold.cli.status import status_block
 from sandhold.domain.saves import SaveHealth
 from sandhold.domain.views import SandboxView, SaveView
+
+from sandhold.cli.status import status_block
 
 NOW = 1_800_000_000.0
 

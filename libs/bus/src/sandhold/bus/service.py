@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -163,10 +164,16 @@ class Shell:
 
     async def serve(self, **ready: object) -> None:
         """Announce readiness, then serve until stopped; raise if a loop crashed."""
-        self._serving = True
         if not self._stopping.is_set():
-            await announce_ready(self.nc, self.names, self.name, **ready)
+            # Still start-up: a stop now interrupts it (`stop`). NATS going away
+            # between the announcement and its flush is no reason to crash.
+            try:
+                await announce_ready(self.nc, self.names, self.name, **ready)
+            except (nats.errors.Error, OSError) as err:
+                log.warning("%s: could not confirm its readiness announcement: %r", self.name, err)
+            self._serving = True
             await self._stopping.wait()
+        self._serving = True
         for wind_down in self._winding_down:
             try:
                 await wind_down()

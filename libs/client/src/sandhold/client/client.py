@@ -393,12 +393,7 @@ class Client:
     async def read_output_tail(
         self, sandbox_id: str, command_id: str, *, limit: int, stream: str = "stdout"
     ) -> bytes:
-        """The last `limit` bytes the command wrote to `stream` that OUTPUT still
-        holds, without reading the rest: a long output is never loaded whole, and
-        one whose first chunks the stream's limits dropped still has its tail.
-
-        A stream's chunks are ordered by offset like their sequences, so the first
-        chunk needed is found by bisecting sequences (a few direct gets)."""
+        """`OutputLog.tail`, for this tenant's sandboxes only."""
         if not await self._owns(sandbox_id):
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
         return await OutputLog(self.js, self.names).tail(

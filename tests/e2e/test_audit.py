@@ -7,6 +7,7 @@ import subprocess
 import msgspec
 
 from tests.e2e.harness import SANDHOLD, Up
+from tests.support.forging import publish_refused
 
 
 def test_replay_shows_the_state_as_of_any_sequence(up: Up):
@@ -64,8 +65,13 @@ def test_history_reads_as_a_timeline(up: Up):
         assert what in timeline, what
 
 
-def test_events_tail_follows_live_events(up: Up):
+async def test_events_tail_follows_stored_events_only(up: Up):
+    import nats
+    from sandhold.bus.names import Names
+    from sandhold.domain.events import SandboxDeleted
+
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    nc = await nats.connect(up.url)
     with subprocess.Popen(
         [
             SANDHOLD,
@@ -85,9 +91,12 @@ def test_events_tail_follows_live_events(up: Up):
         try:
             assert tail.stderr is not None
             assert "following" in tail.stderr.readline()  # subscribed before we act
+            subject = Names(up.runtime["prefix"]).events("sandbox", sandbox_id)
+            await publish_refused(nc.jetstream(), subject, sandbox_id, SandboxDeleted(host="local", generation=1))
             up.cli("exec", sandbox_id, "--", "true")
             out, _ = tail.communicate(timeout=30)
         finally:
+            await nc.close()
             if tail.poll() is None:
                 tail.kill()
     assert tail.returncode == 0

@@ -10,6 +10,7 @@ from sandhold.client import Client
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
+from tests.support.forging import publish_refused
 from tests.support.waiting import wait_until
 
 
@@ -94,6 +95,30 @@ async def test_interrupted_by_an_explicit_cancel(client: Client):
     await client.cancel_command(sandbox_id, command_id)
     result = await asyncio.wait_for(run, 30)
     assert result.command.state == "interrupted"
+
+
+async def test_exec_answers_only_with_an_end_the_log_stored(client: Client):
+    """A `command.ended` the stream refused (a stale writer's, stopped by the
+    expected-sequence fence) still reaches every core subscriber of the
+    subject; exec must not take it for the command's end."""
+    from sandhold.domain.events import CommandEnded
+    from sandhold.domain.requests import command_id_for
+
+    sandbox_id = await running_sandbox(client)
+    run = asyncio.create_task(client.exec(sandbox_id, ["sleep", "60"], key="forged-end"))
+    command_id = command_id_for(sandbox_id, "forged-end")
+    await wait_until(lambda: _state(client, sandbox_id, command_id, "running"), what="running")
+    await publish_refused(
+        client.js,
+        client.names.events("sandbox", sandbox_id),
+        sandbox_id,
+        CommandEnded(command_id=command_id, state="exited", exit_code=0, host="local"),
+    )
+    await client.cancel_command(sandbox_id, command_id)
+    result = await asyncio.wait_for(run, 30)
+    assert result.command.state == "interrupted"
+    stored = await client.show_command(sandbox_id, command_id)
+    assert stored.state == "interrupted"
 
 
 async def test_interrupted_by_a_stop_and_the_stop_completes(client: Client):

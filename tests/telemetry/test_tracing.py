@@ -24,20 +24,17 @@ def request_span(spans: InMemorySpanExporter, name: str):
 
 
 async def command_trace_ids(client: Client, sandbox_id: str, command_id: str) -> dict[str, str]:
-    """The trace id of each of the command's events, once the log holds them all:
-    `exec` may learn of `command.ended` from live delivery a moment before the
-    stream has stored it (a known gap, noted on issue 12)."""
-
-    async def whole() -> dict[str, str] | None:
-        records = await client.sandbox_records(sandbox_id)
-        ids = {
-            r.envelope.type: r.envelope.trace_id
-            for r in records
-            if getattr(r.envelope.event, "command_id", None) == command_id
-        }
-        return ids if set(ids) == set(COMMAND_EVENTS) else None
-
-    return await wait_until(whole, timeout=10, what="the command's events in the log")
+    """The trace id of each of the command's events, read from the log right
+    after `exec` returned: exec answers only with an end the stream stored, so
+    every event of the command is there by then."""
+    records = await client.sandbox_records(sandbox_id)
+    ids = {
+        r.envelope.type: r.envelope.trace_id
+        for r in records
+        if getattr(r.envelope.event, "command_id", None) == command_id
+    }
+    assert set(ids) == set(COMMAND_EVENTS), ids
+    return ids
 
 
 @pytest.fixture(scope="module")

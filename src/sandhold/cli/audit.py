@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.msg import Msg
-from sandhold.bus.codec import decode_envelope
-from sandhold.bus.follow import stream_sequence
+from sandhold.bus.append import last_sequence
+from sandhold.bus.follow import Follower, stream_sequence
 from sandhold.bus.read import read_subjects
-from sandhold.bus.records import record_of
+from sandhold.bus.records import EventRecord, record_of
 from sandhold.client import Client
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Recorded
@@ -254,26 +254,31 @@ async def history(client: Client, aggregate_id: str, *, kind: str = "sandbox") -
 
 
 async def tail(client: Client, sandbox_id: str | None, count: int | None) -> int:
-    """Follow live events (core subscription on the event subjects)."""
+    """Follow new events as the stream stores them (never a publish it refused;
+    events of types this version does not know are shown by their tag)."""
     seen = 0
     done = asyncio.Event()
 
-    async def on_msg(msg: Msg) -> None:
+    def on_record(seq: int, msg: Msg, e: EventRecord) -> None:
         nonlocal seen
-        e = decode_envelope(msg.data)
         print(f"{_iso(e.time)}  {e.aggregate_id}  {e.actor:<22} {e.type}", flush=True)
         seen += 1
         if count is not None and seen >= count:
             done.set()
 
+    stream = client.names.events_stream
     subject = client.names.events("sandbox", sandbox_id or "*")
-    sub = await client.nc.subscribe(subject, cb=on_msg)
-    await client.nc.flush()
+    after = await last_sequence(client.js, stream, subject)
+    follower = Follower(
+        client.js, stream, subject, lambda data: record_of(0, subject, data), on_record,
+        start_seq=after + 1, what="events",
+    )  # fmt: skip
+    await follower.start(timeout=None, target=after)
     print(f"following {subject}", file=sys.stderr, flush=True)
     try:
         await done.wait()
     finally:
-        await sub.unsubscribe()
+        await follower.stop()
     return 0
 
 

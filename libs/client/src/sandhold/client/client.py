@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from sandhold.bus import leases
 from sandhold.bus.answering import publish_request
+from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.follow import Follower
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
 from sandhold.bus.ownership import tenant_of
@@ -25,7 +27,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.commands import END_STATES as _END_STATES
-from sandhold.domain.envelope import Recorded
+from sandhold.domain.envelope import Envelope, Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.host import Host, liveness
@@ -429,8 +431,7 @@ class Client:
         )
         printer = _OutputPrinter(on_output)
 
-        async def on_event(msg: Msg) -> None:
-            envelope = decode_envelope(msg.data)
+        def on_event(seq: int, msg: Msg, envelope: Envelope) -> None:
             event = envelope.event
             if (
                 isinstance(event, ev.CommandEnded)
@@ -442,11 +443,24 @@ class Client:
         async def on_chunk(msg: Msg) -> None:
             printer.live(msg.headers[STREAM_HEADER], int(msg.headers[OFFSET_HEADER]), msg.data)
 
-        subs = [
-            await self.nc.subscribe(self.names.events("sandbox", sandbox_id), cb=on_event),
-            await self.nc.subscribe(self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk),
-        ]
-        try:
+        # The end state comes from JetStream's own delivery, so it is one the
+        # stream has stored: a core subscription would also hear an append the
+        # stream then refused (a fenced host's stale `command.ended`) and sees
+        # every append a moment before it is stored. Output is shown live: what
+        # was kept is settled by `output_kept` in the stored end (and read back).
+        subject = self.names.events("sandbox", sandbox_id)
+        after = await last_sequence(self.js, self.names.events_stream, subject)
+        events = Follower(
+            self.js, self.names.events_stream, subject, decode_envelope, on_event,
+            start_seq=after + 1, what="sandbox events",
+        )  # fmt: skip
+        async with contextlib.AsyncExitStack() as listening:
+            await events.start(timeout=None, target=after)
+            listening.push_async_callback(_quietly, events.stop)
+            chunks = await self.nc.subscribe(
+                self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk
+            )
+            listening.push_async_callback(_quietly, chunks.unsubscribe)
             reply = await self.send(
                 rq.RunCommand(
                     key=key,
@@ -476,10 +490,6 @@ class Client:
                     host=end.host or record.host,
                     generation=end.generation or record.generation,
                 )
-        finally:
-            for sub in subs:
-                with contextlib.suppress(Exception):  # a closed connection has no subscriptions
-                    await sub.unsubscribe()
         kept = await self._complete_output(sandbox_id, command_id, record, printer)
         return CommandResult(
             command=record, stdout=kept.get("stdout", b""), stderr=kept.get("stderr", b"")
@@ -603,6 +613,11 @@ class _OutputPrinter:
             if next_offset > len(buf):
                 break
             self.live(stream, next_offset, early.pop(next_offset))
+
+
+async def _quietly(stop: Callable[[], Awaitable[object]]) -> None:
+    with contextlib.suppress(Exception):  # a closed connection has no subscriptions
+        await stop()
 
 
 async def connect(url: str | list[str], *, prefix: str = "sh", tenant: str = "default") -> Client:

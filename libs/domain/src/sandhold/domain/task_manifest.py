@@ -26,6 +26,9 @@ DurationInput = float | str
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _MAX_DURATION = 30 * 86400.0
+# Python's `\s` spelt out: the schema's ECMAScript `\s` is a different set (it
+# leaves out \x1c-\x1f and \x85), and the document must allow exactly what we do.
+_SPACE = r"\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 
 
 def parse_duration(value: DurationInput, field: str, *, check_range: bool = True) -> float:
@@ -163,7 +166,7 @@ RepositoryUrl = Annotated[
     msgspec.Meta(
         min_length=1,
         max_length=2048,
-        pattern=r"^(git|https?|ssh)://[^\s]+$|^[^\s:-][^\s:]*@[^\s]+:",
+        pattern=rf"^(git|https?|ssh)://[^{_SPACE}]+$|^[^{_SPACE}:-][^{_SPACE}:]*@[^{_SPACE}]+:",
     ),
 ]
 GitRef = Annotated[
@@ -200,7 +203,7 @@ class AgentCommand(RecordedAgentCommand, frozen=True, forbid_unknown_fields=True
 class HttpCall(RecordedHttpCall, frozen=True, forbid_unknown_fields=True):
     """A tool step the orchestrator performs itself: one HTTP request."""
 
-    url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s]+$", max_length=2048)]
+    url: Annotated[str, msgspec.Meta(pattern=rf"^https?://[^{_SPACE}]+$", max_length=2048)]
     method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "POST"
 
     def __post_init__(self) -> None:

@@ -88,6 +88,7 @@ def _json(status: int, t: type, what: str) -> dict[str, Any]:
 
 
 def _op(
+    operation_id: str,
     summary: str,
     responses: dict[str, Any],
     *,
@@ -98,6 +99,7 @@ def _op(
     tag: str = "sandboxes",
 ) -> dict[str, Any]:
     op: dict[str, Any] = {
+        "operationId": operation_id,
         "summary": summary,
         "tags": [tag],
         "parameters": list(params),
@@ -143,6 +145,7 @@ def paths() -> dict[str, dict[str, Any]]:
     return {
         "/api/v1/sandboxes": {
             "post": _op(
+                "createSandbox",
                 "Create a sandbox (placed and started by the scheduler)",
                 _json(201, SandboxView, "the sandbox, usually still pending"),
                 params=[IDEMPOTENCY_KEY],
@@ -151,6 +154,7 @@ def paths() -> dict[str, dict[str, Any]]:
                 problems=WRITE,
             ),
             "get": _op(
+                "listSandboxes",
                 "List the tenant's sandboxes",
                 _json(200, b.SandboxPage, "a page of sandboxes"),
                 params=[
@@ -164,12 +168,14 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path: {
             "get": _op(
+                "showSandbox",
                 "Show a sandbox",
                 _json(200, SandboxView, "the sandbox"),
                 params=[SANDBOX],
                 problems=(404,),
             ),
             "delete": _op(
+                "deleteSandbox",
                 "Delete a sandbox (its files are discarded)",
                 _json(202, SandboxView, "the sandbox, being deleted"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
@@ -178,6 +184,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/start": {
             "post": _op(
+                "startSandbox",
                 "Start a stopped, failed or lost sandbox",
                 _json(200, SandboxView, "the sandbox"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
@@ -186,6 +193,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/stop": {
             "post": _op(
+                "stopSandbox",
                 "Stop a sandbox; optionally wait for the stop and its final save",
                 _json(200, b.StopResult, "the stop and the final save's outcome"),
                 params=[
@@ -202,6 +210,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/snapshots": {
             "get": _op(
+                "listSnapshots",
                 "List a sandbox's Snapshots (its saves of kind snapshot)",
                 _json(200, b.SavePage, "a page of Snapshots"),
                 params=[
@@ -213,6 +222,7 @@ def paths() -> dict[str, dict[str, Any]]:
                 problems=(400, 404),
             ),
             "post": _op(
+                "takeSnapshot",
                 "Take a Snapshot (a named, retained save) of a running sandbox",
                 _json(202, SaveView, "the Snapshot, requested"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
@@ -222,6 +232,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/saves": {
             "get": _op(
+                "listSaves",
                 "List a sandbox's saves (scheduled, Snapshots, final)",
                 _json(200, b.SavePage, "a page of saves"),
                 params=[
@@ -236,6 +247,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/saves/{save_id}": {
             "get": _op(
+                "showSave",
                 "Show a save",
                 _json(200, SaveView, "the save"),
                 params=[SANDBOX, SAVE],
@@ -244,6 +256,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/commands": {
             "post": _op(
+                "runCommand",
                 "Run a command (queued until the sandbox runs)",
                 _json(202, CommandView, "the command, usually queued"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
@@ -251,6 +264,7 @@ def paths() -> dict[str, dict[str, Any]]:
                 problems=WRITE,
             ),
             "get": _op(
+                "listCommands",
                 "List a sandbox's commands",
                 _json(200, b.CommandPage, "a page of commands"),
                 params=[
@@ -264,6 +278,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         command_path: {
             "get": _op(
+                "showCommand",
                 "Show a command",
                 _json(200, CommandView, "the command"),
                 params=[SANDBOX, COMMAND],
@@ -272,6 +287,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         command_path + "/cancel": {
             "post": _op(
+                "cancelCommand",
                 "Cancel a command",
                 _json(200, CommandView, "the command"),
                 params=[SANDBOX, COMMAND, IDEMPOTENCY_KEY],
@@ -280,6 +296,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         command_path + "/output": {
             "get": _op(
+                "commandOutput",
                 "A command's kept output, and whether any may be missing",
                 _json(200, b.CommandOutput, "the output"),
                 params=[SANDBOX, COMMAND],
@@ -288,6 +305,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         sandbox_path + "/events": {
             "get": _op(
+                "sandboxEvents",
                 "A sandbox's events as Server-Sent Events, resumable",
                 SSE,
                 params=[SANDBOX, LAST_EVENT_ID, AFTER],
@@ -296,6 +314,7 @@ def paths() -> dict[str, dict[str, Any]]:
         },
         "/api/v1/hosts": {
             "get": _op(
+                "listHosts",
                 "Hosts and their status",
                 _json(200, b.HostList, "every host"),
                 tag="hosts",
@@ -314,6 +333,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
     return {
         "/api/v1/tasks": {
             "post": _op(
+                "submitTask",
                 "Submit a task manifest (YAML or JSON)",
                 _json(202, TaskView, "the task, pending"),
                 params=[IDEMPOTENCY_KEY],
@@ -322,6 +342,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
                 tag="tasks",
             ),
             "get": _op(
+                "listTasks",
                 "List the tenant's tasks",
                 _json(200, TaskPage, "a page of tasks"),
                 params=[_query("state", _enum(TASK_STATES), "only this state"), LIMIT, CURSOR],
@@ -331,6 +352,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
         },
         task_path: {
             "get": _op(
+                "showTask",
                 "Show a task",
                 _json(200, TaskView, "the task"),
                 params=[TASK],
@@ -340,6 +362,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
         },
         task_path + "/cancel": {
             "post": _op(
+                "cancelTask",
                 "Cancel a task",
                 _json(200, TaskView, "the task"),
                 params=[TASK, IDEMPOTENCY_KEY],
@@ -349,6 +372,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
         },
         task_path + "/events": {
             "get": _op(
+                "taskEvents",
                 "A task's events as Server-Sent Events, resumable",
                 SSE,
                 params=[TASK, LAST_EVENT_ID, AFTER],
@@ -357,6 +381,39 @@ def task_paths() -> dict[str, dict[str, Any]]:
             )
         },
     }
+
+
+# Where a created resource's id leads: OpenAPI links from a create's response to
+# every operation on what it made, so a client (and a stateful fuzzer) can walk
+# from POST /sandboxes to its commands, saves and their output.
+_IN_PATH = "$request.path.sandbox_id"
+_LINKS: dict[tuple[str, str], tuple[dict[str, str], tuple[str, ...]]] = {
+    ("createSandbox", "201"): (
+        {"sandbox_id": "$response.body#/id"},
+        ("showSandbox", "deleteSandbox", "startSandbox", "stopSandbox", "listSnapshots",
+         "takeSnapshot", "listSaves", "runCommand", "listCommands", "sandboxEvents"),
+    ),
+    ("runCommand", "202"): (
+        {"sandbox_id": _IN_PATH, "command_id": "$response.body#/id"},
+        ("showCommand", "cancelCommand", "commandOutput"),
+    ),
+    ("takeSnapshot", "202"): (
+        {"sandbox_id": _IN_PATH, "save_id": "$response.body#/id"},
+        ("showSave",),
+    ),
+    ("submitTask", "202"): (
+        {"task_id": "$response.body#/id"},
+        ("showTask", "cancelTask", "taskEvents"),
+    ),
+}  # fmt: skip
+
+
+def _add_links(all_paths: dict[str, dict[str, Any]]) -> None:
+    operations = {op["operationId"]: op for ops in all_paths.values() for op in ops.values()}
+    for (source, status), (parameters, targets) in _LINKS.items():
+        operations[source]["responses"][status]["links"] = {
+            target: {"operationId": target, "parameters": parameters} for target in targets
+        }
 
 
 def _any(t: type) -> dict[str, Any]:
@@ -373,6 +430,11 @@ def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
     """What the server checks beyond the types' shapes, said in the schemas too,
     so that every request the document allows is one the server accepts."""
     manifest = components["TaskManifest"]
+    manifest["description"] = (
+        "A task. Rules across fields that a schema cannot state, each refused with 422: "
+        "`hang.cancel_after` longer than `hang.warn_after`; step names unique within "
+        "`pipeline`; not both `repository` and `sandbox.from_snapshot`."
+    )
     # exactly one of `agent` (one command) or a non-empty `pipeline`
     manifest["oneOf"] = [
         {"required": ["agent"], "properties": {"agent": {"type": "object"}}},
@@ -382,9 +444,16 @@ def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
     components["Step"]["oneOf"] = [
         {
             "required": ["agent"],
-            "properties": {"agent": {"type": "object"}, "delivery": {"const": "at_least_once"}},
+            "properties": {
+                "agent": {"type": "object"},
+                "http": {"type": "null"},
+                "delivery": {"const": "at_least_once"},
+            },
         },
-        {"required": ["http"], "properties": {"http": {"type": "object"}}},
+        {
+            "required": ["http"],
+            "properties": {"http": {"type": "object"}, "agent": {"type": "null"}},
+        },
     ]
     # Durations: seconds, (0, 30 days]. Strings such as "90s" or "1h30m" are taken
     # too (docs/tasks.md); the document gives the one form it can bound.
@@ -437,6 +506,7 @@ def document() -> dict[str, Any]:
 
     types += [TaskManifest, TaskView, TaskPage]
     all_paths = {**paths(), **task_paths()}
+    _add_links(all_paths)
     _, components = msgspec.json.schema_components(
         types, schema_hook=_any, ref_template="#/components/schemas/{name}"
     )

@@ -7,7 +7,7 @@ import asyncio
 import nats
 import nats.errors
 from nats.aio.msg import Msg
-from sandhold.bus.follow import Follower
+from sandhold.bus.follow import Follower, pull_batches
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer, free_port
 from sandhold.bus.service import connect
@@ -128,3 +128,77 @@ async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
         await conn.close()
         server.stop()
         await asyncio.sleep(0)
+
+
+# --- pull_batches: the same read, at the reader's pace ------------------------------------
+
+
+async def test_pull_batches_reads_after_a_sequence_in_batches_then_says_when_it_is_idle(
+    nc: nats.NATS, names: Names
+):
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-p1")
+    acks = [await js.publish(subject, str(n).encode()) for n in range(10)]
+    batches = pull_batches(js, names.events_stream, subject, after=acks[2].seq, batch=3, idle_s=0.3)
+    got: list[list[int]] = []
+    sequences: list[int] = []
+    try:
+        async for batch in batches:
+            if not batch:
+                break  # idle: everything there was has been read
+            got.append([int(msg.data) for _, msg in batch])
+            sequences += [seq for seq, _ in batch]
+    finally:
+        await batches.aclose()
+    assert got == [[3, 4, 5], [6, 7, 8], [9]]
+    assert sequences == [ack.seq for ack in acks[3:]]
+
+
+async def test_pull_batches_takes_fewer_big_messages_at_a_time(nc: nats.NATS, names: Names):
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-p2")
+    for n in range(20):
+        await js.publish(subject, str(n % 10).encode() * 10_000)  # 10 KB each
+    batches = pull_batches(
+        js, names.events_stream, subject, after=0, batch=8, batch_bytes=25_000, idle_s=0.3
+    )
+    sizes: list[int] = []
+    try:
+        async for batch in batches:
+            if not batch:
+                break
+            sizes.append(len(batch))
+    finally:
+        await batches.aclose()
+    assert sum(sizes) == 20
+    assert sizes[0] == 8 and max(sizes[1:]) <= 2  # learnt from the first batch's bytes
+
+
+async def test_pull_batches_resumes_after_its_consumer_goes_away(nc: nats.NATS, names: Names):
+    """A consumer removed under the reader (the server's idle clean-up, an
+    operator) is made again after the last sequence handed out."""
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-p3")
+    for n in range(3):
+        await js.publish(subject, str(n).encode())
+    batches = pull_batches(js, names.events_stream, subject, after=0, batch=10, idle_s=0.3)
+    seen: list[int] = []
+    try:
+        first = await anext(batches)
+        seen += [int(m.data) for _, m in first]
+        [info] = [c async for c in _consumers(js, names.events_stream)]
+        await js.delete_consumer(names.events_stream, info)
+        for n in range(3, 6):
+            await js.publish(subject, str(n).encode())
+        async with asyncio.timeout(30):
+            while len(seen) < 6:
+                seen += [int(m.data) for _, m in await anext(batches)]
+    finally:
+        await batches.aclose()
+    assert seen == list(range(6))  # nothing twice, nothing skipped
+    assert [c async for c in _consumers(js, names.events_stream)] == []  # closed, removed
+
+
+async def _consumers(js, stream: str):
+    for info in await js.consumers_info(stream):
+        yield info.name

@@ -13,19 +13,26 @@ the handler once, in stream order, with its sequence and its decoded value.
 * Lenient: a message that does not decode is skipped, logged and counted
   (`undecodable`), never fatal; a handler that raises is logged and counted
   the same way. The position moves on either way, so catching up always ends.
+
+`pull_batches` is the same log read for a reader that sets the pace (an SSE
+client behind a slow socket, a read model committing to SQLite): the next
+batch is fetched only when the reader asks for it, so a reader that falls
+behind costs one batch of memory, not a queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
 
 log = logging.getLogger(__name__)
@@ -148,6 +155,90 @@ async def read_range(
     finally:
         await follower.stop()
     return out
+
+
+async def pull_batches(
+    js: JetStreamContext,
+    stream: str,
+    subject_filter: str,
+    *,
+    after: int,
+    batch: int = 256,
+    batch_bytes: int | None = None,
+    idle_s: float = 5.0,
+    what: str = "events",
+) -> AsyncIterator[list[tuple[int, Msg]]]:
+    """Every message matching `subject_filter` after sequence `after`, in stream
+    order and in batches of at most `batch` (and, given `batch_bytes`, about that
+    many bytes: big messages come fewer at a time), then new ones as they come.
+
+    A batch is fetched only when the caller asks for the next one. An empty
+    batch means `idle_s` passed with nothing new (a quiet log, or a bus that is
+    away): a caller can send a keep-alive or give up. A consumer that fails or
+    goes away (a restart, a reconnect, the server's idle clean-up) is made again
+    after the last sequence handed out, so nothing is skipped or repeated.
+    """
+    position = after
+    size = batch
+    delay = 0.5
+    while True:
+        consumer = f"pull-{uuid.uuid4().hex}"
+        sub = None
+        try:
+            # Inside the try: while NATS is away, making the consumer fails too.
+            await js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    name=consumer,
+                    filter_subject=subject_filter,
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=position + 1,
+                    ack_policy=AckPolicy.NONE,
+                    # The server drops the consumer of a reader that vanished.
+                    inactive_threshold=max(30.0, 4 * idle_s),
+                ),
+            )
+            sub = await js.pull_subscribe_bind(consumer=consumer, stream=stream)
+            delay = 0.5
+            while True:
+                try:
+                    msgs = await sub.fetch(size, timeout=idle_s)
+                except TimeoutError:
+                    yield []
+                    await sub.consumer_info()  # raises if the consumer went away
+                    continue
+                if batch_bytes is not None:
+                    got = sum(len(m.data) for m in msgs)
+                    size = max(1, min(batch, batch_bytes * len(msgs) // max(1, got)))
+                fresh = [(seq, m) for m in msgs if (seq := stream_sequence(m)) > position]
+                if fresh:
+                    yield fresh
+                    position = fresh[-1][0]
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a lost consumer is made again
+            log.info("reading %s on %s: %s; resuming after %d", what, subject_filter, err, position)
+        finally:
+            if sub is not None:
+                # A reader that is cancelled (a client gone: its whole scope is
+                # cancelled) must not leave the consumer behind: shield the clean-up.
+                cleanup = asyncio.ensure_future(_remove(js, stream, consumer, sub))
+                _removing.add(cleanup)
+                cleanup.add_done_callback(_removing.discard)
+                await asyncio.shield(cleanup)
+        yield []  # the caller hears of the wait as of a quiet log
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+_removing: set[asyncio.Future] = set()  # clean-ups running on after a cancellation
+
+
+async def _remove(js: JetStreamContext, stream: str, consumer: str, sub) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(sub.unsubscribe(), 5)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(js.delete_consumer(stream, consumer), 5)
 
 
 def stream_sequence(msg: Msg) -> int:

@@ -26,9 +26,9 @@ import aiosqlite
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.follow import pull_batches
 from sandhold.bus.names import Names
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
@@ -345,35 +345,19 @@ class ReadModel:
                 await asyncio.sleep(1.0)
 
     async def _follow_once(self, js: JetStreamContext, batch: int) -> None:
-        sub = await self._subscribe(js, self.position + 1)
+        batches = self._batches(js, self.position, batch, idle_s=5.0)
         try:
-            idle = 0
-            while True:
-                try:
-                    msgs = await sub.fetch(batch, timeout=5)
-                except TimeoutError:
-                    idle += 1
-                    if idle % 6 == 0:
-                        await sub.consumer_info()  # raises if the consumer went away
-                    continue
-                idle = 0
-                await self.apply(_triples(msgs))
+            async for msgs in batches:
+                if msgs:
+                    await self.apply(_triples(msgs))
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await batches.aclose()
 
-    async def _subscribe(self, js: JetStreamContext, start_seq: int):
-        return await js.pull_subscribe(
-            f"{self.names.prefix}.ev.>",
-            durable=None,
-            stream=self.names.events_stream,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=max(1, start_seq),
-                ack_policy=AckPolicy.NONE,
-                inactive_threshold=120.0,
-            ),
-        )
+    def _batches(self, js: JetStreamContext, after: int, batch: int, *, idle_s: float):
+        return pull_batches(
+            js, self.names.events_stream, f"{self.names.prefix}.ev.>",
+            after=after, batch=batch, idle_s=idle_s, what="the read model's events",
+        )  # fmt: skip
 
     async def log_end(self, js: JetStreamContext) -> int:
         return await last_sequence(js, self.names.events_stream, f"{self.names.prefix}.ev.>")
@@ -391,14 +375,16 @@ class ReadModel:
                     await self._writer.execute(f"DELETE FROM {table}")
                 position = 0
                 if target > 0:
-                    sub = await self._subscribe(js, 1)
+                    batches = self._batches(js, 0, batch, idle_s=10.0)
                     try:
-                        while position < target:
-                            msgs = await sub.fetch(batch, timeout=10)
+                        async for msgs in batches:
+                            if not msgs:
+                                raise TimeoutError(f"rebuild: the log stopped short of {target}")
                             _, position = await self._apply_in_transaction(_triples(msgs), position)
+                            if position >= target:
+                                break
                     finally:
-                        with contextlib.suppress(Exception):
-                            await sub.unsubscribe()
+                        await batches.aclose()
                 else:
                     await self._apply_in_transaction([], 0)
                 await self._writer.execute("COMMIT")
@@ -425,8 +411,8 @@ class ReadModel:
             return list(await cur.fetchall())
 
 
-def _triples(msgs: list[Msg]) -> list[tuple[int, str, bytes]]:
-    return [(m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+def _triples(msgs: list[tuple[int, Msg]]) -> list[tuple[int, str, bytes]]:
+    return [(seq, m.subject, m.data) for seq, m in msgs]
 
 
 # Row shapes, shared with `sandhold replay --verify` (which rebuilds them from a

@@ -50,6 +50,8 @@ def task_id_for(tenant: str, key: str) -> str:
 # --- requests ----------------------------------------------------------------
 
 
+# Subclasses repeat `frozen=True`: msgspec inherits it, but type checkers only
+# read the keywords of the class itself.
 class TaskRequest(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True
 ):
@@ -57,11 +59,11 @@ class TaskRequest(
     tenant: Tenant = "default"
 
 
-class SubmitTask(TaskRequest, tag="task.submit"):
+class SubmitTask(TaskRequest, tag="task.submit", frozen=True):
     manifest: TaskManifest
 
 
-class CancelTask(TaskRequest, tag="task.cancel"):
+class CancelTask(TaskRequest, tag="task.cancel", frozen=True):
     task_id: TaskId
 
 

@@ -92,7 +92,9 @@ async def test_events_tail_follows_stored_events_only(up: Up):
             assert tail.stderr is not None
             assert "following" in tail.stderr.readline()  # subscribed before we act
             subject = Names(up.runtime["prefix"]).events("sandbox", sandbox_id)
-            await publish_refused(nc.jetstream(), subject, sandbox_id, SandboxDeleted(host="local", generation=1))
+            await publish_refused(
+                nc.jetstream(), subject, sandbox_id, SandboxDeleted(host="local", generation=1)
+            )
             up.cli("exec", sandbox_id, "--", "true")
             out, _ = tail.communicate(timeout=30)
         finally:

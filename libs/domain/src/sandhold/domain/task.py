@@ -263,8 +263,8 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
             )
         case ev.TaskHangWarned():
             state = replace(state, hang_warnings=state.hang_warnings + 1)
-            record = state.steps.get(event.step_id)
-            if record is None or record.command_id != event.command_id:
+            current = state.steps.get(event.step_id)
+            if current is None or current.command_id != event.command_id:
                 return state  # about an earlier attempt's command
             return _update_step(state, event.step_id, None, hang_warned=True)
         case ev.TaskCancelRequested():

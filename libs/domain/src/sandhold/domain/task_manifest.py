@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -137,7 +138,8 @@ class RecordedHangPolicy(_Recorded, frozen=True):
 class RecordedManifest(_Recorded, frozen=True):
     name: str
     agent: RecordedAgentCommand | None = None
-    pipeline: list[RecordedStep] = []
+    # A Sequence (read-only; decoded as a list): TaskManifest narrows it to its strict Step.
+    pipeline: Sequence[RecordedStep] = []
     repository: RecordedRepository | None = None
     sandbox: RecordedSandboxSpec = RecordedSandboxSpec()
     environment: dict[str, str] = {}
@@ -148,7 +150,7 @@ class RecordedManifest(_Recorded, frozen=True):
     on_infrastructure_lost: str = "fail"
 
     @property
-    def steps(self) -> list[RecordedStep]:
+    def steps(self) -> Sequence[RecordedStep]:
         if self.agent is not None:
             return [RecordedStep(name="agent", agent=self.agent)]
         return self.pipeline

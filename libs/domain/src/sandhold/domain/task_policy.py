@@ -42,15 +42,15 @@ def passed_limit(state: tk.Task, now: float) -> Limit | None:
     while a command runs: its host ends it on time)."""
     backstop = _backstop(state)
     for which in ("task", "stage"):
-        deadline = tk.deadline(state, which)  # type: ignore[arg-type]
+        deadline = tk.deadline(state, which)
         if deadline is not None and now >= deadline + backstop:
-            return which  # type: ignore[return-value]
+            return which
     return None
 
 
 def time_to_next_limit(state: tk.Task, now: float) -> float:
     """Seconds until a limit passes (`math.inf`: none is set), never negative."""
-    deadlines = [d for w in ("task", "stage") if (d := tk.deadline(state, w)) is not None]  # type: ignore[arg-type]
+    deadlines = [d for w in ("task", "stage") if (d := tk.deadline(state, w)) is not None]
     if not deadlines:
         return math.inf
     return max(0.0, min(deadlines) + _backstop(state) - now)
@@ -183,7 +183,7 @@ def run_request(state: tk.Task, instance: tk.StepInstance, record: tk.StepRecord
         env["SANDHOLD_ITEM"] = instance.item
     limits = [float(agent.timeout)] if agent.timeout else []
     for which in ("stage", "task"):
-        deadline = tk.deadline(state, which)  # type: ignore[arg-type]
+        deadline = tk.deadline(state, which)
         if deadline is not None:
             limits.append(max(1.0, deadline - record.claimed_at))
     return rq.RunCommand(

@@ -70,7 +70,7 @@ class DirtyLoop:
 
 async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
     """Publish to `<prefix>.work.<host>`; the deterministic id makes a resend harmless."""
-    headers = {Header.MSG_ID: work.msg_id}
+    headers: dict[str, str] = {Header.MSG_ID: work.msg_id}
     traceparent = context.traceparent()
     if traceparent:
         headers[context.TRACEPARENT] = traceparent

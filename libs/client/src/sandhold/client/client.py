@@ -27,6 +27,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.commands import END_STATES as _END_STATES
+from sandhold.domain.commands import is_end_state
 from sandhold.domain.envelope import Envelope, Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
@@ -151,8 +152,8 @@ class Client:
         from_snapshot: str | None = None,
         save_interval_s: float | None = None,
         stop_deadline_s: float | None = None,
-        recovery: str | None = None,
-        network: str = "none",
+        recovery: rq.Recovery | None = None,
+        network: rq.Network = "none",
         image: str | None = None,
         pids_limit: int | None = None,
         cpu_limit: float | None = None,
@@ -167,7 +168,7 @@ class Client:
                 save_interval_s=save_interval_s,
                 stop_deadline_s=stop_deadline_s,
                 recovery=recovery,
-                network=network,  # type: ignore[arg-type]  # checked by the request
+                network=network,
                 image=image,
                 pids_limit=pids_limit,
                 cpu_limit=cpu_limit,
@@ -383,8 +384,9 @@ class Client:
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         subject = self.names.output(sandbox_id, command_id) + ".*"
         for msg in await read_subjects(self.js, self.names.output_stream, subject, raw=True):
-            stream = msg.headers[STREAM_HEADER]
-            offset = int(msg.headers[OFFSET_HEADER])
+            headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
+            stream = headers[STREAM_HEADER]
+            offset = int(headers[OFFSET_HEADER])
             buf = out.setdefault(stream, bytearray())
             if offset == len(buf):
                 buf += msg.data
@@ -441,7 +443,8 @@ class Client:
                 ended.set_result((envelope.time, event))
 
         async def on_chunk(msg: Msg) -> None:
-            printer.live(msg.headers[STREAM_HEADER], int(msg.headers[OFFSET_HEADER]), msg.data)
+            headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
+            printer.live(headers[STREAM_HEADER], int(headers[OFFSET_HEADER]), msg.data)
 
         # The end state comes from JetStream's own delivery, so it is one the
         # stream has stored: a core subscription would also hear an append the
@@ -514,7 +517,8 @@ class Client:
                 pass
             state = await self.sandbox_state(sandbox_id)
             command = state.commands.get(command_id) if state is not None else None
-            if command is not None and command.ended:
+            # `command.ended`, as a check that also narrows the state's type
+            if command is not None and is_end_state(command.state):
                 return command.ended_at or 0.0, ev.CommandEnded(
                     command_id=command.id,
                     state=command.state,

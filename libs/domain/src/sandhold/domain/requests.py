@@ -50,6 +50,8 @@ Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
 # A sandbox's network: its own loopback only, or outbound through user-mode
 # networking (docs/isolation.md). The host's loopback is unreachable in both.
 Network = Literal["none", "egress"]
+# After a host failure: recover when next used, or at once.
+Recovery = Literal["lazy", "eager"]
 # The read-only base of the sandbox's root: a directory under one of its host's
 # image directories, by name or absolute path (the host refuses anything else,
 # so no caller can make a host directory such as / into a sandbox's base).
@@ -65,7 +67,7 @@ class CreateSandbox(Request, tag="sandbox.create", frozen=True):
     from_snapshot: SaveId | None = None  # a Snapshot's id: its files are the starting point
     save_interval_s: Interval | None = None  # default: the scheduler's (30 s)
     stop_deadline_s: Deadline | None = None  # default: the scheduler's (60 s)
-    recovery: Literal["lazy", "eager"] | None = None  # after a host failure (default lazy)
+    recovery: Recovery | None = None  # default lazy
     # A save the caller staged in the store for this very sandbox (its manifest
     # names the new sandbox's id), e.g. a task's checked-out repository.
     seed: SaveId | None = None

@@ -422,7 +422,8 @@ class ReadModel:
     async def query(self, sql: str, params: tuple = ()) -> list[tuple]:
         assert self._reader is not None
         async with self._reader.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+            # aiosqlite says sqlite3.Row; without a row_factory sqlite3 gives plain tuples.
+            return list(await cur.fetchall())  # type: ignore[arg-type]
 
 
 def _triples(msgs: list[Msg]) -> list[tuple[int, str, bytes]]:

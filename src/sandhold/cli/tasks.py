@@ -184,7 +184,8 @@ async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
                 break
             await changed.wait()
     finally:
-        for follower in [events, *followers]:
+        stopping: list[Follower[Envelope] | Follower[bytes]] = [events, *followers]
+        for follower in stopping:
             with contextlib.suppress(Exception):
                 await follower.stop()
     view = task_view(state)

@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypedDict
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -58,6 +59,14 @@ class CommandResult(msgspec.Struct, kw_only=True):
     command: CommandView
     stdout: bytes = b""
     stderr: bytes = b""
+
+
+class HostListing(TypedDict):
+    """`list_hosts`: each host as a JSON-ready dict, and the lease settings."""
+
+    hosts: list[dict[str, object]]
+    lease_ttl_s: float
+    fence_margin_s: float
 
 
 class Client:
@@ -224,7 +233,7 @@ class Client:
             sandbox_id, settled, timeout=timeout, what=f"save {save_id} to settle"
         )
 
-    async def list_hosts(self) -> dict[str, object]:
+    async def list_hosts(self) -> HostListing:
         """Hosts with their status (live / suspect / lost / fenced / down), lease
         ages, and the lease settings the services use."""
         states: dict[str, Host | None] = await self.fold_all("host", evolve_host)
@@ -235,7 +244,7 @@ class Client:
         for view in await self.list_sandboxes():
             if view.host and view.phase in sb.ACTIVE_PHASES:
                 placed[view.host] = placed.get(view.host, 0) + 1
-        hosts = []
+        hosts: list[dict[str, object]] = []
         for host_id, state in sorted(states.items()):
             if state is None:
                 continue

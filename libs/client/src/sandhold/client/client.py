@@ -7,7 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -51,6 +51,8 @@ _reply_decoder = msgspec.json.Decoder(Reply)
 _task_reply_decoder = msgspec.json.Decoder(TaskReply)
 
 OutputCallback = Callable[[str, bytes], None]
+S = TypeVar("S")  # an aggregate's folded state
+R = TypeVar("R")  # what a wait returns once its check finds it
 
 
 class CommandResult(msgspec.Struct, kw_only=True):
@@ -328,7 +330,9 @@ class Client:
             key=lambda v: v.submitted_at,
         )
 
-    async def wait_for_task(self, task_id: str, check, *, timeout: float, what: str):
+    async def wait_for_task(
+        self, task_id: str, check: Callable[[tk.Task], R | None], *, timeout: float, what: str
+    ) -> R:
         """Re-fold the task whenever one of its events arrives until `check(state)`
         returns something."""
         return await self._wait_for("task", task_id, self.task_state, check, timeout, what)
@@ -356,9 +360,11 @@ class Client:
         """Whether the sandbox is this tenant's (`ownership`)."""
         return await tenant_of(self.js, self.names, "sandbox", sandbox_id) == self.tenant
 
-    async def fold_all(self, kind: str, evolve) -> dict:
+    async def fold_all(
+        self, kind: str, evolve: Callable[[S | None, Envelope], S | None]
+    ) -> dict[str, S | None]:
         """Every aggregate of a kind, folded from the log: id -> state."""
-        states: dict = {}
+        states: dict[str, S | None] = {}
         for record in await read_subjects(
             self.js, self.names.events_stream, self.names.events(kind, "*")
         ):
@@ -563,12 +569,27 @@ class Client:
             what=f"phase {sorted(phases)}",
         )
 
-    async def wait_for(self, sandbox_id: str, check, *, timeout: float, what: str):
+    async def wait_for(
+        self,
+        sandbox_id: str,
+        check: Callable[[sb.Sandbox], R | None],
+        *,
+        timeout: float,
+        what: str,
+    ) -> R:
         """Re-fold the sandbox whenever one of its events arrives (and every
         second regardless) until `check(state)` returns something."""
         return await self._wait_for("sandbox", sandbox_id, self.sandbox_state, check, timeout, what)
 
-    async def _wait_for(self, kind: str, aggregate_id: str, read, check, timeout, what):
+    async def _wait_for(
+        self,
+        kind: str,
+        aggregate_id: str,
+        read: Callable[[str], Awaitable[S | None]],
+        check: Callable[[S], R | None],
+        timeout: float,
+        what: str,
+    ) -> R:
         changed = asyncio.Event()
 
         async def on_event(msg: Msg) -> None:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from sandhold.telemetry.log_metrics import CATALOG, Labels, LogMetrics, Metric
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import Counter, Histogram, Meter
+    from collections.abc import Callable
+
+    from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
 _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -144,23 +146,23 @@ def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
     return port
 
 
-def export_log_metrics(folded: LogMetrics, *, clock=time.time) -> None:
+def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.time) -> None:
     """Publish `folded`'s counters and gauges (read at scrape time) and every
     histogram value it observes from now on. Call before folding the first event,
     so the histograms hold the whole log."""
     assert _meter is not None, "serve() first"
     from opentelemetry.metrics import Observation
 
-    def counter(name: str):
+    def counter(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         # Called from the Prometheus server's thread: read copies (`LogMetrics.gauges`).
         return lambda _options: [Observation(v, dict(k)) for k, v in folded.counter_series(name)]
 
-    def gauge(name: str):
+    def gauge(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda _options: [
             Observation(v, dict(k)) for k, v in folded.gauges(clock())[name].items()
         ]
 
-    histograms = {}
+    histograms: dict[str, Histogram] = {}
     for metric in CATALOG:
         name = _instrument_name(metric)
         if metric.kind == "counter":

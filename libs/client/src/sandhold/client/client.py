@@ -431,7 +431,7 @@ class Client:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 5.0,
-        user: str = "user",
+        user: rq.CommandUser = "user",
         on_output: OutputCallback | None = None,
         wait_timeout: float | None = None,
     ) -> CommandResult:
@@ -489,7 +489,7 @@ class Client:
                     env=env or {},
                     timeout_s=timeout_s,
                     kill_grace_s=kill_grace_s,
-                    user=user,  # type: ignore[arg-type]  # checked by the request
+                    user=user,
                 )
             )
             assert reply.command is not None

@@ -296,13 +296,16 @@ class TaskStageEntered(TaskEvent, tag="task.stage_entered", frozen=True):
     stage: Literal["staging", "provisioning", "running", "completing"]
 
 
+OperationErrorClass = Literal["network", "placement", "permanent", "infrastructure_lost"]
+
+
 class TaskOperationFailed(TaskEvent, tag="task.operation_failed", frozen=True):
     """One attempt at an operation failed. `retry_at` is set when another
     attempt follows (the backoff chosen, so a restart waits the same)."""
 
     operation: str  # "clone" | "provision" | a step instance id
     attempt: int
-    error_class: Literal["network", "placement", "permanent", "infrastructure_lost"]
+    error_class: OperationErrorClass
     reason: str
     detail: str = ""
     retry_at: float | None = None

@@ -245,7 +245,7 @@ class RetryPolicy(RecordedRetryPolicy, frozen=True, forbid_unknown_fields=True):
 class HangPolicy(RecordedHangPolicy, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _strict_durations(self)
-        if self.cancel_after <= self.warn_after:  # type: ignore[operator]
+        if float(self.cancel_after) <= float(self.warn_after):  # floats once parsed above
             raise ValueError("`cancel_after` must be longer than `warn_after`")
 
 

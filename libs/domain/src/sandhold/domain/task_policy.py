@@ -80,7 +80,7 @@ def attempt_failed(
     operation: str,
     *,
     attempt: int,
-    error_class: str,
+    error_class: ev.OperationErrorClass,
     reason: str,
     detail: str,
     budget: int,
@@ -99,7 +99,7 @@ def attempt_failed(
     return ev.TaskOperationFailed(
         operation=operation,
         attempt=attempt,
-        error_class=error_class,  # type: ignore[arg-type]
+        error_class=error_class,
         reason=reason,
         detail=detail[-2000:],
         retry_at=retry_at,
@@ -142,19 +142,14 @@ def step_failed(
     records its end again, whereas a failure recorded without its decision
     would end the task although a retry was due. A failure for the task's
     time limit ends the task with it."""
-    extra: dict[str, object] = {}
-    if output is not None:
-        extra["output"] = output
-    if exit_code is not None:
-        extra["exit_code"] = exit_code
-    if end_state is not None:
-        extra["end_state"] = end_state
     failed = ev.TaskStepFailed(
         step_id=record.id,
         attempt=record.attempt,
         reason=reason,
         detail=detail,
-        **extra,  # type: ignore[arg-type]
+        output="" if output is None else output,  # the field's default when not given
+        exit_code=exit_code,
+        end_state=end_state,
     )
     events: list[ev.AnyEvent] = [failed] if retry is None else [retry, failed]
     if reason == "task_timeout":

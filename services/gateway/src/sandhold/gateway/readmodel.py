@@ -278,16 +278,17 @@ class ReadModel:
         state, seq = self._cache[key]
         if state is None:
             return
+        assert self._writer is not None
         kind = key[0]
         if kind == "sandbox":
             await self._write_sandbox(state, seq, old)
         elif kind == "host":
-            await self._writer.execute(  # type: ignore[union-attr]
+            await self._writer.execute(
                 "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
                 (state.host, state.status, state.epoch, seq, _json.encode(state)),
             )
         else:
-            await self._writer.execute(  # type: ignore[union-attr]
+            await self._writer.execute(
                 "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 task_row(state, seq),
             )

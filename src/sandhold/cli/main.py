@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from sandhold.client import Client, CommandResult, connect
@@ -34,7 +35,7 @@ EXIT_REJECTED = 2
 EXIT_UNREACHABLE = 3
 
 
-def _runtime(data_dir: Path) -> dict[str, str]:
+def _runtime(data_dir: Path) -> dict[str, Any]:  # `up`'s runtime.json: strings, numbers, maps
     try:
         return json.loads((data_dir / "runtime.json").read_text())
     except (OSError, ValueError):

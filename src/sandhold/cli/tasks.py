@@ -8,6 +8,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import msgspec
 from nats.aio.msg import Msg
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("--key", help="idempotency key (default: a new one)")
     submit.add_argument("--watch", action="store_true", help="then watch it until it ends")
     ls = actions.add_parser("ls")
-    ls.add_argument("--state", choices=sorted(tk.TaskState.__args__))  # type: ignore[attr-defined]
+    ls.add_argument("--state", choices=sorted(get_args(tk.TaskState)))
     for name in ("show", "watch", "cancel"):
         actions.add_parser(name).add_argument("id")
     artifact = actions.add_parser("artifact", help="write one of a task's artifacts to stdout")
@@ -184,7 +185,8 @@ async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
                 break
             await changed.wait()
     finally:
-        for follower in [events, *followers]:
+        stopping: list[Follower[Envelope] | Follower[bytes]] = [events, *followers]
+        for follower in stopping:
             with contextlib.suppress(Exception):
                 await follower.stop()
     view = task_view(state)

@@ -307,6 +307,7 @@ class Runtime:
         # Scheduler first, so no new work lands while host-agents wind down.
         for child in self.children:
             if child.alive():
+                assert child.process is not None  # alive() says so
                 child.process.send_signal(signal.SIGTERM)
                 await _wait_exit(child, 30.0)
 
@@ -332,6 +333,7 @@ async def _wait_exit(child: Child, timeout: float) -> None:
     while child.alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if child.alive():
+        assert child.process is not None  # alive() says so
         child.process.kill()
         child.process.wait()
 

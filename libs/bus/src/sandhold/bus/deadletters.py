@@ -17,6 +17,7 @@ import logging
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
 from sandhold.bus.codec import REPLY_HEADER
 from sandhold.telemetry import metrics
@@ -39,7 +40,7 @@ def advisory_subject(stream: str, consumer: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}"
 
 
-async def watch(nc: NATS, stream: str, consumer: str, *, what: str):
+async def watch(nc: NATS, stream: str, consumer: str, *, what: str) -> Subscription:
     """Handle the advisories of one durable consumer; returns the subscription."""
     js = nc.jetstream()
 

@@ -70,7 +70,7 @@ class Follower(Generic[T]):
         self.failed = 0
         self.caught_up = asyncio.Event()
         self._target = 0
-        self._sub: object | None = None
+        self._sub: JetStreamContext.PushSubscription | None = None
 
     async def start(self, *, timeout: float | None = 60.0, target: int | None = None) -> None:
         """Subscribe, then wait (up to `timeout`; None: not at all) until every
@@ -102,7 +102,7 @@ class Follower(Generic[T]):
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
-            await sub.unsubscribe()  # type: ignore[attr-defined]
+            await sub.unsubscribe()
 
     async def _on_msg(self, msg: Msg) -> None:
         seq = stream_sequence(msg)

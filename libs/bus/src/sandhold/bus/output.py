@@ -43,7 +43,7 @@ class OutputLog:
         tail = bytearray()
         start: int | None = None
         for msg in await read_subjects(js, name, subject, raw=True, start_seq=lo):
-            offset = int(msg.headers[OFFSET_HEADER])
+            offset = int((msg.headers or {})[OFFSET_HEADER])  # every chunk has it
             if start is None:
                 start = offset
             end = start + len(tail)

@@ -34,8 +34,15 @@ async def read_subjects(
     timeout: float = 60.0,
 ) -> list[Msg]: ...
 async def read_subjects(
-    js, stream, subject_filter, *, raw=False, start_seq=1, until_seq=None, timeout=60.0
-):
+    js: JetStreamContext,
+    stream: str,
+    subject_filter: str,
+    *,
+    raw: bool = False,
+    start_seq: int = 1,
+    until_seq: int | None = None,
+    timeout: float = 60.0,
+) -> list[Recorded] | list[Msg]:
     """Every message matching `subject_filter` from `start_seq` up to the last one
     present when the read began (or `until_seq`), decoded unless `raw`; an
     event that does not decode is skipped (and counted) as the live folds skip it."""

@@ -70,7 +70,7 @@ class DirtyLoop:
 
 async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
     """Publish to `<prefix>.work.<host>`; the deterministic id makes a resend harmless."""
-    headers = {Header.MSG_ID: work.msg_id}
+    headers: dict[str, str] = {Header.MSG_ID: work.msg_id}
     traceparent = context.traceparent()
     if traceparent:
         headers[context.TRACEPARENT] = traceparent
@@ -82,7 +82,13 @@ async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork
     )
 
 
-async def consume(sub, handle: Callable[[Msg], Awaitable[None]], *, batch: int, what: str) -> None:
+async def consume(
+    sub: JetStreamContext.PullSubscription,
+    handle: Callable[[Msg], Awaitable[None]],
+    *,
+    batch: int,
+    what: str,
+) -> None:
     """Take messages off a durable pull consumer forever, one at a time.
 
     Nothing stops the loop: a fetch that fails (a reconnect, a server busy

@@ -205,6 +205,7 @@ class AggregateStore(Generic[S]):
             if not events:
                 return Executed(state, seq, [])
             with context.span(
+                # (the ignore: our tags are all str; msgspec's may be int)
                 "append " + " ".join(e.__struct_config__.tag for e in events),  # type: ignore[misc]
                 kind="producer",
                 **{f"{self._kind}_id": aggregate_id},

@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypedDict, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -27,6 +28,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.commands import END_STATES as _END_STATES
+from sandhold.domain.commands import is_end_state
 from sandhold.domain.envelope import Envelope, Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
@@ -49,6 +51,8 @@ _reply_decoder = msgspec.json.Decoder(Reply)
 _task_reply_decoder = msgspec.json.Decoder(TaskReply)
 
 OutputCallback = Callable[[str, bytes], None]
+S = TypeVar("S")  # an aggregate's folded state
+R = TypeVar("R")  # what a wait returns once its check finds it
 
 
 class CommandResult(msgspec.Struct, kw_only=True):
@@ -57,6 +61,14 @@ class CommandResult(msgspec.Struct, kw_only=True):
     command: CommandView
     stdout: bytes = b""
     stderr: bytes = b""
+
+
+class HostListing(TypedDict):
+    """`list_hosts`: each host as a JSON-ready dict, and the lease settings."""
+
+    hosts: list[dict[str, object]]
+    lease_ttl_s: float
+    fence_margin_s: float
 
 
 class Client:
@@ -151,8 +163,8 @@ class Client:
         from_snapshot: str | None = None,
         save_interval_s: float | None = None,
         stop_deadline_s: float | None = None,
-        recovery: str | None = None,
-        network: str = "none",
+        recovery: rq.Recovery | None = None,
+        network: rq.Network = "none",
         image: str | None = None,
         pids_limit: int | None = None,
         cpu_limit: float | None = None,
@@ -167,7 +179,7 @@ class Client:
                 save_interval_s=save_interval_s,
                 stop_deadline_s=stop_deadline_s,
                 recovery=recovery,
-                network=network,  # type: ignore[arg-type]  # checked by the request
+                network=network,
                 image=image,
                 pids_limit=pids_limit,
                 cpu_limit=cpu_limit,
@@ -223,7 +235,7 @@ class Client:
             sandbox_id, settled, timeout=timeout, what=f"save {save_id} to settle"
         )
 
-    async def list_hosts(self) -> dict[str, object]:
+    async def list_hosts(self) -> HostListing:
         """Hosts with their status (live / suspect / lost / fenced / down), lease
         ages, and the lease settings the services use."""
         states: dict[str, Host | None] = await self.fold_all("host", evolve_host)
@@ -234,7 +246,7 @@ class Client:
         for view in await self.list_sandboxes():
             if view.host and view.phase in sb.ACTIVE_PHASES:
                 placed[view.host] = placed.get(view.host, 0) + 1
-        hosts = []
+        hosts: list[dict[str, object]] = []
         for host_id, state in sorted(states.items()):
             if state is None:
                 continue
@@ -318,7 +330,9 @@ class Client:
             key=lambda v: v.submitted_at,
         )
 
-    async def wait_for_task(self, task_id: str, check, *, timeout: float, what: str):
+    async def wait_for_task(
+        self, task_id: str, check: Callable[[tk.Task], R | None], *, timeout: float, what: str
+    ) -> R:
         """Re-fold the task whenever one of its events arrives until `check(state)`
         returns something."""
         return await self._wait_for("task", task_id, self.task_state, check, timeout, what)
@@ -346,9 +360,11 @@ class Client:
         """Whether the sandbox is this tenant's (`ownership`)."""
         return await tenant_of(self.js, self.names, "sandbox", sandbox_id) == self.tenant
 
-    async def fold_all(self, kind: str, evolve) -> dict:
+    async def fold_all(
+        self, kind: str, evolve: Callable[[S | None, Envelope], S | None]
+    ) -> dict[str, S | None]:
         """Every aggregate of a kind, folded from the log: id -> state."""
-        states: dict = {}
+        states: dict[str, S | None] = {}
         for record in await read_subjects(
             self.js, self.names.events_stream, self.names.events(kind, "*")
         ):
@@ -383,8 +399,9 @@ class Client:
         out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
         subject = self.names.output(sandbox_id, command_id) + ".*"
         for msg in await read_subjects(self.js, self.names.output_stream, subject, raw=True):
-            stream = msg.headers[STREAM_HEADER]
-            offset = int(msg.headers[OFFSET_HEADER])
+            headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
+            stream = headers[STREAM_HEADER]
+            offset = int(headers[OFFSET_HEADER])
             buf = out.setdefault(stream, bytearray())
             if offset == len(buf):
                 buf += msg.data
@@ -414,7 +431,7 @@ class Client:
         env: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 5.0,
-        user: str = "user",
+        user: rq.CommandUser = "user",
         on_output: OutputCallback | None = None,
         wait_timeout: float | None = None,
     ) -> CommandResult:
@@ -441,7 +458,8 @@ class Client:
                 ended.set_result((envelope.time, event))
 
         async def on_chunk(msg: Msg) -> None:
-            printer.live(msg.headers[STREAM_HEADER], int(msg.headers[OFFSET_HEADER]), msg.data)
+            headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
+            printer.live(headers[STREAM_HEADER], int(headers[OFFSET_HEADER]), msg.data)
 
         # The end state comes from JetStream's own delivery, so it is one the
         # stream has stored: a core subscription would also hear an append the
@@ -471,7 +489,7 @@ class Client:
                     env=env or {},
                     timeout_s=timeout_s,
                     kill_grace_s=kill_grace_s,
-                    user=user,  # type: ignore[arg-type]  # checked by the request
+                    user=user,
                 )
             )
             assert reply.command is not None
@@ -514,7 +532,8 @@ class Client:
                 pass
             state = await self.sandbox_state(sandbox_id)
             command = state.commands.get(command_id) if state is not None else None
-            if command is not None and command.ended:
+            # `command.ended`, as a check that also narrows the state's type
+            if command is not None and is_end_state(command.state):
                 return command.ended_at or 0.0, ev.CommandEnded(
                     command_id=command.id,
                     state=command.state,
@@ -550,12 +569,27 @@ class Client:
             what=f"phase {sorted(phases)}",
         )
 
-    async def wait_for(self, sandbox_id: str, check, *, timeout: float, what: str):
+    async def wait_for(
+        self,
+        sandbox_id: str,
+        check: Callable[[sb.Sandbox], R | None],
+        *,
+        timeout: float,
+        what: str,
+    ) -> R:
         """Re-fold the sandbox whenever one of its events arrives (and every
         second regardless) until `check(state)` returns something."""
         return await self._wait_for("sandbox", sandbox_id, self.sandbox_state, check, timeout, what)
 
-    async def _wait_for(self, kind: str, aggregate_id: str, read, check, timeout, what):
+    async def _wait_for(
+        self,
+        kind: str,
+        aggregate_id: str,
+        read: Callable[[str], Awaitable[S | None]],
+        check: Callable[[S], R | None],
+        timeout: float,
+        what: str,
+    ) -> R:
         changed = asyncio.Event()
 
         async def on_event(msg: Msg) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeGuard, get_args
 
 CommandEndState = Literal[
     "exited",  # the program ended, with its exit_code
@@ -16,4 +16,8 @@ CommandEndState = Literal[
 ]
 CommandState = Literal["queued", "dispatched", "running"] | CommandEndState
 
-END_STATES: frozenset[str] = frozenset(CommandEndState.__args__)  # type: ignore[attr-defined]
+END_STATES: frozenset[str] = frozenset(get_args(CommandEndState))
+
+
+def is_end_state(state: str) -> TypeGuard[CommandEndState]:
+    return state in END_STATES

@@ -26,6 +26,7 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def type(self) -> str:
+        # (the ignore: our tags are all str; msgspec's may be int)
         return type(self.event).__struct_config__.tag  # type: ignore[return-value]
 
 

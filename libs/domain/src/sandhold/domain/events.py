@@ -15,6 +15,8 @@ from sandhold.domain.commands import CommandEndState
 from sandhold.domain.task_manifest import RecordedManifest
 
 
+# Subclasses repeat `frozen=True`: msgspec inherits it, but type checkers only
+# read the keywords of the class itself.
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Base of every event."""
 
@@ -22,7 +24,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
 # --- sandbox lifecycle -------------------------------------------------------
 
 
-class SandboxCreated(Event, tag="sandbox.created"):
+class SandboxCreated(Event, tag="sandbox.created", frozen=True):
     sandbox_id: str
     request_key: str
     request_digest: str
@@ -40,7 +42,7 @@ class SandboxCreated(Event, tag="sandbox.created"):
     disk_limit_bytes: int | None = None  # the persistent layer's quota; None: none
 
 
-class SandboxPlaced(Event, tag="sandbox.placed"):
+class SandboxPlaced(Event, tag="sandbox.placed", frozen=True):
     """The scheduler chose a host; `generation` grows on every (re)placement."""
 
     host: str
@@ -50,47 +52,47 @@ class SandboxPlaced(Event, tag="sandbox.placed"):
     restore_save_id: str | None = None
 
 
-class SandboxStarting(Event, tag="sandbox.starting"):
+class SandboxStarting(Event, tag="sandbox.starting", frozen=True):
     """The host-agent took the start instruction and is preparing the sandbox."""
 
     host: str
     generation: int
 
 
-class SandboxStarted(Event, tag="sandbox.started"):
+class SandboxStarted(Event, tag="sandbox.started", frozen=True):
     host: str
     generation: int
     capabilities: dict[str, str] = {}
 
 
-class SandboxStartFailed(Event, tag="sandbox.start_failed"):
+class SandboxStartFailed(Event, tag="sandbox.start_failed", frozen=True):
     host: str
     generation: int
     reason: str
 
 
-class SandboxStartRequested(Event, tag="sandbox.start_requested"):
+class SandboxStartRequested(Event, tag="sandbox.start_requested", frozen=True):
     request_key: str
     request_digest: str
 
 
-class SandboxStopRequested(Event, tag="sandbox.stop_requested"):
+class SandboxStopRequested(Event, tag="sandbox.stop_requested", frozen=True):
     request_key: str
     request_digest: str
     final_save_id: str | None = None  # the save the host takes once processes are stopped
 
 
-class SandboxStopped(Event, tag="sandbox.stopped"):
+class SandboxStopped(Event, tag="sandbox.stopped", frozen=True):
     host: str | None
     generation: int
 
 
-class SandboxDeleteRequested(Event, tag="sandbox.delete_requested"):
+class SandboxDeleteRequested(Event, tag="sandbox.delete_requested", frozen=True):
     request_key: str
     request_digest: str
 
 
-class SandboxDeleted(Event, tag="sandbox.deleted"):
+class SandboxDeleted(Event, tag="sandbox.deleted", frozen=True):
     host: str | None
     generation: int
 
@@ -98,7 +100,7 @@ class SandboxDeleted(Event, tag="sandbox.deleted"):
 # --- commands ----------------------------------------------------------------
 
 
-class CommandQueued(Event, tag="command.queued"):
+class CommandQueued(Event, tag="command.queued", frozen=True):
     command_id: str
     request_key: str
     request_digest: str
@@ -110,26 +112,26 @@ class CommandQueued(Event, tag="command.queued"):
     user: str = "user"  # "user" | "root", inside the sandbox
 
 
-class CommandDispatched(Event, tag="command.dispatched"):
+class CommandDispatched(Event, tag="command.dispatched", frozen=True):
     command_id: str
     host: str
     generation: int
 
 
-class CommandStarted(Event, tag="command.started"):
+class CommandStarted(Event, tag="command.started", frozen=True):
     command_id: str
     host: str
     generation: int
     pid: int
 
 
-class CommandCancelRequested(Event, tag="command.cancel_requested"):
+class CommandCancelRequested(Event, tag="command.cancel_requested", frozen=True):
     command_id: str
     request_key: str
     request_digest: str
 
 
-class CommandEnded(Event, tag="command.ended"):
+class CommandEnded(Event, tag="command.ended", frozen=True):
     """A command reached its end state; see `CommandEndState` for the meanings.
 
     `output_kept` is how many bytes of each stream JetStream acknowledged on
@@ -150,7 +152,7 @@ class CommandEnded(Event, tag="command.ended"):
 # --- saves and snapshots -----------------------------------------------------
 
 
-class SaveRequested(Event, tag="save.requested"):
+class SaveRequested(Event, tag="save.requested", frozen=True):
     """A save was asked for: on schedule (saver), as a Snapshot, or at a stop."""
 
     save_id: str
@@ -163,7 +165,7 @@ class SaveRequested(Event, tag="save.requested"):
     request_digest: str | None = None
 
 
-class SaveCaptured(Event, tag="save.captured"):
+class SaveCaptured(Event, tag="save.captured", frozen=True):
     """The host froze the sandbox, copied what changed into its spool, and thawed."""
 
     save_id: str
@@ -176,7 +178,7 @@ class SaveCaptured(Event, tag="save.captured"):
     changed_bytes: int = 0
 
 
-class SaveUploaded(Event, tag="save.uploaded"):
+class SaveUploaded(Event, tag="save.uploaded", frozen=True):
     """Every chunk and the manifest were sent to the save store (not yet verified)."""
 
     save_id: str
@@ -190,7 +192,7 @@ class SaveUploaded(Event, tag="save.uploaded"):
     duration_ms: float
 
 
-class SaveCompleted(Event, tag="save.completed"):
+class SaveCompleted(Event, tag="save.completed", frozen=True):
     """The saver verified the manifest and every chunk it names: only now it counts."""
 
     save_id: str
@@ -198,7 +200,7 @@ class SaveCompleted(Event, tag="save.completed"):
     files: int
 
 
-class SaveFailed(Event, tag="save.failed"):
+class SaveFailed(Event, tag="save.failed", frozen=True):
     save_id: str
     stage: Literal["capture", "upload", "verify", "timeout", "interrupted"]
     reason: str
@@ -206,7 +208,7 @@ class SaveFailed(Event, tag="save.failed"):
     generation: int = 0
 
 
-class SavesExpired(Event, tag="save.expired"):
+class SavesExpired(Event, tag="save.expired", frozen=True):
     """Retention dropped these completed saves; their chunks may be collected."""
 
     save_ids: list[str]
@@ -215,7 +217,7 @@ class SavesExpired(Event, tag="save.expired"):
 # --- host failure ------------------------------------------------------------
 
 
-class SandboxLost(Event, tag="sandbox.lost"):
+class SandboxLost(Event, tag="sandbox.lost", frozen=True):
     """The sandbox's host stopped renewing its lease (appended by recovery)."""
 
     host: str
@@ -224,14 +226,14 @@ class SandboxLost(Event, tag="sandbox.lost"):
     fence_at: float  # from then on the host can no longer write (lease_ttl + fence_margin)
 
 
-class SandboxFenced(Event, tag="sandbox.fenced"):
+class SandboxFenced(Event, tag="sandbox.fenced", frozen=True):
     """The lost host's fence time passed: recovery elsewhere is now safe."""
 
     host: str
     generation: int
 
 
-class SandboxRecoveryRequested(Event, tag="sandbox.recovery_requested"):
+class SandboxRecoveryRequested(Event, tag="sandbox.recovery_requested", frozen=True):
     """A start or a command reached a lost sandbox (or it asked for eager recovery)."""
 
     cause: str  # "start" | "command" | "eager"
@@ -239,14 +241,14 @@ class SandboxRecoveryRequested(Event, tag="sandbox.recovery_requested"):
     request_digest: str | None = None
 
 
-class HostLost(Event, tag="host.lost"):
+class HostLost(Event, tag="host.lost", frozen=True):
     host: str
     epoch: int
     last_renewal_at: float
     fence_at: float
 
 
-class HostFenced(Event, tag="host.fenced"):
+class HostFenced(Event, tag="host.fenced", frozen=True):
     host: str
     epoch: int
 
@@ -254,7 +256,7 @@ class HostFenced(Event, tag="host.fenced"):
 # --- hosts -------------------------------------------------------------------
 
 
-class RequestNoted(Event, tag="request.noted"):
+class RequestNoted(Event, tag="request.noted", frozen=True):
     """A valid request that changed nothing (e.g. start of a running sandbox).
 
     Recorded so that its idempotency key is taken: the same key with a
@@ -265,7 +267,7 @@ class RequestNoted(Event, tag="request.noted"):
     request_digest: str
 
 
-class HostRegistered(Event, tag="host.registered"):
+class HostRegistered(Event, tag="host.registered", frozen=True):
     host: str
     epoch: int
     capacity_sandboxes: int
@@ -278,11 +280,11 @@ class HostRegistered(Event, tag="host.registered"):
 # every step claimed before it executes and its output once it finished.
 
 
-class TaskEvent(Event):
+class TaskEvent(Event, frozen=True):
     """Base of every task event (a sandbox or host never sees one)."""
 
 
-class TaskSubmitted(TaskEvent, tag="task.submitted"):
+class TaskSubmitted(TaskEvent, tag="task.submitted", frozen=True):
     task_id: str
     request_key: str
     request_digest: str
@@ -290,23 +292,26 @@ class TaskSubmitted(TaskEvent, tag="task.submitted"):
     tenant: str = "default"
 
 
-class TaskStageEntered(TaskEvent, tag="task.stage_entered"):
+class TaskStageEntered(TaskEvent, tag="task.stage_entered", frozen=True):
     stage: Literal["staging", "provisioning", "running", "completing"]
 
 
-class TaskOperationFailed(TaskEvent, tag="task.operation_failed"):
+OperationErrorClass = Literal["network", "placement", "permanent", "infrastructure_lost"]
+
+
+class TaskOperationFailed(TaskEvent, tag="task.operation_failed", frozen=True):
     """One attempt at an operation failed. `retry_at` is set when another
     attempt follows (the backoff chosen, so a restart waits the same)."""
 
     operation: str  # "clone" | "provision" | a step instance id
     attempt: int
-    error_class: Literal["network", "placement", "permanent", "infrastructure_lost"]
+    error_class: OperationErrorClass
     reason: str
     detail: str = ""
     retry_at: float | None = None
 
 
-class TaskStaged(TaskEvent, tag="task.staged"):
+class TaskStaged(TaskEvent, tag="task.staged", frozen=True):
     """The repository at the ref, checked out and stored as the sandbox's first save."""
 
     seed_save_id: str
@@ -315,11 +320,11 @@ class TaskStaged(TaskEvent, tag="task.staged"):
     bytes: int
 
 
-class TaskProvisioned(TaskEvent, tag="task.provisioned"):
+class TaskProvisioned(TaskEvent, tag="task.provisioned", frozen=True):
     sandbox_id: str
 
 
-class TaskStepClaimed(TaskEvent, tag="task.step_claimed"):
+class TaskStepClaimed(TaskEvent, tag="task.step_claimed", frozen=True):
     """A step instance is claimed before it executes. For an agent step the
     command it will run is linked here, before the request is sent."""
 
@@ -333,7 +338,7 @@ class TaskStepClaimed(TaskEvent, tag="task.step_claimed"):
     command_id: str | None = None
 
 
-class TaskStepDispatched(TaskEvent, tag="task.step_dispatched"):
+class TaskStepDispatched(TaskEvent, tag="task.step_dispatched", frozen=True):
     """The agent step's request was stored by JetStream (acked)."""
 
     step_id: str
@@ -341,7 +346,7 @@ class TaskStepDispatched(TaskEvent, tag="task.step_dispatched"):
     fresh_after_crash: bool = False  # a stillborn dispatch replaced after a restart
 
 
-class TaskStepFinished(TaskEvent, tag="task.step_finished"):
+class TaskStepFinished(TaskEvent, tag="task.step_finished", frozen=True):
     step_id: str
     attempt: int
     output: str = ""
@@ -349,7 +354,7 @@ class TaskStepFinished(TaskEvent, tag="task.step_finished"):
     status: int | None = None  # an http step's response status
 
 
-class TaskStepFailed(TaskEvent, tag="task.step_failed"):
+class TaskStepFailed(TaskEvent, tag="task.step_failed", frozen=True):
     step_id: str
     attempt: int
     reason: str  # "exit_code" | "interrupted" | "hung" | "timed_out" | "infrastructure_lost" | ...
@@ -359,13 +364,13 @@ class TaskStepFailed(TaskEvent, tag="task.step_failed"):
     end_state: str | None = None
 
 
-class TaskHangWarned(TaskEvent, tag="task.hang_warned"):
+class TaskHangWarned(TaskEvent, tag="task.hang_warned", frozen=True):
     step_id: str
     command_id: str
     silent_s: float
 
 
-class TaskCancelRequested(TaskEvent, tag="task.cancel_requested"):
+class TaskCancelRequested(TaskEvent, tag="task.cancel_requested", frozen=True):
     request_key: str
     request_digest: str
 
@@ -376,28 +381,28 @@ class Artifact(msgspec.Struct, frozen=True, kw_only=True):
     save_id: str
 
 
-class TaskArtifactsCollected(TaskEvent, tag="task.artifacts_collected"):
+class TaskArtifactsCollected(TaskEvent, tag="task.artifacts_collected", frozen=True):
     """The artifacts matched in the final snapshot (stored in the save store)."""
 
     snapshot_id: str | None
     artifacts: list[Artifact] = []
 
 
-class TaskCompleted(TaskEvent, tag="task.completed"):
+class TaskCompleted(TaskEvent, tag="task.completed", frozen=True):
     final_save_id: str | None = None
 
 
-class TaskFailed(TaskEvent, tag="task.failed"):
+class TaskFailed(TaskEvent, tag="task.failed", frozen=True):
     reason: str
     detail: str = ""
     stage: str = ""
 
 
-class TaskCancelled(TaskEvent, tag="task.cancelled"):
+class TaskCancelled(TaskEvent, tag="task.cancelled", frozen=True):
     stage: str = ""
 
 
-class TaskTimedOut(TaskEvent, tag="task.timed_out"):
+class TaskTimedOut(TaskEvent, tag="task.timed_out", frozen=True):
     stage: str = ""
     detail: str = ""
 

@@ -35,7 +35,6 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
     if state is None or state.lost is None:
         return []
     lost = state.lost
-    where = {"host": lost.host, "generation": lost.generation}
     events: list[ev.AnyEvent] = []
     for command in state.commands.values():
         if command.generation != lost.generation:
@@ -48,7 +47,8 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     output_complete=False,
                     reason=f"host {lost.host} failed while the command ran; its kept output is "
                     "readable, newer output may be lost",
-                    **where,
+                    host=lost.host,
+                    generation=lost.generation,
                 )
             )
         elif command.state == "dispatched":
@@ -59,7 +59,8 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     output_complete=False,
                     reason=f"host {lost.host} failed before confirming that the command "
                     "started: treat it as possibly run",
-                    **where,
+                    host=lost.host,
+                    generation=lost.generation,
                 )
             )
     for save in state.saves.values():
@@ -69,7 +70,8 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     save_id=save.id,
                     stage="interrupted",
                     reason=f"host {lost.host} failed during the save",
-                    **where,
+                    host=lost.host,
+                    generation=lost.generation,
                 )
             )
     return events

@@ -30,6 +30,8 @@ CpuLimit = Annotated[float, msgspec.Meta(ge=0.01, le=1024)]
 DiskLimit = Annotated[int, msgspec.Meta(ge=64 * 1024 * 1024, le=16 * 1024**4)]
 
 
+# Subclasses repeat `frozen=True`: msgspec inherits it, but type checkers only
+# read the keywords of the class itself.
 class Request(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True
 ):
@@ -48,6 +50,8 @@ Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
 # A sandbox's network: its own loopback only, or outbound through user-mode
 # networking (docs/isolation.md). The host's loopback is unreachable in both.
 Network = Literal["none", "egress"]
+# After a host failure: recover when next used, or at once.
+Recovery = Literal["lazy", "eager"]
 # The read-only base of the sandbox's root: a directory under one of its host's
 # image directories, by name or absolute path (the host refuses anything else,
 # so no caller can make a host directory such as / into a sandbox's base).
@@ -58,12 +62,12 @@ ImagePath = Annotated[str, msgspec.Meta(min_length=1, max_length=4096, pattern=_
 CommandUser = Literal["user", "root"]
 
 
-class CreateSandbox(Request, tag="sandbox.create"):
+class CreateSandbox(Request, tag="sandbox.create", frozen=True):
     memory_limit_bytes: MemoryLimit | None = None
     from_snapshot: SaveId | None = None  # a Snapshot's id: its files are the starting point
     save_interval_s: Interval | None = None  # default: the scheduler's (30 s)
     stop_deadline_s: Deadline | None = None  # default: the scheduler's (60 s)
-    recovery: Literal["lazy", "eager"] | None = None  # after a host failure (default lazy)
+    recovery: Recovery | None = None  # default lazy
     # A save the caller staged in the store for this very sandbox (its manifest
     # names the new sandbox's id), e.g. a task's checked-out repository.
     seed: SaveId | None = None
@@ -74,26 +78,26 @@ class CreateSandbox(Request, tag="sandbox.create"):
     disk_limit_bytes: DiskLimit | None = None  # default: no quota (the host's free space)
 
 
-class StartSandbox(Request, tag="sandbox.start"):
+class StartSandbox(Request, tag="sandbox.start", frozen=True):
     sandbox_id: SandboxId
 
 
-class StopSandbox(Request, tag="sandbox.stop"):
+class StopSandbox(Request, tag="sandbox.stop", frozen=True):
     sandbox_id: SandboxId
 
 
-class DeleteSandbox(Request, tag="sandbox.delete"):
+class DeleteSandbox(Request, tag="sandbox.delete", frozen=True):
     sandbox_id: SandboxId
 
 
-class SnapshotSandbox(Request, tag="sandbox.snapshot"):
+class SnapshotSandbox(Request, tag="sandbox.snapshot", frozen=True):
     """Take a named, retained save now (a milestone)."""
 
     sandbox_id: SandboxId
     name: SnapshotName
 
 
-class RunCommand(Request, tag="command.run"):
+class RunCommand(Request, tag="command.run", frozen=True):
     sandbox_id: SandboxId
     argv: Argv
     cwd: str | None = None
@@ -103,7 +107,7 @@ class RunCommand(Request, tag="command.run"):
     user: CommandUser = "user"
 
 
-class CancelCommand(Request, tag="command.cancel"):
+class CancelCommand(Request, tag="command.cancel", frozen=True):
     sandbox_id: SandboxId
     command_id: CommandId
 
@@ -132,6 +136,7 @@ def encode_request(request: AnyRequest) -> bytes:
 
 
 def request_tag(request: AnyRequest) -> str:
+    # (the ignore: our tags are all str; msgspec's may be int)
     return type(request).__struct_config__.tag  # type: ignore[return-value]
 
 

@@ -297,8 +297,14 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             | ev.SavesExpired()
         ):
             return replace(state, saves=sv.apply(state.saves, event, envelope_time))
-        case ev.SandboxCreated() | ev.HostRegistered() | ev.TaskEvent():
-            return state
+        case (
+            ev.SandboxCreated()
+            | ev.HostRegistered()
+            | ev.HostLost()
+            | ev.HostFenced()
+            | ev.TaskEvent()
+        ):
+            return state  # created: handled above; a host's or a task's events: not ours
         case _:
             assert_never(event)
 
@@ -306,24 +312,30 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
 def _recovered_from(state: Sandbox) -> RecoveredFrom:
     """From the save the placement restored (fixed when it was placed)."""
     assert state.lost is not None
-    where = {"lost_host": state.lost.host, "lost_generation": state.lost.generation}
+    lost = state.lost
     restored = state.saves.get(state.restore_save_id) if state.restore_save_id else None
     if restored is not None:  # one of its own saves (a Snapshot of itself included)
         # The save holds the files as of its capture; the failure is dated by the
         # last renewal recovery saw (a capture just after it counts as not behind).
         taken = restored.captured_at or restored.completed_at
-        behind = max(0.0, state.lost.last_renewal_at - taken) if taken else None
+        behind = max(0.0, lost.last_renewal_at - taken) if taken else None
         return RecoveredFrom(
             source="save",
             save_id=restored.id,
             completed_at=restored.completed_at,
             captured_at=restored.captured_at,
             behind_failure_s=behind,
-            **where,
+            lost_host=lost.host,
+            lost_generation=lost.generation,
         )
     if state.restore_save_id is not None:  # the Snapshot it was created from
-        return RecoveredFrom(source="snapshot", save_id=state.restore_save_id, **where)
-    return RecoveredFrom(source="base image", **where)
+        return RecoveredFrom(
+            source="snapshot",
+            save_id=state.restore_save_id,
+            lost_host=lost.host,
+            lost_generation=lost.generation,
+        )
+    return RecoveredFrom(source="base image", lost_host=lost.host, lost_generation=lost.generation)
 
 
 def _update_command(sandbox: Sandbox, command_id: str, /, **changes: object) -> Sandbox:
@@ -524,7 +536,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     f"sandbox {state.id} is {state.phase}; start it before running commands",
                 )
             # A command sent to a lost sandbox brings it back, and then runs there.
-            recover = (
+            recover: list[ev.AnyEvent] = (
                 [ev.SandboxRecoveryRequested(cause="command")] if state.phase == "lost" else []
             )
             return recover + [

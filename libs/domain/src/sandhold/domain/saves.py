@@ -101,10 +101,10 @@ def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[s
             }
         case _:
             return saves
-    record = saves.get(save_id)
-    if record is None:
+    current = saves.get(save_id)
+    if current is None:
         return saves
-    return {**saves, save_id: replace(record, **changes)}
+    return {**saves, save_id: replace(current, **changes)}
 
 
 def last_completed(saves: dict[str, SaveRecord]) -> SaveRecord | None:

@@ -50,6 +50,8 @@ def task_id_for(tenant: str, key: str) -> str:
 # --- requests ----------------------------------------------------------------
 
 
+# Subclasses repeat `frozen=True`: msgspec inherits it, but type checkers only
+# read the keywords of the class itself.
 class TaskRequest(
     msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True
 ):
@@ -57,11 +59,11 @@ class TaskRequest(
     tenant: Tenant = "default"
 
 
-class SubmitTask(TaskRequest, tag="task.submit"):
+class SubmitTask(TaskRequest, tag="task.submit", frozen=True):
     manifest: TaskManifest
 
 
-class CancelTask(TaskRequest, tag="task.cancel"):
+class CancelTask(TaskRequest, tag="task.cancel", frozen=True):
     task_id: TaskId
 
 
@@ -80,6 +82,7 @@ def encode_task_request(request: AnyTaskRequest) -> bytes:
 
 
 def task_request_tag(request: AnyTaskRequest) -> str:
+    # (the ignore: our tags are all str; msgspec's may be int)
     return type(request).__struct_config__.tag  # type: ignore[return-value]
 
 
@@ -261,8 +264,8 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
             )
         case ev.TaskHangWarned():
             state = replace(state, hang_warnings=state.hang_warnings + 1)
-            record = state.steps.get(event.step_id)
-            if record is None or record.command_id != event.command_id:
+            current = state.steps.get(event.step_id)
+            if current is None or current.command_id != event.command_id:
                 return state  # about an earlier attempt's command
             return _update_step(state, event.step_id, None, hang_warned=True)
         case ev.TaskCancelRequested():

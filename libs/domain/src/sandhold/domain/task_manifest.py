@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -140,7 +141,8 @@ class RecordedHangPolicy(_Recorded, frozen=True):
 class RecordedManifest(_Recorded, frozen=True):
     name: str
     agent: RecordedAgentCommand | None = None
-    pipeline: list[RecordedStep] = []
+    # A Sequence (read-only; decoded as a list): TaskManifest narrows it to its strict Step.
+    pipeline: Sequence[RecordedStep] = []
     repository: RecordedRepository | None = None
     sandbox: RecordedSandboxSpec = RecordedSandboxSpec()
     environment: dict[str, str] = {}
@@ -151,7 +153,7 @@ class RecordedManifest(_Recorded, frozen=True):
     on_infrastructure_lost: str = "fail"
 
     @property
-    def steps(self) -> list[RecordedStep]:
+    def steps(self) -> Sequence[RecordedStep]:
         if self.agent is not None:
             return [RecordedStep(name="agent", agent=self.agent)]
         return self.pipeline
@@ -246,7 +248,7 @@ class RetryPolicy(RecordedRetryPolicy, frozen=True, forbid_unknown_fields=True):
 class HangPolicy(RecordedHangPolicy, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _strict_durations(self)
-        if self.cancel_after <= self.warn_after:  # type: ignore[operator]
+        if float(self.cancel_after) <= float(self.warn_after):  # floats once parsed above
             raise ValueError("`cancel_after` must be longer than `warn_after`")
 
 

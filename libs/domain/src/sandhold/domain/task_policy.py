@@ -42,15 +42,15 @@ def passed_limit(state: tk.Task, now: float) -> Limit | None:
     while a command runs: its host ends it on time)."""
     backstop = _backstop(state)
     for which in ("task", "stage"):
-        deadline = tk.deadline(state, which)  # type: ignore[arg-type]
+        deadline = tk.deadline(state, which)
         if deadline is not None and now >= deadline + backstop:
-            return which  # type: ignore[return-value]
+            return which
     return None
 
 
 def time_to_next_limit(state: tk.Task, now: float) -> float:
     """Seconds until a limit passes (`math.inf`: none is set), never negative."""
-    deadlines = [d for w in ("task", "stage") if (d := tk.deadline(state, w)) is not None]  # type: ignore[arg-type]
+    deadlines = [d for w in ("task", "stage") if (d := tk.deadline(state, w)) is not None]
     if not deadlines:
         return math.inf
     return max(0.0, min(deadlines) + _backstop(state) - now)
@@ -80,7 +80,7 @@ def attempt_failed(
     operation: str,
     *,
     attempt: int,
-    error_class: str,
+    error_class: ev.OperationErrorClass,
     reason: str,
     detail: str,
     budget: int,
@@ -99,7 +99,7 @@ def attempt_failed(
     return ev.TaskOperationFailed(
         operation=operation,
         attempt=attempt,
-        error_class=error_class,  # type: ignore[arg-type]
+        error_class=error_class,
         reason=reason,
         detail=detail[-2000:],
         retry_at=retry_at,
@@ -142,19 +142,14 @@ def step_failed(
     records its end again, whereas a failure recorded without its decision
     would end the task although a retry was due. A failure for the task's
     time limit ends the task with it."""
-    extra: dict[str, object] = {}
-    if output is not None:
-        extra["output"] = output
-    if exit_code is not None:
-        extra["exit_code"] = exit_code
-    if end_state is not None:
-        extra["end_state"] = end_state
     failed = ev.TaskStepFailed(
         step_id=record.id,
         attempt=record.attempt,
         reason=reason,
         detail=detail,
-        **extra,  # type: ignore[arg-type]
+        output="" if output is None else output,  # the field's default when not given
+        exit_code=exit_code,
+        end_state=end_state,
     )
     events: list[ev.AnyEvent] = [failed] if retry is None else [retry, failed]
     if reason == "task_timeout":
@@ -183,7 +178,7 @@ def run_request(state: tk.Task, instance: tk.StepInstance, record: tk.StepRecord
         env["SANDHOLD_ITEM"] = instance.item
     limits = [float(agent.timeout)] if agent.timeout else []
     for which in ("stage", "task"):
-        deadline = tk.deadline(state, which)  # type: ignore[arg-type]
+        deadline = tk.deadline(state, which)
         if deadline is not None:
             limits.append(max(1.0, deadline - record.claimed_at))
     return rq.RunCommand(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgspec
 
 
+# Subclasses repeat `frozen=True`: msgspec inherits it, but type checkers only
+# read the keywords of the class itself.
 class HostWork(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     sandbox_id: str
     generation: int
@@ -20,7 +22,7 @@ class HostWork(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
         return f"{tag}:{self.sandbox_id}:{self.generation}"
 
 
-class StartSandboxWork(HostWork, tag="start_sandbox"):
+class StartSandboxWork(HostWork, tag="start_sandbox", frozen=True):
     memory_limit_bytes: int | None = None
     network: str = "none"
     image: str | None = None
@@ -31,7 +33,7 @@ class StartSandboxWork(HostWork, tag="start_sandbox"):
     restore_save_id: str | None = None
 
 
-class RunCommandWork(HostWork, tag="run_command"):
+class RunCommandWork(HostWork, tag="run_command", frozen=True):
     command_id: str
     argv: list[str]
     cwd: str | None = None
@@ -45,7 +47,7 @@ class RunCommandWork(HostWork, tag="run_command"):
         return f"run_command:{self.command_id}:{self.generation}"
 
 
-class CancelCommandWork(HostWork, tag="cancel_command"):
+class CancelCommandWork(HostWork, tag="cancel_command", frozen=True):
     command_id: str
 
     @property
@@ -53,13 +55,13 @@ class CancelCommandWork(HostWork, tag="cancel_command"):
         return f"cancel_command:{self.command_id}:{self.generation}"
 
 
-class StopSandboxWork(HostWork, tag="stop_sandbox"):
+class StopSandboxWork(HostWork, tag="stop_sandbox", frozen=True):
     final_save_id: str | None = None  # capture and upload once processes are stopped
     parent_save_id: str | None = None
     deadline_s: float = 60.0
 
 
-class SaveSandboxWork(HostWork, tag="save_sandbox"):
+class SaveSandboxWork(HostWork, tag="save_sandbox", frozen=True):
     """Freeze, capture what changed since `parent_save_id`, thaw, upload."""
 
     save_id: str
@@ -70,7 +72,7 @@ class SaveSandboxWork(HostWork, tag="save_sandbox"):
         return f"save_sandbox:{self.save_id}:{self.generation}"
 
 
-class DestroySandboxWork(HostWork, tag="destroy_sandbox"):
+class DestroySandboxWork(HostWork, tag="destroy_sandbox", frozen=True):
     pass
 
 

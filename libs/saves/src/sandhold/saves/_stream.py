@@ -149,7 +149,7 @@ class SavesStream:
             )
         except _TRANSIENT as err:
             raise SaveStoreError(f"{operation}: no answer ({err!r})", retryable=True) from err
-        answer = json.loads(msg.data)
+        answer: dict[str, Any] = json.loads(msg.data)
         if "error" in answer:
             error = answer["error"]
             raise SaveStoreError(

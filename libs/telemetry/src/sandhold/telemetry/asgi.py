@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sandhold.telemetry import context
 
-Scope = MutableMapping[str, Any]
+# Read only here: a Mapping, which servers' TypedDict scopes (Litestar's) also are.
+Scope = Mapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
 

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
+from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
@@ -133,30 +134,30 @@ class LogMetrics:
     def _sandbox(self, envelope: Envelope) -> None:
         sid, event, at = envelope.aggregate_id, envelope.event, envelope.time
         before = self.sandboxes.get(sid)
-        match envelope.type:
-            case "command.ended":
+        match event:
+            case ev.CommandEnded():
                 self._count("sandhold_commands_ended_total", state=event.state)
-            case "save.captured":
+            case ev.SaveCaptured():
                 self._observe(
                     "sandhold_save_freeze_seconds",
                     event.freeze_ms / 1000,
                     method=event.freeze_method,
                 )
-            case "save.uploaded":
+            case ev.SaveUploaded():
                 self._count("sandhold_save_uploaded_bytes_total", by=event.uploaded_bytes)
-            case "save.completed" if before is not None and event.save_id in before.saves:
+            case ev.SaveCompleted() if before is not None and event.save_id in before.saves:
                 record = before.saves[event.save_id]
                 self._count("sandhold_saves_completed_total", kind=record.kind)
                 self._observe(
                     "sandhold_save_duration_seconds", at - record.requested_at, kind=record.kind
                 )
-            case "save.failed":
+            case ev.SaveFailed():
                 self._count("sandhold_save_failures_total", stage=event.stage)
-            case "sandbox.lost":
+            case ev.SandboxLost():
                 self._count("sandhold_sandboxes_lost_total")
-            case "sandbox.recovery_requested":
+            case ev.SandboxRecoveryRequested():
                 self._recovering_since.setdefault(sid, at)
-            case "sandbox.started" if sid in self._recovering_since:
+            case ev.SandboxStarted() if sid in self._recovering_since:
                 self._observe("sandhold_recovery_seconds", at - self._recovering_since.pop(sid))
         after = sb.evolve(before, envelope)
         if after is not None:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from sandhold.telemetry.log_metrics import CATALOG, Labels, LogMetrics, Metric
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import Meter
+    from collections.abc import Callable
+
+    from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
 _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -53,22 +55,23 @@ def _instrument_name(metric: Metric) -> str:
 
 class _Instruments:
     def __init__(self, meter: Meter) -> None:
-        made = {}
+        counters: dict[str, Counter] = {}
+        histograms: dict[str, Histogram] = {}
         for metric in PROCESS_CATALOG:
             if metric.kind == "counter":
-                made[metric.name] = meter.create_counter(
+                counters[metric.name] = meter.create_counter(
                     _instrument_name(metric), description=metric.help
                 )
             else:
-                made[metric.name] = meter.create_histogram(
+                histograms[metric.name] = meter.create_histogram(
                     _instrument_name(metric), unit="s", description=metric.help
                 )
-        self.handled = made["sandhold_messages_handled_total"]
-        self.latency = made["sandhold_message_latency_seconds"]
-        self.replies = made["sandhold_replies_total"]
-        self.redeliveries = made["sandhold_redeliveries_total"]
-        self.dead_letters = made["sandhold_dead_letters_total"]
-        self.lease_misses = made["sandhold_lease_renewal_failures_total"]
+        self.handled = counters["sandhold_messages_handled_total"]
+        self.latency = histograms["sandhold_message_latency_seconds"]
+        self.replies = counters["sandhold_replies_total"]
+        self.redeliveries = counters["sandhold_redeliveries_total"]
+        self.dead_letters = counters["sandhold_dead_letters_total"]
+        self.lease_misses = counters["sandhold_lease_renewal_failures_total"]
 
 
 _instruments: _Instruments | None = None
@@ -143,23 +146,23 @@ def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
     return port
 
 
-def export_log_metrics(folded: LogMetrics, *, clock=time.time) -> None:
+def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.time) -> None:
     """Publish `folded`'s counters and gauges (read at scrape time) and every
     histogram value it observes from now on. Call before folding the first event,
     so the histograms hold the whole log."""
     assert _meter is not None, "serve() first"
     from opentelemetry.metrics import Observation
 
-    def counter(name: str):
+    def counter(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         # Called from the Prometheus server's thread: read copies (`LogMetrics.gauges`).
         return lambda _options: [Observation(v, dict(k)) for k, v in folded.counter_series(name)]
 
-    def gauge(name: str):
+    def gauge(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         return lambda _options: [
             Observation(v, dict(k)) for k, v in folded.gauges(clock())[name].items()
         ]
 
-    histograms = {}
+    histograms: dict[str, Histogram] = {}
     for metric in CATALOG:
         name = _instrument_name(metric)
         if metric.kind == "counter":

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from sandhold.telemetry import context
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -94,7 +95,7 @@ class OtelTracer:
             "server": trace.SpanKind.SERVER,
         }
 
-    def _extract(self, parent: str):
+    def _extract(self, parent: str) -> Context:
         return self._propagator.extract({context.TRACEPARENT: parent})
 
     @contextlib.contextmanager

@@ -11,6 +11,8 @@ are the views the NATS replies carry (`SandboxView`, `CommandView`,
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from sandhold.domain import requests as rq
 from sandhold.domain.views import CommandView, SandboxView, SaveView
@@ -24,7 +26,7 @@ _NOT_IN_BODY = frozenset({"key", "tenant", "sandbox_id", "command_id", "seed"})
 
 
 def body_of(request_type: type, name: str) -> type:
-    fields = []
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []  # as defstruct takes them
     for f in msgspec.structs.fields(request_type):
         if f.name in _NOT_IN_BODY:
             continue
@@ -47,7 +49,9 @@ SnapshotBody = body_of(rq.SnapshotSandbox, "SnapshotBody")
 __all__ = ["EventRecord"]  # the SSE payload, documented with the bodies
 
 
-def request_fields(body: msgspec.Struct) -> dict[str, object]:
+def request_fields(body: msgspec.Struct) -> dict[str, Any]:
+    # Any: a body's fields are made at runtime from its request's (`body_of`),
+    # with the same types, so what they hold fits the request they go back into.
     return {f: getattr(body, f) for f in body.__struct_fields__}
 
 

@@ -3,6 +3,7 @@ types the handlers decode and encode (the bus's requests and views)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -92,7 +93,7 @@ def _op(
     summary: str,
     responses: dict[str, Any],
     *,
-    params: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    params: Sequence[dict[str, Any]] = (),
     body: type | dict[str, Any] | None = None,
     body_required: bool = True,
     problems: tuple[int, ...] = (),

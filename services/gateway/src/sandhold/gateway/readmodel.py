@@ -278,16 +278,17 @@ class ReadModel:
         state, seq = self._cache[key]
         if state is None:
             return
+        assert self._writer is not None
         kind = key[0]
         if kind == "sandbox":
             await self._write_sandbox(state, seq, old)
         elif kind == "host":
-            await self._writer.execute(  # type: ignore[union-attr]
+            await self._writer.execute(
                 "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
                 (state.host, state.status, state.epoch, seq, _json.encode(state)),
             )
         else:
-            await self._writer.execute(  # type: ignore[union-attr]
+            await self._writer.execute(
                 "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 task_row(state, seq),
             )
@@ -408,7 +409,8 @@ class ReadModel:
     async def query(self, sql: str, params: tuple = ()) -> list[tuple]:
         assert self._reader is not None
         async with self._reader.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+            # aiosqlite says sqlite3.Row; without a row_factory sqlite3 gives plain tuples.
+            return list(await cur.fetchall())  # type: ignore[arg-type]
 
 
 def _triples(msgs: list[tuple[int, Msg]]) -> list[tuple[int, str, bytes]]:

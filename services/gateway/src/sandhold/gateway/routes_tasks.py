@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import yaml
@@ -32,7 +32,7 @@ from sandhold.gateway.web import (
 )
 
 YAML_TYPES = frozenset({"application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml"})
-TASK_STATES = frozenset(tk.TaskState.__args__)  # type: ignore[attr-defined]
+TASK_STATES = frozenset(get_args(tk.TaskState))
 
 
 class TaskPage(b.Page, kw_only=True):

@@ -81,7 +81,7 @@ class Gateway:
             async def on_rebuild(msg: Msg) -> None:
                 try:
                     counts = await read_model.rebuild(js)
-                    body = {"ok": True, **counts}
+                    body: dict[str, object] = {"ok": True, **counts}
                 except Exception as err:  # noqa: BLE001 - reported to the caller
                     log.exception("read model rebuild failed")
                     body = {"ok": False, "error": str(err)}

@@ -16,12 +16,14 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypedDict
 
 import msgspec
 from nats.aio.client import Client as NATS
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 from sandhold.domain.errors import SandholdError
+from sandhold.domain.reports import HostReport
 from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.saves import (
     Manifest,
@@ -35,7 +37,14 @@ from sandhold.saves import (
 
 log = logging.getLogger("sandhold.host-agent.saving")
 
-Report = Callable[[ev.AnyEvent], Awaitable[None]]
+Report = Callable[[HostReport], Awaitable[None]]
+
+
+class _Placement(TypedDict):
+    """Where a save runs, as every save event of this host says it."""
+
+    host: str
+    generation: int
 
 
 class Progress(msgspec.Struct):
@@ -101,7 +110,7 @@ class HostSaves:
         spool = self._spool(sandbox_id)
         spool.mkdir(parents=True, exist_ok=True)
         marker = spool / f"{save_id}.started"
-        me = {"host": self._host_id, "generation": generation}
+        me: _Placement = {"host": self._host_id, "generation": generation}
         if marker.exists():
             await report(
                 ev.SaveFailed(

@@ -428,7 +428,7 @@ class HostAgent:
         assert work.final_save_id is not None
         sid, gen = work.sandbox_id, work.generation
 
-        async def report(event: ev.AnyEvent) -> None:
+        async def report(event: HostReport) -> None:
             await self._report(sid, event, work.msg_id)
 
         try:

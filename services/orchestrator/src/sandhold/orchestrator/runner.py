@@ -240,7 +240,7 @@ class Runner:
         operation: str,
         *,
         attempt: int,
-        error_class: str,
+        error_class: ev.OperationErrorClass,
         reason: str,
         detail: str,
         budget: int,

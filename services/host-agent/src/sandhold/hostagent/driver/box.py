@@ -268,7 +268,10 @@ def _stage(spec: BoxSpec, idmap: int | None) -> bool:
         target = f"{STAGE}/{name}"
         os.makedirs(target, mode=0o755)
         lower = name.startswith("lower")
-        if not (lower and idmapped and _idmapped_bind(libc, fd, target, idmap)):
+        # (`idmapped` implies an idmap; the checker needs it said.)
+        if not (
+            lower and idmapped and idmap is not None and _idmapped_bind(libc, fd, target, idmap)
+        ):
             idmapped = idmapped and not lower  # one lower refused: say the base is not
             mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
         os.close(fd)

@@ -16,6 +16,7 @@ from sandhold.hostagent.driver.records import (
     STREAMS,
     CommandExit,
     OutputChunk,
+    Stream,
     read_exit,
     read_json,
     read_pid,
@@ -168,14 +169,14 @@ class CommandHandle:
             for fd in files.values():
                 os.close(fd)
 
-    def _read(self, files: dict[str, int], stream: str, offset: int) -> OutputChunk | None:
+    def _read(self, files: dict[str, int], stream: Stream, offset: int) -> OutputChunk | None:
         if stream not in files:
             try:
                 files[stream] = os.open(self.paths.stream(stream), os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 return None
         data = os.pread(files[stream], CHUNK_BYTES, offset)
-        return OutputChunk(stream, offset, data) if data else None  # type: ignore[arg-type]
+        return OutputChunk(stream, offset, data) if data else None
 
     def signal_supervisor(self, sig: signal.Signals) -> bool:
         identity = self.supervisor()

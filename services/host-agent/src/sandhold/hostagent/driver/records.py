@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Stream = Literal["stdout", "stderr"]
 STREAMS: tuple[Stream, ...] = ("stdout", "stderr")
@@ -20,7 +20,7 @@ STREAMS: tuple[Stream, ...] = ("stdout", "stderr")
 ExitReason = Literal[
     "exited", "timed_out", "interrupted", "launch_failed", "resource_exhausted", "unknown"
 ]
-EXIT_REASONS: frozenset[str] = frozenset(ExitReason.__args__)  # type: ignore[attr-defined]
+EXIT_REASONS: frozenset[str] = frozenset(get_args(ExitReason))
 
 DEFAULT_KILL_GRACE_S = 5.0
 

@@ -150,10 +150,9 @@ def image_base(image: str, roots: list[Path]) -> Base:
         raise ValueError(f"image {image!r} is not in this host's image directories ({shown})")
     if not found.is_dir():
         raise ValueError(f"image is not a directory: {image}")
-    image = found
-    if not any((image / name).exists() for name in ("bin", "usr/bin")):
-        raise ValueError(f"image has no bin or usr/bin directory: {image}")
-    return Base(image, [], image)
+    if not any((found / name).exists() for name in ("bin", "usr/bin")):
+        raise ValueError(f"image has no bin or usr/bin directory: {found}")
+    return Base(found, [], found)
 
 
 def _write_etc(etc: Path) -> None:

@@ -131,6 +131,7 @@ class Supervisor:
         status_r, status_w = os.pipe()
         isolation = TmpIsolation() if self.spec.isolate_tmp else None
         child: subprocess.Popen[bytes] | None = None
+        problem = ""  # as in run_in_box: set below when the child did not start
         try:
             child = subprocess.Popen(
                 self.spec.argv,

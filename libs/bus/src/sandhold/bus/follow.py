@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Generic, TypeVar
 
 import msgspec
@@ -167,7 +167,7 @@ async def pull_batches(
     batch_bytes: int | None = None,
     idle_s: float = 5.0,
     what: str = "events",
-) -> AsyncIterator[list[tuple[int, Msg]]]:
+) -> AsyncGenerator[list[tuple[int, Msg]]]:
     """Every message matching `subject_filter` after sequence `after`, in stream
     order and in batches of at most `batch` (and, given `batch_bytes`, about that
     many bytes: big messages come fewer at a time), then new ones as they come.
@@ -231,10 +231,12 @@ async def pull_batches(
         delay = min(delay * 2, 5.0)
 
 
-_removing: set[asyncio.Future] = set()  # clean-ups running on after a cancellation
+_removing: set[asyncio.Future[None]] = set()  # clean-ups running on after a cancellation
 
 
-async def _remove(js: JetStreamContext, stream: str, consumer: str, sub) -> None:
+async def _remove(
+    js: JetStreamContext, stream: str, consumer: str, sub: JetStreamContext.PullSubscription
+) -> None:
     with contextlib.suppress(Exception):
         await asyncio.wait_for(sub.unsubscribe(), 5)
     with contextlib.suppress(Exception):

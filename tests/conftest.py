@@ -37,7 +37,8 @@ def nats_url(
     server = NatsServer(tmp_path_factory.mktemp("nats"))
     server.start()
     try:
-        yield server.url
+        yield server.admin_url  # tests of the bus itself make and remove streams
+
     finally:
         server.stop()
 

@@ -146,7 +146,7 @@ async def _wait_for_cluster_jetstream(nc, timeout: float = 30.0) -> None:
 
 async def test_r3_retry_after_lost_ack_returns_the_original(nats_cluster, names: Names):
     """On R3 the server answers a retried append with the original ack, duplicate=True."""
-    nc = await nats.connect(nats_cluster.urls)
+    nc = await nats.connect(nats_cluster.admin_urls)
     try:
         await _wait_for_cluster_jetstream(nc)
         js = nc.jetstream()

@@ -96,7 +96,7 @@ async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
     server = NatsServer(tmp_path / "nats", port=port)
     server.start()
     names = Names("resume")
-    conn = await connect(server.url, name="test-follow")
+    conn = await connect(server.admin_url, name="test-follow")
     seen: list[int] = []
     try:
         js = conn.jetstream()

@@ -19,8 +19,12 @@ from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer, free_port
 from sandhold.bus.service import STOP_TIMEOUT_S, ServiceCrashed, Shell
 
+from tests.support.bus import credential_file, make_streams
 
-async def test_a_loop_that_raises_stops_the_service_and_says_which(nats_url: str, names: Names):
+
+async def test_a_loop_that_raises_stops_the_service_and_says_which(
+    nc: nats.NATS, nats_url: str, names: Names
+):  # `nc`: the admin made the streams
     shell = Shell("test", nats_url, names)
 
     async def broken() -> None:
@@ -38,7 +42,9 @@ async def test_a_loop_that_raises_stops_the_service_and_says_which(nats_url: str
     assert shell.nc.is_closed
 
 
-async def test_a_stop_while_serving_ends_every_loop_and_closes(nats_url: str, names: Names):
+async def test_a_stop_while_serving_ends_every_loop_and_closes(
+    nc: nats.NATS, nats_url: str, names: Names
+):
     shell = Shell("test", nats_url, names)
     order: list[str] = []
 
@@ -64,8 +70,12 @@ async def test_a_stop_while_serving_ends_every_loop_and_closes(nats_url: str, na
     assert shell.nc.is_closed
 
 
-def _service(module: str, url: str, names: Names, tmp_path: Path) -> subprocess.Popen[bytes]:
+def _service(
+    module: str, url: str, names: Names, tmp_path: Path, credential: Path | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "SANDHOLD_NATS_URL": url, "SANDHOLD_PREFIX": names.prefix}
+    if credential is not None:
+        env["SANDHOLD_NATS_CREDENTIALS"] = str(credential)
     with (tmp_path / f"{module}.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen(
             [sys.executable, "-m", module], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -81,14 +91,16 @@ def _exits_within(process: subprocess.Popen[bytes], seconds: float) -> int:
 
 @pytest.mark.parametrize("module", ["sandhold.scheduler", "sandhold.recovery", "sandhold.saver"])
 async def test_sigterm_stops_a_service_whose_nats_server_is_gone(module: str, tmp_path: Path):
-    server = NatsServer(tmp_path / "nats", port=free_port())
-    server.start()
     names = Names("gone")
+    server = NatsServer(tmp_path / "nats", port=free_port(), names=names)
+    credential = credential_file(server, module.rsplit(".", 1)[-1])
+    server.start()
     process: subprocess.Popen[bytes] | None = None
     try:
-        nc = await nats.connect(server.url)
+        await make_streams(server, names)
+        nc = await nats.connect(server.admin_url)
         ready = await nc.subscribe(names.ready)
-        process = _service(module, server.url, names, tmp_path)
+        process = _service(module, server.url, names, tmp_path, credential)
         async with asyncio.timeout(60):
             while True:
                 said = msgspec.json.decode((await ready.next_msg(timeout=60)).data)
@@ -133,7 +145,8 @@ async def test_a_stop_while_announcing_readiness_to_a_vanished_server_ends_quiet
     under load): the service must still stop on request, not crash."""
     server = NatsServer(tmp_path / "nats", port=free_port())
     server.start()
-    shell = Shell("test", server.url, Names("vanish"))
+    await make_streams(server, Names("vanish"))
+    shell = Shell("test", server.admin_url, Names("vanish"))
     crashed: list[BaseException] = []
 
     async def life() -> None:

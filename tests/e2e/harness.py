@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from sandhold.bus import credentials
 from sandhold.hostagent.driver.cgroups import detect_cgroups, parse_mounts
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
@@ -29,7 +30,9 @@ class Up:
         self.extra = list(extra)
         self.env = env  # added to this process's environment, for every service
         self.process: subprocess.Popen[str] | None = None
-        self.url = ""
+        self.nats_url = ""  # as printed, no credential in it
+        self.url = ""  # as the operator (the CLI's user on this machine)
+        self.admin_url = ""  # as the admin: for tests that forge or plant what no service may
         self.gateway_url = ""
         self.lines: queue.Queue[str] = queue.Queue()
 
@@ -57,11 +60,18 @@ class Up:
             if line.startswith("sandhold is up: "):
                 # sandhold is up: nats://127.0.0.1:P gateway http://127.0.0.1:Q
                 words = line.split(": ", 1)[1].split()
-                self.url = words[0]
+                self.nats_url = words[0]
+                self.url = self.url_as("operator")
+                self.admin_url = self.url_as("admin")
                 self.gateway_url = words[-1] if "gateway" in words else ""
                 return self
         self.stop()
         raise AssertionError(f"sandhold up did not become ready: {seen}")
+
+    def url_as(self, user: str) -> str:
+        """The NATS URL with `user`'s credential from the data dir."""
+        path = credentials.path_of(self.data_dir / "credentials", user)
+        return credentials.in_url(self.nats_url, credentials.load(path))
 
     def _pump(self) -> None:
         assert self.process is not None and self.process.stdout is not None

@@ -71,7 +71,7 @@ async def test_events_tail_follows_stored_events_only(up: Up):
     from sandhold.domain.events import SandboxDeleted
 
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
-    nc = await nats.connect(up.url)
+    nc = await nats.connect(up.admin_url)
     with subprocess.Popen(
         [
             SANDHOLD,
@@ -121,7 +121,7 @@ async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
         "causation_id": "c", "correlation_id": "c",
         "event": {"type": "sandbox.teleported", "to": "mars"},
     }  # fmt: skip
-    nc = await nats.connect(up.url)
+    nc = await nats.connect(up.admin_url)
     try:
         await nc.jetstream().publish(
             names.events("sandbox", sandbox_id), msgspec.json.encode(future)

@@ -13,15 +13,25 @@ from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
 
 # Tries to open a TCP connection to each port given; prints one word per port.
+# A blocking connect (its timeout is SO_SNDTIMEO): the kernel returns success only
+# once the handshake completed. Not settimeout(): that polls and reads SO_ERROR,
+# and Linux queues an ICMP error (slirp's answer for 10.0.2.2, host loopback being
+# disabled) on the socket's error queue just before it sets the socket's error, so
+# a poll landing in between sees POLLERR, SO_ERROR 0, and "connects" to nothing.
+# A socket connected to itself (127.0.0.1, source port == port) reached nothing.
 PROBE = (
-    "import socket, sys\n"
+    "import socket, struct, sys\n"
     "for port in sys.argv[1:]:\n"
     "    for host in ('127.0.0.1', '10.0.2.2'):\n"
+    "        s = socket.socket()\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack('ll', 5, 0))\n"
     "        try:\n"
-    "            s = socket.socket(); s.settimeout(5); s.connect((host, int(port)))\n"
-    "            print('reached', host, port)\n"
+    "            s.connect((host, int(port)))\n"
+    "            if s.getsockname() != s.getpeername():\n"
+    "                print('reached', host, port)\n"
     "        except OSError:\n"
     "            pass\n"
+    "        s.close()\n"
     "print('done')\n"
 )
 
@@ -41,8 +51,23 @@ async def test_nats_the_gateway_and_metrics_are_unreachable_from_inside(
     for port in ports:  # reachable from the host: the refusal below is the sandbox's
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.close()
-    result = await client.exec(sandbox_id, ["python3", "-c", PROBE, *map(str, ports)])
+    # And a listener of the test's own on the host's loopback: what arrives there
+    # is known, whatever the probe inside believes.
+    arrived: list[object] = []
+
+    def arrival(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        arrived.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    canary = await asyncio.start_server(arrival, "127.0.0.1", 0)
+    ports.append(canary.sockets[0].getsockname()[1])
+    try:
+        result = await client.exec(sandbox_id, ["python3", "-c", PROBE, *map(str, ports)])
+        await asyncio.sleep(0.2)  # an arrival is handled on this loop
+    finally:
+        canary.close()
     assert result.stdout == b"done\n", result.stdout  # nothing reached, in either mode
+    assert arrived == []  # and nothing from inside arrived on the host's loopback
     shown = await client.show_sandbox(sandbox_id)
     assert shown.isolation["network"] == network
     assert shown.isolation["driver"] == "namespaces" and shown.isolation["seccomp"] is True

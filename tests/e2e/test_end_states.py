@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import msgspec
+import nats
 from sandhold.client import Client
 
 from tests.e2e.conftest import running_sandbox
@@ -97,7 +98,7 @@ async def test_interrupted_by_an_explicit_cancel(client: Client):
     assert result.command.state == "interrupted"
 
 
-async def test_exec_answers_only_with_an_end_the_log_stored(client: Client):
+async def test_exec_answers_only_with_an_end_the_log_stored(up: Up, client: Client):
     """A `command.ended` the stream refused (a stale writer's, stopped by the
     expected-sequence fence) still reaches every core subscriber of the
     subject; exec must not take it for the command's end."""
@@ -108,12 +109,16 @@ async def test_exec_answers_only_with_an_end_the_log_stored(client: Client):
     run = asyncio.create_task(client.exec(sandbox_id, ["sleep", "60"], key="forged-end"))
     command_id = command_id_for(sandbox_id, "forged-end")
     await wait_until(lambda: _state(client, sandbox_id, command_id, "running"), what="running")
-    await publish_refused(
-        client.js,
-        client.names.events("sandbox", sandbox_id),
-        sandbox_id,
-        CommandEnded(command_id=command_id, state="exited", exit_code=0, host="local"),
-    )
+    admin = await nats.connect(up.admin_url)  # no service's user may even try
+    try:
+        await publish_refused(
+            admin.jetstream(),
+            client.names.events("sandbox", sandbox_id),
+            sandbox_id,
+            CommandEnded(command_id=command_id, state="exited", exit_code=0, host="local"),
+        )
+    finally:
+        await admin.close()
     await client.cancel_command(sandbox_id, command_id)
     result = await asyncio.wait_for(run, 30)
     assert result.command.state == "interrupted"

@@ -9,6 +9,7 @@ import signal
 import msgspec
 import nats
 import pytest
+from sandhold.bus.permissions import inbox_prefix
 from sandhold.client import Client, connect
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for, sandbox_id_for
@@ -72,7 +73,7 @@ def test_a_conflicting_key_is_a_clear_error_from_the_cli(up: Up):
 async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_on(
     up: Up, client: Client, subject: str, payload: bytes, names_the_problem: str
 ):
-    nc = await nats.connect(up.url)
+    nc = await nats.connect(up.url, inbox_prefix=inbox_prefix("operator"))
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox, max_msgs=1)

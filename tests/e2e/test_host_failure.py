@@ -38,10 +38,12 @@ class Host:
             self.process = subprocess.Popen(
                 [
                     SANDHOLD,
+                    "--data-dir",  # where `sandhold run` finds (or makes) this host's credential
+                    str(self.up.data_dir),
                     "run",
                     "host-agent",
                     "--nats",
-                    self.up.url,
+                    self.up.nats_url,
                     "--host-id",
                     self.host_id,
                     "--root",

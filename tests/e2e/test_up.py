@@ -11,12 +11,15 @@ import subprocess
 from pathlib import Path
 
 import nats
+from sandhold.bus import credentials
+from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer
 from sandhold.client import connect
 from sandhold.domain.requests import command_id_for
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
+from tests.support.bus import credential_file, make_streams
 from tests.support.waiting import wait_until
 
 
@@ -78,7 +81,7 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
     up = Up(tmp_path / "data").start()
     try:
         runtime = up.runtime
-        assert runtime["nats_url"] == up.url and up.url.startswith("nats://127.0.0.1:")
+        assert runtime["nats_url"] == up.nats_url and up.nats_url.startswith("nats://127.0.0.1:")
         pids = [runtime["nats_pid"], *runtime["services"].values()]
         assert set(runtime["services"]) == {
             "scheduler",
@@ -152,9 +155,14 @@ def test_cli_without_a_server_says_how_to_start_one(tmp_path: Path):
 
 async def test_services_run_alone_against_a_given_server(tmp_path: Path):
     server = NatsServer(tmp_path / "nats")
+    # run elsewhere, a service is given its credential (`sandhold credentials`)
+    scheduler = credential_file(server, "scheduler")
+    host = credential_file(server, "host-agent", "h1")
+    operator = credential_file(server, "operator")
     server.start()
+    await make_streams(server, Names())
     procs: list[subprocess.Popen[bytes]] = []
-    nc = await nats.connect(server.url)
+    nc = await nats.connect(server.admin_url)
     try:
         ready: list[bytes] = []
 
@@ -164,8 +172,11 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         await nc.subscribe("sh.svc.ready", cb=on_ready)
         await nc.flush()
         for service, extra in (
-            ("scheduler", []),
-            ("host-agent", ["--host-id", "h1", "--root", str(tmp_path / "h1")]),
+            ("scheduler", ["--credentials", str(scheduler)]),
+            (
+                "host-agent",
+                ["--host-id", "h1", "--root", str(tmp_path / "h1"), "--credentials", str(host)],
+            ),
         ):
             procs.append(
                 subprocess.Popen(
@@ -177,7 +188,7 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         await wait_until(lambda: len(ready) == 2, timeout=30, what="both services ready")
         services = {json.loads(r)["service"] for r in ready}
         assert services == {"scheduler", "host-agent"}
-        client = await connect(server.url)
+        client = await connect(server.url, credentials=credentials.load(operator))
         sandbox_id = await running_sandbox(client)
         result = await client.exec(sandbox_id, ["python3", "-c", "print('alone')"])
         assert result.stdout == b"alone\n"

@@ -24,6 +24,7 @@ import nats
 import pytest
 import yaml
 from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.permissions import inbox_prefix
 from sandhold.client import Client, connect
 from sandhold.domain import requests as rq
 from sandhold.domain import task as tk
@@ -297,7 +298,7 @@ async def test_a_malformed_request_on_nats_gets_malformed_request_and_creates_no
         ).encode(),
         json.dumps({"type": "task.submit", "key": "raw-3"}).encode(),
     ]
-    nc = await nats.connect(up.url)
+    nc = await nats.connect(up.url, inbox_prefix=inbox_prefix("operator"))
     try:
         js = nc.jetstream()
         for payload in payloads:

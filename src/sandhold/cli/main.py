@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
+from sandhold.bus import credentials as creds
+from sandhold.bus.credentials import Credentials
+from sandhold.bus.names import Names
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
@@ -65,10 +71,22 @@ def _print_sandbox(view, as_json: bool) -> None:
         print(f"{view.id}  {view.phase}  host={view.host or '-'}  generation={view.generation}")
 
 
+def _credentials(args: argparse.Namespace) -> Credentials | None:
+    """Who this command connects as: --credentials, SANDHOLD_NATS_CREDENTIALS,
+    or the operator of the data dir's `sandhold up`; else the user in the URL."""
+    path = args.credentials or os.environ.get(creds.ENV)
+    if path:
+        return creds.load(Path(path))
+    operator = creds.path_of(Path(args.data_dir) / "credentials", "operator")
+    return creds.load(operator) if operator.exists() else None
+
+
 async def _with_client(args: argparse.Namespace, action: Callable[[Client], Awaitable[int]]) -> int:
     url, prefix = _server(args)
     try:
-        client = await asyncio.wait_for(connect(url, prefix=prefix), 10)
+        client = await asyncio.wait_for(
+            connect(url, prefix=prefix, credentials=_credentials(args)), 10
+        )
     except (OSError, TimeoutError) as err:
         print(f"sandhold: cannot reach NATS at {url}: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -300,6 +318,12 @@ def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
         help="NATS URL (default: SANDHOLD_NATS_URL or <data-dir>/runtime.json)",
     )
     p.add_argument("--prefix", default=default(None), help="subject/stream prefix (default sh)")
+    p.add_argument(
+        "--credentials",
+        default=default(None),
+        help="NATS credential file (default: SANDHOLD_NATS_CREDENTIALS, or the operator's "
+        "in <data-dir>/credentials)",
+    )
     p.add_argument(
         "--data-dir",
         default=default(os.environ.get("SANDHOLD_DATA_DIR", ".sandhold")),
@@ -666,6 +690,73 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _service_credentials(args: argparse.Namespace, service_args: list[str]) -> Path | None:
+    """A service run next to a local `sandhold up` gets its own credential from
+    the data dir, issued (and the server told) the first time; a service run
+    elsewhere is given one (`--credentials`, made by `sandhold credentials`)."""
+    directory = Path(args.data_dir) / "credentials"
+    if args.credentials or not directory.is_dir():
+        return Path(args.credentials) if args.credentials else None
+    role = "host-agent" if args.service == "host-agent" else args.service
+    host = None
+    if role == "host-agent":  # the host-agent's own default, when not given
+        host = _option(service_args, "--host-id") or socket.gethostname().split(".")[0].lower()
+    known = creds.path_of(directory, creds.user_for(role, host)).exists()
+    made = creds.issue(directory, role, host=host)
+    if not known:
+        _reload_server(Path(args.data_dir), made)
+    return creds.path_of(directory, made.user)
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _reload_server(data_dir: Path, made: Credentials) -> None:
+    """Make the data dir's nats-server take its credentials as they are now."""
+    from sandhold.bus.server import NatsServer
+
+    runtime = _runtime(data_dir)
+    server = NatsServer(
+        data_dir / "nats",
+        credentials_dir=data_dir / "credentials",
+        names=Names(runtime.get("prefix", "sh")),
+    )
+    server.write_config()
+    pid, url = runtime.get("nats_pid"), runtime.get("nats_url")
+    if not pid or not url:
+        return  # not running: it reads the config when it starts
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(int(pid), signal.SIGHUP)
+    asyncio.run(_until_accepted(url, made))
+
+
+async def _until_accepted(url: str, user: Credentials, timeout: float = 10.0) -> None:
+    """Wait until the server, rereading its config, takes `user` (a reload is quick,
+    but not done when the signal is sent)."""
+    import nats
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            nc = await nats.connect(
+                url, user=user.user, password=user.password, allow_reconnect=False,
+                max_reconnect_attempts=0, connect_timeout=2,
+            )  # fmt: skip
+        except Exception:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+        else:
+            await nc.close()
+            return
+
+
 def _run_service(args: argparse.Namespace) -> None:
     service_args = list(args.service_args)
     asks_for_help = "-h" in service_args or "--help" in service_args
@@ -674,6 +765,10 @@ def _run_service(args: argparse.Namespace) -> None:
         service_args += ["--nats", url]
         if "--prefix" not in service_args:
             service_args += ["--prefix", prefix]
+    if "--credentials" not in service_args and not asks_for_help:
+        own = _service_credentials(args, service_args)
+        if own is not None:
+            service_args += ["--credentials", str(own)]
     if args.service == "scheduler":
         from sandhold.scheduler.__main__ import main as service_main
     elif args.service == "saver":

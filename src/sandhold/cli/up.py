@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import msgspec
+from sandhold.bus import credentials
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer
 from sandhold.bus.service import connect
@@ -96,7 +97,10 @@ class Runtime:
         self.gateway_socket = socket.create_server(("127.0.0.1", gateway_port or 0), backlog=128)
         self.gateway_socket.set_inheritable(True)
         self.gateway_port = self.gateway_socket.getsockname()[1]
-        self.server = NatsServer(self.data_dir / "nats")
+        self.credentials_dir = self.data_dir / "credentials"
+        self.server = NatsServer(
+            self.data_dir / "nats", credentials_dir=self.credentials_dir, names=self.names
+        )
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
         self._stop = asyncio.Event()
@@ -109,6 +113,24 @@ class Runtime:
     def runtime_file(self) -> Path:
         return self.data_dir / "runtime.json"
 
+    def _host_ids(self) -> list[str]:
+        # --hosts 0: host-agents run elsewhere (`sandhold run host-agent`)
+        return ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
+
+    def _issue_credentials(self) -> None:
+        """A user for the CLI on this machine (`operator`), one per service and
+        one per local host, made on the first start and kept (0600)."""
+        for role in ("operator", "scheduler", "saver", "recovery", "metrics", "orchestrator",
+                     "gateway"):  # fmt: skip
+            credentials.issue(self.credentials_dir, role)
+        for host_id in self._host_ids():
+            credentials.issue(self.credentials_dir, "host-agent", host=host_id)
+
+    def _credentials(self, role: str, host: str | None = None) -> list[str]:
+        """`--credentials FILE` for a child: its own user."""
+        path = credentials.path_of(self.credentials_dir, credentials.user_for(role, host))
+        return ["--credentials", str(path)]
+
     def _children(self, url: str) -> list[Child]:
         base = [sys.executable, "-m"]
         common = ["--nats", url, "--prefix", self.names.prefix]
@@ -116,35 +138,27 @@ class Runtime:
         extra = self.service_args
         children = [
             Child(
-                "scheduler",
-                [*base, "sandhold.scheduler", *common, *extra.get("scheduler", [])],
-                logs / "scheduler.log",
-                "scheduler",
-            ),
-            Child(
-                "saver",
-                [*base, "sandhold.saver", *common, *extra.get("saver", [])],
-                logs / "saver.log",
-                "saver",
-            ),
-            Child(
-                "recovery",
-                [*base, "sandhold.recovery", *common, *extra.get("recovery", [])],
-                logs / "recovery.log",
-                "recovery",
-            ),
-            Child(
-                "metrics",
-                [*base, "sandhold.metrics", *common, *extra.get("metrics", [])],
-                logs / "metrics.log",
-                "metrics",
-            ),
+                service,
+                [
+                    *base,
+                    f"sandhold.{service}",
+                    *common,
+                    *self._credentials(service),
+                    *extra.get(service, []),
+                ],
+                logs / f"{service}.log",
+                service,
+            )  # fmt: skip
+            for service in ("scheduler", "saver", "recovery", "metrics")
+        ]
+        children += [
             Child(
                 "orchestrator",
                 [
                     *base,
                     "sandhold.orchestrator",
                     *common,
+                    *self._credentials("orchestrator"),
                     "--work-dir",
                     str(self.data_dir / "orchestrator"),
                     # One machine, one user's hooks (localhost included); a
@@ -164,6 +178,7 @@ class Runtime:
                     *base,
                     "sandhold.gateway",
                     *common,
+                    *self._credentials("gateway"),
                     "--data-dir",
                     str(self.data_dir),
                     "--fd",
@@ -175,9 +190,7 @@ class Runtime:
                 pass_fds=(self.gateway_socket.fileno(),),
             )
         )
-        host_ids = ["local"] if self.hosts == 1 else [f"local-{i + 1}" for i in range(self.hosts)]
-        # --hosts 0: host-agents run elsewhere (`sandhold run host-agent`)
-        for host_id in host_ids:
+        for host_id in self._host_ids():
             root = self.data_dir / "hosts" / host_id
             children.append(
                 Child(
@@ -186,6 +199,7 @@ class Runtime:
                         *base,
                         "sandhold.hostagent",
                         *common,
+                        *self._credentials("host-agent", host_id),
                         "--host-id",
                         host_id,
                         "--root",
@@ -230,6 +244,7 @@ class Runtime:
         # runtime.json); the metrics service's port is `--metrics-port`.
         os.environ["SANDHOLD_METRICS_PORT"] = "0"
         os.environ.setdefault("SANDHOLD_METRICS_ADDR", "127.0.0.1")
+        self._issue_credentials()  # before the server, whose users they are
         self.server.start()
         try:
             return await self._serve()
@@ -241,7 +256,8 @@ class Runtime:
 
     async def _serve(self) -> int:
         url = self.server.url
-        nc = await connect(url, name="sandhold-up")
+        # The admin makes the streams; no service may.
+        nc = await connect(url, name="sandhold-up", credentials=self.server.admin)
         try:
             await ensure_streams(nc.jetstream(), self.names)
             ready: set[str] = set()

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
-from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.codec import REPLY_HEADER, reply_inbox
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.domain.errors import InfraError, Rejected
@@ -57,7 +57,7 @@ async def answer(
 ) -> R | None:
     """Answer one request; `decide` returns the encoded reply (or raises
     `Rejected` / `InfraError`). Returns the request when it was decided."""
-    reply_to = (msg.headers or {}).get(REPLY_HEADER)
+    reply_to = reply_inbox(msg.headers)
     try:
         request = kinds.decode(msg.data)
     except (msgspec.DecodeError, msgspec.ValidationError) as err:

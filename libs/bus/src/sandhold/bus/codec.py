@@ -16,3 +16,11 @@ TYPE_HEADER = "Sh-Type"
 REPLY_HEADER = "Sh-Reply"
 STREAM_HEADER = "Sh-Stream"
 OFFSET_HEADER = "Sh-Offset"
+
+
+def reply_inbox(headers: dict[str, str] | None) -> str | None:
+    """Where to answer a request: its `Sh-Reply` when that is an inbox. Anything
+    else is not answered, so a request cannot make a service publish, with the
+    service's own rights, to an event subject or the JetStream API."""
+    reply_to = (headers or {}).get(REPLY_HEADER)
+    return reply_to if reply_to and reply_to.startswith("_INBOX.") else None

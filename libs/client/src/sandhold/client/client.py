@@ -16,6 +16,7 @@ from sandhold.bus import leases
 from sandhold.bus.answering import publish_request
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.credentials import Credentials
 from sandhold.bus.follow import Follower
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
@@ -654,6 +655,14 @@ async def _quietly(stop: Callable[[], Awaitable[object]]) -> None:
         await stop()
 
 
-async def connect(url: str | list[str], *, prefix: str = "sh", tenant: str = "default") -> Client:
-    nc = await bus_connect(url, name="sandhold-client")
+async def connect(
+    url: str | list[str],
+    *,
+    prefix: str = "sh",
+    tenant: str = "default",
+    credentials: Credentials | None = None,
+) -> Client:
+    """A client connected as `credentials` (else the user in the URL, else
+    `SANDHOLD_NATS_CREDENTIALS`)."""
+    nc = await bus_connect(url, name="sandhold-client", credentials=credentials)
     return Client(nc, Names(prefix), tenant=tenant)

@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> None:
             read_model_path=Path(a.read_model) if a.read_model else read_model_path(data),
             tokens_path=Path(a.tokens) if a.tokens else tokens_path(data),
             keepalive_s=a.keepalive,
-            replicas=a.replicas,
         )
 
     run_service(make, parser(), argv)

@@ -54,10 +54,9 @@ class Gateway:
         read_model_path: Path,
         tokens_path: Path,
         keepalive_s: float = 15.0,
-        replicas: int = 1,
     ) -> None:
         self._names = names
-        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
+        self._shell = Shell(self.name, nats_url, names)
         self._host = host
         self._port = port
         self._fd = fd  # a listening socket handed down by `sandhold up`

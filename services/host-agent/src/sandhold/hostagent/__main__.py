@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> None:
             Names(a.prefix),
             host_id=a.host_id,
             root=a.root or Path(".sandhold") / "hosts" / a.host_id,
-            replicas=a.replicas,
             capacity_sandboxes=a.capacity,
             lease_interval=a.lease_interval,
             lease_ttl=a.lease_ttl,

@@ -56,7 +56,6 @@ class HostAgent:
         *,
         host_id: str,
         root: Path,
-        replicas: int = 1,
         capacity_sandboxes: int = 64,
         lease_interval: float = 1.0,
         lease_ttl: float = 5.0,
@@ -68,9 +67,7 @@ class HostAgent:
         self._names = names
         self.host_id = host_id
         connection = f"sandhold-host-agent-{host_id}"
-        self._shell = Shell(
-            self.name, nats_url, names, replicas=replicas, connection_name=connection
-        )
+        self._shell = Shell(self.name, nats_url, names, connection_name=connection)
         self._root = Path(root)
         self._capacity = capacity_sandboxes
         self._lease_interval = lease_interval

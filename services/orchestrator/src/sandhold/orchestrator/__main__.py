@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
             a.nats,
             Names(a.prefix),
             work_dir=a.work_dir,
-            replicas=a.replicas,
             proof_window_s=a.proof_window,
             decision_wait_s=a.decision_wait,
             http_egress=a.http_egress,

@@ -47,13 +47,12 @@ class Orchestrator:
         names: Names,
         *,
         work_dir: Path,
-        replicas: int = 1,
         proof_window_s: float = 100.0,
         decision_wait_s: float = 60.0,
         http_egress: Egress = "public",
     ) -> None:
         self._names = names
-        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
+        self._shell = Shell(self.name, nats_url, names)
         self._work_dir = work_dir
         # JetStream remembers message ids for 120 s (the streams' duplicate window):
         # inside this margin a re-send shows whether a request had left.

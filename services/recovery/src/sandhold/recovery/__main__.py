@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> None:
         lambda a: Recovery(
             a.nats,
             Names(a.prefix),
-            replicas=a.replicas,
             lease_ttl=a.lease_ttl,
             fence_margin=a.fence_margin,
         ),

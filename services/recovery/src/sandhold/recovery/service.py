@@ -35,13 +35,12 @@ class Recovery:
         nats_url: str,
         names: Names,
         *,
-        replicas: int = 1,
         lease_ttl: float = 5.0,
         fence_margin: float = 2.0,
         tick_s: float = 0.2,
     ) -> None:
         self._names = names
-        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
+        self._shell = Shell(self.name, nats_url, names)
         self._ttl = lease_ttl
         self._margin = fence_margin
         self._tick_s = tick_s

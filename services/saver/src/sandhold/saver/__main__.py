@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
         lambda a: Saver(
             a.nats,
             Names(a.prefix),
-            replicas=a.replicas,
             save_timeout_s=a.save_timeout,
             keep_last=a.keep_last,
             gc_interval_s=a.gc_interval,

@@ -34,7 +34,6 @@ class Saver:
         nats_url: str,
         names: Names,
         *,
-        replicas: int = 1,
         tick_s: float = 1.0,
         save_timeout_s: float = 600.0,
         keep_last: int = 5,
@@ -42,7 +41,7 @@ class Saver:
         gc_grace_s: float = 3600.0,
     ) -> None:
         self._names = names
-        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
+        self._shell = Shell(self.name, nats_url, names)
         self._tick_s = tick_s
         self._save_timeout_s = save_timeout_s
         self._keep_last = keep_last

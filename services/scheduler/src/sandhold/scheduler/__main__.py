@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> None:
         lambda a: Scheduler(
             a.nats,
             Names(a.prefix),
-            replicas=a.replicas,
             lease_ttl=a.lease_ttl,
             defaults=Defaults(save_interval_s=a.save_interval, stop_deadline_s=a.stop_deadline),
         ),

@@ -45,13 +45,12 @@ class Scheduler:
         nats_url: str,
         names: Names,
         *,
-        replicas: int = 1,
         lease_ttl: float = 5.0,
         defaults: sb.Defaults = sb.Defaults(),  # noqa: B008 - frozen
         durable: str = "scheduler",
     ) -> None:
         self._names = names
-        self._shell = Shell(self.name, nats_url, names, replicas=replicas)
+        self._shell = Shell(self.name, nats_url, names)
         self._lease_ttl = lease_ttl
         self._defaults = defaults
         self._durable = durable

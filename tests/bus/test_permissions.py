@@ -1,0 +1,197 @@
+"""Each user may do what its row in `permissions.py` says and nothing else, on a
+real nats-server with the credentials `sandhold up` makes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import nats
+import nats.errors
+import pytest
+from nats.js.api import ConsumerConfig
+from sandhold.bus import credentials
+from sandhold.bus.names import Names
+from sandhold.bus.permissions import inbox_prefix
+from sandhold.bus.server import NatsServer
+from sandhold.bus.service import connect
+
+from tests.support.bus import make_streams
+
+NAMES = Names("sh")
+ROLES = [("scheduler", None), ("saver", None), ("gateway", None), ("operator", None)]
+HOSTS = ["h1", "h2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    running = NatsServer(tmp_path_factory.mktemp("perm") / "nats", names=NAMES)
+    for role, _ in ROLES:
+        credentials.issue(running.credentials_dir, role)
+    for host in HOSTS:
+        credentials.issue(running.credentials_dir, "host-agent", host=host)
+    running.start()
+    try:
+        asyncio.run(make_streams(running, NAMES))
+        yield running
+    finally:
+        running.stop()
+
+
+class As:
+    """A connection as one user, with the server's refusals collected."""
+
+    def __init__(self, nc: nats.NATS, errors: asyncio.Queue[Exception]) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.errors = errors
+
+    async def refused(self, action: Awaitable[object], subject: str) -> None:
+        """`action` is refused by the server: a permissions violation naming `subject`."""
+        attempt = asyncio.ensure_future(action)
+        try:
+            async with asyncio.timeout(15):
+                while True:
+                    said = str(await self.errors.get()).lower()  # nats-py lowercases it
+                    if "permissions violation" in said and subject.lower() in said:
+                        return
+        finally:
+            attempt.cancel()
+            with contextlib.suppress(BaseException):
+                await attempt
+
+
+@contextlib.asynccontextmanager
+async def as_user(server: NatsServer, user: str) -> AsyncIterator[As]:
+    own = credentials.load(credentials.path_of(server.credentials_dir, user))
+    errors: asyncio.Queue[Exception] = asyncio.Queue()
+
+    async def on_error(err: Exception) -> None:
+        errors.put_nowait(err)
+
+    nc = await nats.connect(
+        server.url,
+        user=own.user,
+        password=own.password,
+        inbox_prefix=inbox_prefix(own.user),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    try:
+        yield As(nc, errors)
+    finally:
+        await nc.close()
+
+
+async def _hello(server: NatsServer, connect: dict[str, object]) -> bytes:
+    """The server's answer to a CONNECT (the protocol's first step, by hand: a
+    refused nats-py connect leaves its socket for the garbage collector)."""
+    port = urlparse(server.url).port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await reader.readline()  # INFO
+        writer.write(b"CONNECT " + json.dumps({"verbose": False, **connect}).encode() + b"\r\n")
+        writer.write(b"PING\r\n")
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_an_anonymous_client_is_refused(server: NatsServer):
+    assert b"Authorization Violation" in await _hello(server, {})
+
+
+async def test_a_wrong_password_is_refused_and_the_right_one_taken(server: NatsServer):
+    assert b"Authorization Violation" in await _hello(
+        server, {"user": "scheduler", "pass": "guess"}
+    )
+    own = credentials.load(credentials.path_of(server.credentials_dir, "scheduler"))
+    assert await _hello(server, {"user": own.user, "pass": own.password}) == b"PONG\r\n"
+
+
+async def test_a_host_agent_takes_its_own_work_and_no_other_hosts(server: NatsServer):
+    async with as_user(server, "host-h1") as h1:
+        own = ConsumerConfig(durable_name="host-h1", name="host-h1", filter_subject="sh.work.h1")
+        await h1.js.add_consumer(NAMES.hostwork_stream, own)  # its own: allowed
+        other = ConsumerConfig(durable_name="host-h2", name="host-h2", filter_subject="sh.work.h2")
+        await h1.refused(
+            h1.js.add_consumer(NAMES.hostwork_stream, other), "CONSUMER.CREATE.SH_HOSTWORK.host-h2"
+        )
+        # nor h2's work under its own consumer's name
+        sneaky = ConsumerConfig(durable_name="host-h1", name="host-h1", filter_subject="sh.work.h2")
+        await h1.refused(h1.js.add_consumer(NAMES.hostwork_stream, sneaky), "host-h1.sh.work.h2")
+        await h1.refused(
+            h1.js.publish("sh.work.h2", b"{}", stream=NAMES.hostwork_stream), '"sh.work.h2"'
+        )
+
+
+async def test_a_host_agent_writes_its_own_lease_and_host_events_only(server: NatsServer):
+    async with as_user(server, "host-h1") as h1:
+        await h1.js.publish("$KV.SH_leases.h1", b"lease")  # its own: allowed
+        await h1.refused(h1.js.publish("$KV.SH_leases.h2", b"lease"), "$KV.SH_leases.h2")
+        await h1.refused(h1.js.publish("sh.ev.host.h2", b"{}"), "sh.ev.host.h2")
+        await h1.refused(h1.js.publish("sh.ev.task.tk-1", b"{}"), "sh.ev.task.tk-1")
+
+
+@pytest.mark.parametrize("user", ["host-h1", "scheduler", "saver", "gateway", "operator"])
+async def test_no_service_may_purge_or_delete_the_event_log(server: NatsServer, user: str):
+    async with as_user(server, user) as someone:
+        await someone.refused(
+            someone.js.purge_stream(NAMES.events_stream), "STREAM.PURGE.SH_EVENTS"
+        )
+        await someone.refused(
+            someone.js.delete_stream(NAMES.events_stream), "STREAM.DELETE.SH_EVENTS"
+        )
+        await someone.refused(
+            someone.js.update_stream(name=NAMES.events_stream, subjects=["sh.ev.>"]),
+            "STREAM.UPDATE.SH_EVENTS",
+        )
+    # the admin may (checked, not done: the stream is still there)
+    admin = await connect(server.admin_url, name="test-admin")
+    try:
+        assert (await admin.jetstream().stream_info(NAMES.events_stream)).config.name
+    finally:
+        await admin.close()
+
+
+async def test_the_scheduler_may_not_write_the_save_store(server: NatsServer):
+    async with as_user(server, "scheduler") as scheduler:
+        await scheduler.js.publish("sh.ev.sandbox.sb-0000000000000001", b"{}")  # its own events
+        await scheduler.refused(scheduler.js.publish("sh.chunk.abc", b"x"), "sh.chunk.abc")
+        await scheduler.refused(scheduler.js.publish("sh.manifest.sv-1", b"x"), "sh.manifest.sv-1")
+
+
+async def test_the_gateway_may_not_append_events(server: NatsServer):
+    async with as_user(server, "gateway") as gateway:
+        await gateway.refused(
+            gateway.js.publish("sh.ev.sandbox.sb-0000000000000002", b"{}"),
+            "sh.ev.sandbox.sb-0000000000000002",
+        )
+
+
+async def test_no_one_reads_another_users_replies(server: NatsServer):
+    async with as_user(server, "gateway") as gateway:
+        await gateway.nc.subscribe(f"{inbox_prefix('gateway')}.mine")  # its own: allowed
+        await gateway.refused(
+            gateway.nc.subscribe(f"{inbox_prefix('scheduler')}.>"), "_INBOX.scheduler.>"
+        )
+        await gateway.refused(gateway.nc.subscribe("_INBOX.>"), '"_INBOX.>"')
+
+
+async def test_a_user_connecting_through_bus_connect_gets_its_own_inbox(
+    server: NatsServer, tmp_path: Path
+):
+    own = credentials.load(credentials.path_of(server.credentials_dir, "operator"))
+    nc = await connect(server.url, name="test", credentials=own)
+    try:
+        assert nc.new_inbox().startswith("_INBOX.operator.")
+        # a request round trip works through that inbox: the JetStream API answers
+        assert (await nc.jetstream().stream_info(NAMES.events_stream)).config.name
+    finally:
+        await nc.close()

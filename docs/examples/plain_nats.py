@@ -1,6 +1,6 @@
 """Run one command in a sandhold sandbox using plain nats-py (no sandhold imports).
 
-Usage: python plain_nats.py nats://127.0.0.1:4222
+Usage: python plain_nats.py nats://127.0.0.1:4222 .sandhold/credentials/operator.json
 """
 
 import asyncio
@@ -30,8 +30,14 @@ async def send(nc, js, body: dict) -> dict:
     return reply
 
 
-async def main(url: str) -> None:
-    nc = await nats.connect(url)
+async def main(url: str, credential_file: str) -> None:
+    # Every client has a user (here the operator's, made by `sandhold up`); its
+    # permissions let it read replies on its own inbox prefix only.
+    with open(credential_file) as f:
+        me = json.load(f)
+    nc = await nats.connect(
+        url, user=me["user"], password=me["password"], inbox_prefix=f"_INBOX.{me['user']}"
+    )
     js = nc.jetstream()
 
     # 1. Create a sandbox. The key makes the request safe to retry.
@@ -107,4 +113,4 @@ async def main(url: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    asyncio.run(main(sys.argv[1], sys.argv[2]))

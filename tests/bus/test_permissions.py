@@ -195,3 +195,11 @@ async def test_a_user_connecting_through_bus_connect_gets_its_own_inbox(
         assert (await nc.jetstream().stream_info(NAMES.events_stream)).config.name
     finally:
         await nc.close()
+
+
+def test_docs_security_shows_the_permission_table_of_the_code():
+    from sandhold.bus.permissions import table
+
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    shown = doc.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]
+    assert shown == table(Names()), "regenerate the table: python -c 'from sandhold.bus...'"

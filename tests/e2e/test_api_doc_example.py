@@ -25,7 +25,12 @@ def test_plain_nats_example_runs_a_command(tmp_path: Path) -> None:
     up = Up(tmp_path / "data").start()
     try:
         done = subprocess.run(
-            [sys.executable, str(EXAMPLE), up.url],
+            [
+                sys.executable,
+                str(EXAMPLE),
+                up.nats_url,
+                str(up.data_dir / "credentials" / "operator.json"),
+            ],  # fmt: skip
             capture_output=True,
             text=True,
             timeout=90,

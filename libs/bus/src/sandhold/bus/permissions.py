@@ -236,3 +236,23 @@ def authorization(names: Names, users: list[Credentials]) -> str:
         entries.append(entry)
     # JSON is a subset of the nats-server config syntax; quoted strings keep `$`.
     return "authorization " + json.dumps({"users": entries}, indent=2) + "\n"
+
+
+def table(names: Names, *, host: str = "<host>") -> str:
+    """The table of docs/security.md, made from the rows themselves."""
+    lines = [
+        "| user | role | may publish (and call) | may subscribe to |",
+        "|---|---|---|---|",
+    ]
+    for role in ROLES:
+        user = f"host-{host}" if role == "host-agent" else role
+        permissions = row(names, role, user, host=host if role == "host-agent" else None)
+        if permissions is None:
+            lines.append(f"| `{user}` | {role} | everything | everything |")
+            continue
+        publish = "<br>".join(f"`{s}`" for s in permissions.publish)
+        subscribe = "<br>".join(f"`{s}`" for s in permissions.subscribe)
+        if permissions.responses:
+            subscribe += "<br>(and may answer each request it receives, once)"
+        lines.append(f"| `{user}` | {role} | {publish} | {subscribe} |")
+    return "\n".join(lines) + "\n"

@@ -266,11 +266,15 @@ async def test_egress_reaches_out_but_never_the_hosts_loopback(
     outside_port = outside.sockets[0].getsockname()[1]
     try:
         await driver.create_sandbox(A, None, SandboxSettings(network="egress"))
+        # A blocking connect with SO_SNDTIMEO, not settimeout(): see PROBE in
+        # tests/e2e/test_boundary.py (slirp's ICMP refusal can look like success
+        # to a poll-based connect).
         probe = (
-            "import socket, sys\n"
+            "import socket, struct, sys\n"
             "for host, port in ((sys.argv[1], int(sys.argv[2])), ('10.0.2.2', int(sys.argv[3])),"
             " ('127.0.0.1', int(sys.argv[3]))):\n"
-            "    s = socket.socket(); s.settimeout(5)\n"
+            "    s = socket.socket()\n"
+            "    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack('ll', 5, 0))\n"
             "    try:\n"
             "        s.connect((host, port)); print('connected')\n"
             "    except OSError as err:\n"

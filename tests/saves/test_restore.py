@@ -149,6 +149,27 @@ async def test_a_manifest_escaping_the_destination_is_refused(
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "dest").exists()
 
 
+async def test_a_restore_never_sets_setuid_or_setgid_bits(
+    store: SaveStore, tmp_path: Path
+) -> None:
+    planted = Manifest(
+        save_id="sv-planted",
+        sandbox_id="sb",
+        parent_id=None,
+        created_at=0.0,
+        chunk_size=4,
+        entries=[
+            Entry(path=b"shared", kind="dir", mode=0o3775, uid=0, gid=0),  # setgid + sticky
+            Entry(path=b"shared/su", kind="file", mode=0o6755, uid=0, gid=0),  # setuid root
+        ],
+    )
+    dest = tmp_path / "dest"
+    await restore(store, planted, dest)
+    su = (dest / "shared" / "su").stat()
+    assert stat.S_IMODE(su.st_mode) == 0o755  # the rest of the mode as recorded
+    assert stat.S_IMODE((dest / "shared").stat().st_mode) == 0o1775  # sticky is no grant
+
+
 async def test_an_old_format_manifest_restores_as_before(store: SaveStore, tmp_path: Path) -> None:
     golden = Path(__file__).parent / "golden" / "manifest-format1.bin"
     old = decode_manifest(golden.read_bytes())

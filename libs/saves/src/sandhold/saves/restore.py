@@ -292,7 +292,9 @@ def _set_attributes(path: bytes, entry: Entry, is_root: bool, id_offset: int) ->
     if is_root and (uid >= 0 or gid >= 0):  # -1 leaves that one alone
         os.chown(path, uid, gid, follow_symlinks=False)
     if not link:  # Linux has no mode for a symlink; chown first, as it clears setuid bits
-        os.chmod(path, entry.mode)
+        # Never setuid or setgid: a save is data a sandbox wrote (or anyone who
+        # could write the save store), not a grant of anyone's identity.
+        os.chmod(path, entry.mode & ~(stat.S_ISUID | stat.S_ISGID))
     os.utime(path, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
 
 

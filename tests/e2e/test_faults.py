@@ -126,11 +126,18 @@ async def test_a_request_taken_by_a_scheduler_that_dies_is_answered_to_the_same_
         try:
             create = asyncio.ensure_future(client.create_sandbox(key="taken-then-dead"))
 
+            admin = await connect(own_up.admin_url)  # the scheduler's consumer is its own
+
             async def delivered() -> bool:
-                info = await client.js.consumer_info(client.names.requests_stream, "scheduler")
+                info = await admin.js.consumer_info(client.names.requests_stream, "scheduler")
                 return info.num_ack_pending >= 1
 
-            await wait_until(delivered, timeout=15, what="the request delivered to the paused one")
+            try:
+                await wait_until(
+                    delivered, timeout=15, what="the request delivered to the paused one"
+                )
+            finally:
+                await admin.close()
             os.kill(pid, signal.SIGKILL)
         finally:
             os.kill(pid, signal.SIGCONT)

@@ -61,6 +61,16 @@ async def client(saving_up: Up) -> AsyncIterator[Client]:
         await c.close()
 
 
+@pytest.fixture
+async def admin(saving_up: Up) -> AsyncIterator[Client]:
+    """For what no service or operator may do: change the save store's limits."""
+    c = await connect(saving_up.admin_url)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
 def _completed(state: sb.Sandbox) -> list[str]:
     return [s.id for s in state.saves.values() if s.state == "completed"]
 
@@ -200,7 +210,9 @@ async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(
     await client.stop_sandbox(sandbox_id)
 
 
-async def test_a_failing_final_save_is_reported_apart_from_the_stop(saving_up: Up, client: Client):
+async def test_a_failing_final_save_is_reported_apart_from_the_stop(
+    saving_up: Up, client: Client, admin: Client
+):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     await client.exec(sandbox_id, ["sh", "-c", "echo saved > note"])
     base = await client.wait_for_save(
@@ -209,7 +221,7 @@ async def test_a_failing_final_save_is_reported_apart_from_the_stop(saving_up: U
     await client.exec(sandbox_id, ["sh", "-c", "echo lost > note"])
 
     # The save store fills up: new chunks and manifests are refused, reads still work.
-    js = client.js
+    js = admin.js
     info = await js.stream_info(client.names.saves_stream)
     config = info.config
     config.max_bytes = info.state.bytes
@@ -301,23 +313,23 @@ async def test_what_root_installs_anywhere_in_the_root_survives_a_snapshot(clien
         await client.stop_sandbox(sandbox_id)
 
 
-async def _store_full(client: Client, full: bool) -> None:
+async def _store_full(admin: Client, full: bool) -> None:
     """Make the save store refuse new messages (as a full disk would), or undo it."""
-    info = await client.js.stream_info(client.names.saves_stream)
+    info = await admin.js.stream_info(admin.names.saves_stream)
     config = info.config
     config.max_bytes = info.state.bytes if full else -1
     config.discard = DiscardPolicy.NEW if full else DiscardPolicy.OLD
-    await client.js.update_stream(config)
+    await admin.js.update_stream(config)
 
 
 async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_completes(
-    client: Client,
+    client: Client, admin: Client
 ):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
     await client.wait_for(
         sandbox_id, lambda s: s if _completed(s) else None, timeout=30, what="a first save"
     )
-    await _store_full(client, True)
+    await _store_full(admin, True)
     try:
         view = await client.wait_for(
             sandbox_id,
@@ -328,7 +340,7 @@ async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_compl
         assert "maximum bytes" in view.save_health.reason
         assert view.last_completed_save is not None  # the earlier save still counts
     finally:
-        await _store_full(client, False)
+        await _store_full(admin, False)
     await client.wait_for(
         sandbox_id,
         lambda s: s if sb_view(s).save_health.state == "ok" else None,

@@ -1105,21 +1105,23 @@ async def test_a_task_with_much_recorded_output_is_still_answered(client: Client
 
 
 async def test_a_long_output_whose_head_the_output_stream_dropped_is_recorded_by_its_tail(
-    client: Client,
+    up: Up, client: Client
 ):
     """The OUTPUT stream has limits (age, bytes): a long command's first chunks can
     be gone when it ends. The step's recorded output is still its tail, read
     without the whole output."""
     name = client.names.output_stream
-    info = await client.js.stream_info(name)
+    admin = await connect(up.admin_url)  # stream limits are the admin's
+    info = await admin.js.stream_info(name)
     original = info.config
-    await client.js.update_stream(_with(original, max_msgs_per_subject=3))
+    await admin.js.update_stream(_with(original, max_msgs_per_subject=3))
     try:
         script = "for i in $(seq 1 12); do printf 'line %02d\\n' $i; sleep 0.2; done"
         task_id = await submit(client, agent=sh(script))
         task = await ended(client, task_id)
     finally:
-        await client.js.update_stream(_with(original, max_msgs_per_subject=-1))
+        await admin.js.update_stream(_with(original, max_msgs_per_subject=-1))
+        await admin.close()
     assert task.state == "completed", (task.reason, task.detail)
     output = task.steps["agent"].output
     assert output.endswith("line 11\nline 12\n"), repr(output)

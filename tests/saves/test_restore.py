@@ -149,9 +149,7 @@ async def test_a_manifest_escaping_the_destination_is_refused(
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "dest").exists()
 
 
-async def test_a_restore_never_sets_setuid_or_setgid_bits(
-    store: SaveStore, tmp_path: Path
-) -> None:
+async def test_a_restore_never_sets_setuid_or_setgid_bits(store: SaveStore, tmp_path: Path) -> None:
     planted = Manifest(
         save_id="sv-planted",
         sandbox_id="sb",

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
-from urllib.parse import urlparse
 
 import nats
 import nats.errors
@@ -20,7 +18,7 @@ from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.server import NatsServer
 from sandhold.bus.service import connect
 
-from tests.support.bus import make_streams
+from tests.support.bus import hello, make_streams
 
 NAMES = Names("sh")
 ROLES = [("scheduler", None), ("saver", None), ("gateway", None), ("operator", None)]
@@ -87,32 +85,16 @@ async def as_user(server: NatsServer, user: str) -> AsyncIterator[As]:
         await nc.close()
 
 
-async def _hello(server: NatsServer, connect: dict[str, object]) -> bytes:
-    """The server's answer to a CONNECT (the protocol's first step, by hand: a
-    refused nats-py connect leaves its socket for the garbage collector)."""
-    port = urlparse(server.url).port
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        await reader.readline()  # INFO
-        writer.write(b"CONNECT " + json.dumps({"verbose": False, **connect}).encode() + b"\r\n")
-        writer.write(b"PING\r\n")
-        await writer.drain()
-        return await asyncio.wait_for(reader.readline(), 10)
-    finally:
-        writer.close()
-        await writer.wait_closed()
-
-
 async def test_an_anonymous_client_is_refused(server: NatsServer):
-    assert b"Authorization Violation" in await _hello(server, {})
+    assert b"Authorization Violation" in await hello(server.url, {})
 
 
 async def test_a_wrong_password_is_refused_and_the_right_one_taken(server: NatsServer):
-    assert b"Authorization Violation" in await _hello(
-        server, {"user": "scheduler", "pass": "guess"}
+    assert b"Authorization Violation" in await hello(
+        server.url, {"user": "scheduler", "pass": "guess"}
     )
     own = credentials.load(credentials.path_of(server.credentials_dir, "scheduler"))
-    assert await _hello(server, {"user": own.user, "pass": own.password}) == b"PONG\r\n"
+    assert await hello(server.url, {"user": own.user, "pass": own.password}) == b"PONG\r\n"
 
 
 async def test_a_host_agent_takes_its_own_work_and_no_other_hosts(server: NatsServer):

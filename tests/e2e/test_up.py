@@ -19,7 +19,7 @@ from sandhold.domain.requests import command_id_for
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
-from tests.support.bus import credential_file, make_streams
+from tests.support.bus import credential_file, hello, make_streams
 from tests.support.waiting import wait_until
 
 
@@ -209,3 +209,56 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         server.stop()
+
+
+async def test_a_credential_made_for_a_host_elsewhere_works_at_once_and_ends_when_revoked(
+    own_up: Up, tmp_path: Path
+):
+    out = tmp_path / "h9.json"
+    made = own_up.cli(
+        "credentials", "create", "--role", "host-agent", "--host", "h9", "--out", str(out)
+    )
+    assert made.returncode == 0, made.stderr
+    assert out.stat().st_mode & 0o777 == 0o600
+    listed = own_up.cli_json("credentials", "ls", "--json")
+    assert {"user": "host-h9", "role": "host-agent", "host": "h9"} in listed
+    h9 = credentials.load(out)
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    nc = await nats.connect(
+        own_up.nats_url, user=h9.user, password=h9.password, allow_reconnect=False,
+        closed_cb=on_closed,
+    )  # fmt: skip
+    try:
+        # no restart: the running server took the new user
+        assert (await nc.jetstream().stream_info("SH_EVENTS")).config.name == "SH_EVENTS"
+        revoked = own_up.cli("credentials", "revoke", "host-h9")
+        assert revoked.returncode == 0, revoked.stderr
+        await asyncio.wait_for(closed.wait(), 30)  # the server ended its connection
+    finally:
+        await nc.close()
+    refused = await hello(own_up.nats_url, {"user": h9.user, "pass": h9.password})
+    assert b"Authorization Violation" in refused
+    assert own_up.cli("credentials", "revoke", "admin").returncode != 0
+
+
+async def test_what_up_keeps_is_its_owners_alone(up: Up, client):
+    """The data dir (credentials, tokens, the log's store, every sandbox's files)
+    is 0700; the files that hold secrets are 0600 themselves, and so is a
+    command's spec (its environment)."""
+    assert up.data_dir.stat().st_mode & 0o777 == 0o700
+    for private in [
+        *up.data_dir.joinpath("credentials").iterdir(),
+        up.data_dir / "nats" / "nats-server.conf",
+        up.data_dir / "tokens.json",
+    ]:
+        assert private.stat().st_mode & 0o077 == 0, private
+    sandbox_id = await running_sandbox(client)
+    result = await client.exec(sandbox_id, ["true"], env={"A_SETTING": "x"})
+    [spec] = up.data_dir.glob(
+        f"hosts/local/sandboxes/{sandbox_id}/commands/{result.command.id}/spec.json"
+    )
+    assert spec.stat().st_mode & 0o077 == 0

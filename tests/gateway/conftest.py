@@ -126,10 +126,12 @@ def problem(response: httpx.Response, status: int, code: str) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def nats_client(gw: Gw, tenant: str):
+async def nats_client(gw: Gw, tenant: str, *, admin: bool = False):
+    """A client of `tenant` as the operator, or as the admin for tests that look
+    at what only the admin may (the gateway's consumers)."""
     from sandhold.client import connect
 
-    client = await connect(gw.up.url, tenant=tenant)
+    client = await connect(gw.up.admin_url if admin else gw.up.url, tenant=tenant)
     try:
         yield client
     finally:

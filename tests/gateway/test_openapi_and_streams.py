@@ -131,7 +131,7 @@ async def test_a_client_that_does_not_read_does_not_make_the_gateway_buffer(gw0:
     async with gw0.http() as http:
         sandbox_id = (await http.post("/api/v1/sandboxes")).json()["id"]
     subject_events = 120  # ~60 KB each: more than every buffer on the way
-    async with nats_client(gw0, "acme") as client:
+    async with nats_client(gw0, "acme", admin=True) as client:  # it reads the consumers
         # the backlog is in the log before the client asks for it
         for start in range(0, subject_events, 20):
             await asyncio.gather(

@@ -139,7 +139,7 @@ async def test_resume_across_a_gateway_killed_and_restarted(gw: Gw, acme: httpx.
 async def test_a_dropped_stream_leaves_no_consumer_behind(gw: Gw, acme: httpx.AsyncClient):
     sandbox_id = (await acme.post("/api/v1/sandboxes")).json()["id"]
     subject = f"sh.ev.sandbox.{sandbox_id}"
-    async with nats_client(gw, "acme") as client:
+    async with nats_client(gw, "acme", admin=True) as client:
 
         async def consumers() -> int:
             infos = await client.js.consumers_info(client.names.events_stream)

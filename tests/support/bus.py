@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
+from urllib.parse import urlparse
 
 import nats
 from sandhold.bus import credentials
@@ -26,3 +29,19 @@ async def make_streams(server: NatsServer, names: Names) -> None:
         await ensure_streams(nc.jetstream(), names)
     finally:
         await nc.close()
+
+
+async def hello(url: str, connect: dict[str, object]) -> bytes:
+    """The server's answer to a CONNECT (the protocol's first step, by hand: a
+    refused nats-py connect leaves its socket for the garbage collector)."""
+    port = urlparse(url).port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await reader.readline()  # INFO
+        writer.write(b"CONNECT " + json.dumps({"verbose": False, **connect}).encode() + b"\r\n")
+        writer.write(b"PING\r\n")
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+        await writer.wait_closed()

@@ -18,6 +18,7 @@ import msgspec
 from sandhold.bus import credentials as creds
 from sandhold.bus.credentials import Credentials
 from sandhold.bus.names import Names
+from sandhold.bus.permissions import ROLES
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
@@ -544,6 +545,21 @@ def _build_parser() -> argparse.ArgumentParser:
     token_ls = token_actions.add_parser("ls", help="tokens by name and tenant (never the secret)")
     token_ls.add_argument("--json", action="store_true")
     token_actions.add_parser("revoke", help="revoke a token by name").add_argument("name")
+    creds_parser = sub.add_parser(
+        "credentials", help="NATS users of this data dir's server (docs/security.md)"
+    )
+    creds_actions = creds_parser.add_subparsers(dest="action", required=True)
+    creds_create = creds_actions.add_parser(
+        "create", help="a credential for a service run elsewhere (the server takes it at once)"
+    )
+    creds_create.add_argument("--role", required=True, choices=[r for r in ROLES if r != "admin"])
+    creds_create.add_argument("--host", help="the host id, for --role host-agent")
+    creds_create.add_argument("--out", help="also copy it here (0600)")
+    creds_ls = creds_actions.add_parser("ls", help="users by name and role (never the password)")
+    creds_ls.add_argument("--json", action="store_true")
+    creds_actions.add_parser(
+        "revoke", help="remove a user; its connections are closed by the server"
+    ).add_argument("user")
     gc.add_argument(
         "--grace",
         type=float,
@@ -628,6 +644,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.group == "token":
         raise SystemExit(_token(args))
+    if args.group == "credentials":
+        raise SystemExit(_credentials_command(args))
     if args.group == "run":
         _run_service(args)
         return
@@ -690,6 +708,41 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credentials_command(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir)
+    directory = data_dir / "credentials"
+    match args.action:
+        case "create":
+            if (args.role == "host-agent") != (args.host is not None):
+                print("sandhold: --host H goes with --role host-agent, and only", file=sys.stderr)
+                return EXIT_REJECTED
+            try:
+                made = creds.issue(directory, args.role, host=args.host)
+            except ValueError as err:
+                print(f"sandhold: {err}", file=sys.stderr)
+                return EXIT_REJECTED
+            _reload_server(data_dir, made)
+            path = creds.path_of(directory, made.user)
+            if args.out:
+                creds.copy_private(path, Path(args.out))
+                path = Path(args.out)
+            print(path)
+        case "ls":
+            users = creds.every(directory)
+            if args.json:
+                _print_json([{"user": c.user, "role": c.role, "host": c.host} for c in users])
+            for c in [] if args.json else users:
+                print(f"{c.user}  role={c.role}" + (f"  host={c.host}" if c.host else ""))
+        case "revoke":
+            path = creds.path_of(directory, args.user)
+            if args.user == "admin" or not path.exists():
+                print(f"sandhold: no user {args.user!r} to revoke", file=sys.stderr)
+                return EXIT_REJECTED
+            path.unlink()
+            _reload_server(data_dir, None)
+    return 0
+
+
 def _service_credentials(args: argparse.Namespace, service_args: list[str]) -> Path | None:
     """A service run next to a local `sandhold up` gets its own credential from
     the data dir, issued (and the server told) the first time; a service run
@@ -717,7 +770,7 @@ def _option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _reload_server(data_dir: Path, made: Credentials) -> None:
+def _reload_server(data_dir: Path, made: Credentials | None) -> None:
     """Make the data dir's nats-server take its credentials as they are now."""
     from sandhold.bus.server import NatsServer
 
@@ -733,7 +786,8 @@ def _reload_server(data_dir: Path, made: Credentials) -> None:
         return  # not running: it reads the config when it starts
     with contextlib.suppress(ProcessLookupError):
         os.kill(int(pid), signal.SIGHUP)
-    asyncio.run(_until_accepted(url, made))
+    if made is not None:
+        asyncio.run(_until_accepted(url, made))
 
 
 async def _until_accepted(url: str, user: Credentials, timeout: float = 10.0) -> None:

@@ -87,6 +87,10 @@ class Runtime:
         gateway_port: int | None = None,
     ) -> None:
         self.data_dir = data_dir.resolve()
+        # Only its owner may look inside: credentials, tokens, the log's store,
+        # every sandbox's files and command specs are under it.
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
         self.names = Names(prefix)
         self.hosts = hosts
         self.service_args = service_args or {}

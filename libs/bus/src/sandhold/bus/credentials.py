@@ -90,9 +90,13 @@ def user_in_url(url: str) -> str | None:
     return unquote(username) if username else None
 
 
+def copy_private(source: Path, dest: Path) -> None:
+    """A copy of a credential that only its owner can read."""
+    _write_private(Path(dest), Path(source).read_bytes())
+
+
 def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -235,6 +235,7 @@ async def connect(
     if user is not None:
         login["inbox_prefix"] = inbox_prefix(user)
     quiet = _QuietErrors(name)
+    quiet.user = user
     quiet.nc = await nats.connect(
         servers=servers,
         name=name,
@@ -257,6 +258,7 @@ class _QuietErrors:
         self._name = name
         self._last: tuple[str, float] = ("", 0.0)
         self.nc: NATS | None = None
+        self.user: str | None = None
 
     async def error(self, err: Exception) -> None:
         said, at = self._last
@@ -264,7 +266,13 @@ class _QuietErrors:
         text = f"{type(err).__name__}: {err}"
         if text != said or now - at > 10.0:
             self._last = (text, now)
-            log.warning("%s: NATS: %s", self._name, text)
+            hint = ""
+            if "authorization violation" in text.lower():
+                hint = (
+                    f" (connecting as {self.user or 'no user'}: give this process its own "
+                    f"credential, --credentials FILE or ${creds.ENV}; docs/security.md)"
+                )
+            log.warning("%s: NATS: %s%s", self._name, text, hint)
 
     async def disconnected(self) -> None:
         if self.nc is not None and self.nc.is_closed:
@@ -319,8 +327,17 @@ def run_service(
     make: Callable[[argparse.Namespace], Service],
     parser: argparse.ArgumentParser,
     argv: list[str] | None = None,
+    *,
+    private_files: bool = True,
 ) -> None:
-    """Parse arguments, then run the service on uvloop until SIGTERM/SIGINT."""
+    """Parse arguments, then run the service on uvloop until SIGTERM/SIGINT.
+
+    What a service writes is its own (umask 077: read models, staged clones, work
+    directories). Not so the host-agent (`private_files=False`): it builds the
+    sandboxes' trees, whose modes their users need, and sets modes itself where
+    a file is private (a command's spec holds its environment)."""
+    if private_files:
+        os.umask(0o077)
     args = parser.parse_args(argv)
     if not args.nats:
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             image_roots=a.image_root,
         )
 
-    run_service(make, parser(), argv)
+    run_service(make, parser(), argv, private_files=False)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ def write_atomically(path: Path, payload: bytes, *, durable: bool) -> None:
     exit record needs them, the pid file does not.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    # 0600: a spec holds the command's environment, records are the host's own.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(payload)
         while view:

@@ -13,6 +13,7 @@ from pathlib import Path
 import nats
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
+from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.server import NatsServer
 from sandhold.client import connect
 from sandhold.domain.requests import command_id_for
@@ -230,7 +231,7 @@ async def test_a_credential_made_for_a_host_elsewhere_works_at_once_and_ends_whe
 
     nc = await nats.connect(
         own_up.nats_url, user=h9.user, password=h9.password, allow_reconnect=False,
-        closed_cb=on_closed,
+        closed_cb=on_closed, inbox_prefix=inbox_prefix(h9.user),
     )  # fmt: skip
     try:
         # no restart: the running server took the new user

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.bus.append import append
+from sandhold.bus.service import connect as bus_connect
 from sandhold.client import Client, connect
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -336,8 +337,10 @@ async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_a
             ev.TaskStepFailed(step_id="work", attempt=record.attempt, reason="timed_out"),
             ev.TaskTimedOut(stage="running", detail="the task's limit passed"),
         ]
+        # appended as the orchestrator (no other user may write a task's events)
+        orchestrator = await bus_connect(f.up.url_as("orchestrator"), name="test-orchestrator")
         await append(
-            client.js,
+            orchestrator.jetstream(),
             client.names.events_stream,
             client.names.events("task", view.id),
             wrap(
@@ -351,6 +354,7 @@ async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_a
             ),
             records[-1].seq,
         )
+        await orchestrator.close()
         os.kill(pid, signal.SIGKILL)
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -60,4 +60,4 @@ def test_prometheus_scrapes_every_service_compose_runs() -> None:
     assert targets["sandhold-services"] == {f"{s}:9464" for s in services}
     mounted = " ".join(compose["services"]["prometheus"]["volumes"])
     assert "./deploy/prometheus/prometheus.yml" in mounted
-    assert compose["services"]["metrics"]["command"] == ["sandhold", "run", "metrics"]
+    assert compose["services"]["metrics"]["command"][:3] == ["sandhold", "run", "metrics"]

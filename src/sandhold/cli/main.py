@@ -545,6 +545,14 @@ def _build_parser() -> argparse.ArgumentParser:
     token_ls = token_actions.add_parser("ls", help="tokens by name and tenant (never the secret)")
     token_ls.add_argument("--json", action="store_true")
     token_actions.add_parser("revoke", help="revoke a token by name").add_argument("name")
+    streams = sub.add_parser("streams", help="the streams and buckets (made by the admin)")
+    streams_actions = streams.add_subparsers(dest="action", required=True)
+    ensure = streams_actions.add_parser(
+        "ensure",
+        help="make (or update) every stream and bucket, as the admin: what `sandhold up` does "
+        "first, for a deployment whose server it does not start",
+    )
+    ensure.add_argument("--replicas", type=int, default=1, help="3 on a JetStream cluster")
     creds_parser = sub.add_parser(
         "credentials", help="NATS users of this data dir's server (docs/security.md)"
     )
@@ -646,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(_token(args))
     if args.group == "credentials":
         raise SystemExit(_credentials_command(args))
+    if args.group == "streams":
+        raise SystemExit(asyncio.run(_ensure_streams(args)))
     if args.group == "run":
         _run_service(args)
         return
@@ -705,6 +715,23 @@ def _token(args: argparse.Namespace) -> int:
             if not tokens.revoke(path, args.name):
                 print(f"sandhold: no token named {args.name!r}", file=sys.stderr)
                 return EXIT_REJECTED
+    return 0
+
+
+async def _ensure_streams(args: argparse.Namespace) -> int:
+    """As the admin (--credentials, or the data dir's admin.json)."""
+    from sandhold.bus.service import connect as bus_connect
+    from sandhold.bus.streams import ensure_streams
+
+    url, prefix = _server(args)
+    path = args.credentials or os.environ.get(creds.ENV)
+    admin = creds.load(Path(path) if path else Path(args.data_dir) / "credentials" / "admin.json")
+    nc = await bus_connect(url, name="sandhold-streams", credentials=admin)
+    try:
+        await ensure_streams(nc.jetstream(), Names(prefix), replicas=args.replicas)
+    finally:
+        await nc.close()
+    print(f"streams of prefix {prefix!r} ready ({args.replicas} replica(s))")
     return 0
 
 

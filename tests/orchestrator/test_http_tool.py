@@ -3,6 +3,7 @@ against real local HTTP servers."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -84,3 +85,53 @@ async def test_the_step_limit_bounds_the_whole_call(server: str):
             await tool.perform(_call(f"{server}/drip", timeout=0.5), "k")
     finally:
         tool.close()
+
+
+async def test_the_address_checked_is_the_address_connected_to(
+    server: str, monkeypatch: pytest.MonkeyPatch
+):
+    """DNS rebinding: a name that answers a public address to the egress check and
+    loopback to the connect. Resolved once, the request goes where it was checked
+    (here nowhere: this machine has no route out), never to the loopback server."""
+    port = int(server.rsplit(":", 1)[1])
+    public, loopback = ("93.184.215.14", port), ("127.0.0.1", port)
+    answers = iter([public, loopback, loopback])
+    lookups: list[str] = []
+
+    def rebinding(host: str, *_args: object, **_kwargs: object):
+        lookups.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", next(answers))]
+
+    real_connect = socket.create_connection
+    connected: list[str] = []
+
+    def connect(address: tuple[str, int], *args: object, **kwargs: object):
+        connected.append(address[0])
+        if address[0] == public[0]:
+            raise OSError("no route out of this machine")
+        return real_connect(address, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    monkeypatch.setattr(socket, "create_connection", connect)
+    tool = HttpTool(egress="public")
+    try:
+        with pytest.raises(OSError, match="no route out"):
+            await tool.perform(_call(f"http://rebinding.example:{port}/hook"), "k")
+    finally:
+        tool.close()
+    assert lookups == ["rebinding.example"] and connected == [public[0]]
+
+
+async def test_proxy_settings_in_the_environment_are_ignored(
+    server: str, monkeypatch: pytest.MonkeyPatch
+):
+    with socket.socket() as nowhere:
+        nowhere.bind(("127.0.0.1", 0))  # a port nothing listens on
+        proxy = f"http://127.0.0.1:{nowhere.getsockname()[1]}"
+        for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy)
+        tool = HttpTool(egress="any")
+        try:
+            assert await tool.perform(_call(f"{server}/direct"), "k") == (200, "/direct k")
+        finally:
+            tool.close()

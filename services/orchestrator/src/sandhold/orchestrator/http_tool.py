@@ -12,13 +12,22 @@ a manifest must not reach the control plane's own network (NATS monitoring,
 metrics, cloud metadata). `any` allows them (the embedded `sandhold up`, a
 single machine whose user owns every hook). Redirects are never followed: a
 3xx is the step's result.
+
+The host is resolved once, and the connection goes to the address that was
+checked (the Host header and TLS's SNI and certificate check keep the name): a
+second lookup could answer differently (DNS rebinding: public for the check,
+loopback for the connect). Proxy settings in the environment are ignored, so a
+request never goes anywhere but where it says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import http.client
 import ipaddress
 import socket
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -57,35 +66,87 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None  # urllib then raises HTTPError with the 3xx: a result like any status
 
 
-_opener = urllib.request.build_opener(_NoRedirects)
+class _PinnedHTTP(http.client.HTTPConnection):
+    """Connects to `address`, whatever the name resolves to by then."""
+
+    def __init__(self, host: str, *, address: str, timeout: float | None = None) -> None:
+        super().__init__(host, timeout=timeout)
+        self._address = address
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    def __init__(
+        self, host: str, *, address: str, context: ssl.SSLContext, timeout: float | None = None
+    ) -> None:
+        super().__init__(host, timeout=timeout, context=context)
+        self._address = address
+
+    def connect(self) -> None:
+        raw = socket.create_connection((self._address, self.port), self.timeout)
+        context = self._context  # type: ignore[attr-defined]  # set by HTTPSConnection
+        self.sock = context.wrap_socket(raw, server_hostname=self.host)  # SNI: the name
+
+
+class _Pinned(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    def __init__(self, address: str) -> None:
+        urllib.request.HTTPHandler.__init__(self)
+        urllib.request.HTTPSHandler.__init__(self, context=ssl.create_default_context())
+        self._address = address
+
+    def http_open(self, req: urllib.request.Request):  # noqa: ANN201 - urllib's
+        return self.do_open(functools.partial(_PinnedHTTP, address=self._address), req)
+
+    def https_open(self, req: urllib.request.Request):  # noqa: ANN201
+        connection = functools.partial(
+            _PinnedHTTPS,
+            address=self._address,
+            context=self._context,  # type: ignore[attr-defined]
+        )
+        return self.do_open(connection, req)
 
 
 def perform(call: RecordedHttpCall, idempotency_key: str, egress: Egress) -> tuple[int, str]:
     """One HTTP request (blocking); an HTTP error status is a result, not an error."""
-    if egress == "public":
-        check_public(call.url)
+    address = resolve(call.url, public_only=egress == "public")
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), _NoRedirects, _Pinned(address)
+    )
     data = call.body.encode() if call.body is not None else None
     headers = {"Idempotency-Key": idempotency_key, "User-Agent": "sandhold-orchestrator"}
     headers.update(call.headers)
     request = urllib.request.Request(call.url, data=data, method=call.method, headers=headers)
     try:
-        with _opener.open(request, timeout=float(call.timeout)) as response:
+        with opener.open(request, timeout=float(call.timeout)) as response:
             return response.status, response.read(OUTPUT_KEPT).decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
         return err.code, err.read(OUTPUT_KEPT).decode("utf-8", "replace")
 
 
-def check_public(url: str) -> None:
-    """Refuse a URL whose host resolves to any non-global address."""
+def resolve(url: str, *, public_only: bool) -> str:
+    """The one address the request will go to; with `public_only`, refuse a host
+    with any non-global address among its answers."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname
     if not host:
         raise EgressDenied(f"{url!r} names no host")
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    for *_, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        ip = ipaddress.ip_address(address[0])
-        if not ip.is_global:
-            raise EgressDenied(
-                f"{host} resolves to {ip}, which the orchestrator's egress policy "
-                "(public) does not allow"
-            )
+    answers = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not answers:
+        raise OSError(f"{host} does not resolve")
+    if public_only:
+        for *_, address in answers:
+            ip = ipaddress.ip_address(address[0])
+            if not ip.is_global:
+                raise EgressDenied(
+                    f"{host} resolves to {ip}, which the orchestrator's egress policy "
+                    "(public) does not allow"
+                )
+    return str(answers[0][4][0])
+
+
+def check_public(url: str) -> None:
+    """Refuse a URL whose host resolves to any non-global address."""
+    resolve(url, public_only=True)

@@ -25,8 +25,15 @@ SANDHOLD = str(Path(sys.executable).parent / "sandhold")
 class Up:
     """`sandhold up --data-dir DIR` in its own process group; stopped by PID."""
 
-    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        umask: int = -1,  # the umask `sandhold up` starts with (-1: this process's)
+    ) -> None:
         self.data_dir = data_dir
+        self.umask = umask
         self.extra = list(extra)
         self.env = env  # added to this process's environment, for every service
         self.process: subprocess.Popen[str] | None = None
@@ -44,6 +51,7 @@ class Up:
             text=True,
             process_group=0,
             env={**os.environ, **self.env} if self.env else None,
+            umask=self.umask,
         )
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()

@@ -263,3 +263,24 @@ async def test_what_up_keeps_is_its_owners_alone(up: Up, client):
         f"hosts/local/sandboxes/{sandbox_id}/commands/{result.command.id}/spec.json"
     )
     assert spec.stat().st_mode & 0o077 == 0
+
+
+async def test_up_started_with_a_strict_umask_runs_sandboxes_and_keeps_its_files_private(
+    tmp_path: Path,
+):
+    """A hardened login (umask 077) must not break the sandboxes, whose trees the
+    host-agent builds for users other than root; the services' own files are
+    private whatever the umask (here: the gateway's read model)."""
+    strict = Up(tmp_path / "data", umask=0o077).start()
+    try:
+        client = await connect(strict.url)
+        try:
+            sandbox_id = await running_sandbox(client)
+            result = await client.exec(sandbox_id, ["sh", "-c", "echo fine > f; cat f"])
+            assert (result.command.state, result.stdout) == ("exited", b"fine\n")
+        finally:
+            await client.close()
+    finally:
+        strict.stop()
+    read_model = tmp_path / "data" / "gateway" / "read-model.sqlite"
+    assert read_model.stat().st_mode & 0o077 == 0

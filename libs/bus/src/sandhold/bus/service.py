@@ -333,12 +333,12 @@ def run_service(
     """Parse arguments, then run the service on uvloop until SIGTERM/SIGINT.
 
     What a service writes is its own (umask 077: read models, staged clones, work
-    directories). Not so the host-agent (`private_files=False`): it builds the
-    sandboxes' trees, whose modes their users need, and sets modes itself where
-    a file is private (a command's spec holds its environment)."""
-    if private_files:
-        os.umask(0o077)
-    args = parser.parse_args(argv)
+    directories). Not so the host-agent (`private_files=False`, umask 022
+    whatever it inherited): it builds the sandboxes' trees, whose modes the
+    sandboxes' own users need, and makes private what is (a command's spec
+    holds its environment)."""
+    args = parser.parse_args(argv)  # before the umask: `--help` leaves the caller's alone
+    os.umask(0o077 if private_files else 0o022)
     if not args.nats:
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
     if args.credentials:  # every connection of this process is this service's user

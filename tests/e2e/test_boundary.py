@@ -99,3 +99,23 @@ async def test_a_disk_quota_holds_through_a_snapshot_and_a_restore(up: Up, clien
     room = ["dd", "if=/dev/zero", "of=/workspace/ok", "bs=1M", "count=8"]
     done = (await client.exec(first.id, room)).command
     assert (done.state, done.exit_code) == ("exited", 0), done
+
+
+async def test_by_default_a_tasks_http_step_may_not_reach_this_machine(client: Client):
+    """`sandhold up` allows http steps public addresses only unless asked
+    (`--http-egress any`): a manifest cannot call the control plane's loopback."""
+    from sandhold.domain.task_manifest import load_manifest
+
+    with socket.create_server(("127.0.0.1", 0)) as local:
+        url = f"http://127.0.0.1:{local.getsockname()[1]}/hook"
+        manifest = {"name": "call-home", "pipeline": [{"name": "call", "http": {"url": url}}]}
+        view = await client.submit_task(load_manifest(manifest))
+        task = await client.wait_for_task(
+            view.id, lambda s: s if s.terminal else None, timeout=60, what="the task's end"
+        )
+        local.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            local.accept()  # nothing came
+    assert task.state == "failed", (task.state, task.reason, task.detail)
+    step = task.steps["call"]
+    assert "(public) does not allow" in step.detail, step

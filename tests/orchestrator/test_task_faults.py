@@ -84,7 +84,7 @@ class Faulty:
         extra = (
             {"SANDHOLD_FAULT": fault, "SANDHOLD_FAULT_MARKER": str(self.marker)} if fault else {}
         )
-        self.up = Up(data_dir, env={**extra, **env})
+        self.up = Up(data_dir, "--http-egress", "any", env={**extra, **env})  # local receivers
 
     @property
     def fired(self) -> bool:

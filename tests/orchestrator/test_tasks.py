@@ -42,7 +42,8 @@ QUICK_RETRY = {"base_delay": "0.1s", "max_delay": "0.5s"}
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    running = Up(tmp_path_factory.mktemp("up") / "data").start()
+    # The http steps' receivers are on this machine's loopback: allowed when asked.
+    running = Up(tmp_path_factory.mktemp("up") / "data", "--http-egress", "any").start()
     try:
         yield running
     finally:

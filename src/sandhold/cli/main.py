@@ -403,6 +403,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="a save not completed within this many seconds fails (default 600)",
     )
+    up.add_argument(
+        "--http-egress",
+        choices=["public", "any"],
+        default="public",
+        help="where task http steps may go: public addresses only (default), or any, "
+        "this machine's loopback and private networks included (hooks of your own)",
+    )
 
     run = sub.add_parser("run", help="run one service alone against --nats URL")
     run.add_argument(
@@ -640,6 +647,7 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "host-agent": ["--lease-ttl", str(args.lease_ttl), "--driver", args.driver],
             "metrics": ["--metrics-port", str(args.metrics_port)],
+            "orchestrator": ["--http-egress", args.http_egress],
         }
         service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]
         raise SystemExit(

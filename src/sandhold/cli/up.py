@@ -165,11 +165,7 @@ class Runtime:
                     *self._credentials("orchestrator"),
                     "--work-dir",
                     str(self.data_dir / "orchestrator"),
-                    # One machine, one user's hooks (localhost included); a
-                    # standalone orchestrator allows public addresses only.
-                    "--http-egress",
-                    "any",
-                    *extra.get("orchestrator", []),
+                    *extra.get("orchestrator", []),  # --http-egress, public unless asked
                 ],
                 logs / "orchestrator.log",
                 "orchestrator",

@@ -383,3 +383,20 @@ async def test_the_callers_git_configuration_does_not_reach_git(
 )
 def test_stderr_is_classified(stderr: str, reason: str, error_class: str) -> None:
     assert classify_stderr(stderr.encode()) == (reason, error_class)
+
+
+@pytest.mark.parametrize("scheme", ["file", "http"])
+async def test_only_network_transports_with_tls_or_ssh_are_allowed(
+    git_repo: GitRepo, tmp_path: Path, scheme: str
+):
+    """A manifest's repository must not read the orchestrator's own disk (file://)
+    nor go in the clear (http://): git runs with https, ssh and git only (ext::,
+    a command line, is git's own default refusal and stays refused)."""
+    with socket.socket() as nowhere:
+        nowhere.bind(("127.0.0.1", 0))
+        port = nowhere.getsockname()[1]
+        url = f"file://{git_repo.path}" if scheme == "file" else f"http://127.0.0.1:{port}/r.git"
+        with pytest.raises(CloneFailed) as failed:
+            await clone(url, "main", tmp_path / "r", timeout_s=TIMEOUT_S)
+    assert failed.value.reason == "bad_url", failed.value
+    assert f"transport '{scheme}' not allowed" in failed.value.detail

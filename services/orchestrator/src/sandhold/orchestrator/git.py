@@ -209,6 +209,9 @@ def _environment() -> dict[str, str]:
         GIT_CONFIG_NOSYSTEM="1",
         GIT_CONFIG_GLOBAL=os.devnull,  # neither ~/.gitconfig nor $XDG_CONFIG_HOME/git
         GIT_TERMINAL_PROMPT="0",
+        # Network transports only: never file:// or a local path (the orchestrator's
+        # own disk), ext:: (a command line) or plain http.
+        GIT_ALLOW_PROTOCOL="https:ssh:git",
         GIT_SSH_COMMAND="ssh -o BatchMode=yes",  # ssh must not prompt either
         LC_ALL="C",  # _classify reads English messages
     )

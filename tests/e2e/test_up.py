@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import nats
+import pytest
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
 from sandhold.bus.permissions import inbox_prefix
@@ -21,6 +22,7 @@ from sandhold.domain.requests import command_id_for
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
 from tests.support.bus import credential_file, hello, make_streams
+from tests.support.net import host_address
 from tests.support.waiting import wait_until
 
 
@@ -173,7 +175,7 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         await nc.subscribe("sh.svc.ready", cb=on_ready)
         await nc.flush()
         for service, extra in (
-            ("scheduler", ["--credentials", str(scheduler)]),
+            ("scheduler", ["--credentials", str(scheduler), "--metrics-port", "0"]),
             (
                 "host-agent",
                 ["--host-id", "h1", "--root", str(tmp_path / "h1"), "--credentials", str(host)],
@@ -189,6 +191,14 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         await wait_until(lambda: len(ready) == 2, timeout=30, what="both services ready")
         services = {json.loads(r)["service"] for r in ready}
         assert services == {"scheduler", "host-agent"}
+        # Its /metrics listens on loopback only unless told otherwise.
+        [metrics_port] = [json.loads(r)["metrics_port"] for r in ready if b"metrics_port" in r]
+        _, writer = await asyncio.open_connection("127.0.0.1", metrics_port)
+        writer.close()
+        elsewhere = host_address()
+        assert elsewhere is not None, "this test needs an address other than loopback"
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection(elsewhere, metrics_port)
         client = await connect(server.url, credentials=credentials.load(operator))
         sandbox_id = await running_sandbox(client)
         result = await client.exec(sandbox_id, ["python3", "-c", "print('alone')"])

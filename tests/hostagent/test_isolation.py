@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from sandhold.hostagent.driver import CommandExit, ProcessDriver
 
+from tests.support.net import host_address
 from tests.support.waiting import wait_until
 
 from .conftest import collect
@@ -102,24 +102,13 @@ async def test_host_loopback_services_are_unreachable(two: ProcessDriver, listen
         "except OSError as err:\n"
         "    print('refused', err.errno)\n"
     )
-    host_ip = _host_address()
+    host_ip = host_address()
     for address in ["127.0.0.1", *([host_ip] if host_ip else [])]:
         command_id = f"net-{uuid.uuid4().hex[:8]}"
         handle = await two.launch(A, command_id, ["python3", "-c", probe, address])
         out, _, end = await collect(handle)
         assert end.reason == "exited"
         assert out.decode().startswith("refused"), (address, out)
-
-
-def _host_address() -> str | None:
-    """An address of this machine other than loopback, if it has one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent for UDP connect
-            address = probe.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
 
 
 async def test_host_processes_are_invisible(two: ProcessDriver) -> None:
@@ -259,7 +248,7 @@ async def test_egress_reaches_out_but_never_the_hosts_loopback(
         # .ci/run installs slirp4netns and sets this, so CI never skips it.
         assert not os.environ.get("SANDHOLD_REQUIRE_EGRESS"), "slirp4netns is not installed"
         pytest.skip("network egress needs slirp4netns: apt install slirp4netns")
-    host_ip = _host_address()
+    host_ip = host_address()
     assert host_ip is not None, "this test needs an address other than loopback"
     # A service on the host's own (non-loopback) address stands in for the internet.
     outside = await asyncio.start_server(lambda r, w: w.close(), host_ip, 0)

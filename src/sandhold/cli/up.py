@@ -243,7 +243,6 @@ class Runtime:
         # Every service serves its own /metrics on a free local port (listed in
         # runtime.json); the metrics service's port is `--metrics-port`.
         os.environ["SANDHOLD_METRICS_PORT"] = "0"
-        os.environ.setdefault("SANDHOLD_METRICS_ADDR", "127.0.0.1")
         self._issue_credentials()  # before the server, whose users they are
         self.server.start()
         try:

@@ -117,7 +117,8 @@ def lease_renewal_failed(host: str) -> None:
 
 def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
     """Start this process's `/metrics` on `listen_on` (0: any free port) of `addr`
-    (default `SANDHOLD_METRICS_ADDR`, else every interface); returns the port."""
+    (default `SANDHOLD_METRICS_ADDR`, else loopback only: a deployment whose
+    Prometheus runs elsewhere says where to listen); returns the port."""
     global _instruments, _meter, port
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
@@ -140,7 +141,7 @@ def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
     )
     _meter = provider.get_meter("sandhold")
     _instruments = _Instruments(_meter)
-    addr = addr or os.environ.get("SANDHOLD_METRICS_ADDR", "0.0.0.0")
+    addr = addr or os.environ.get("SANDHOLD_METRICS_ADDR", "127.0.0.1")
     server, _ = start_http_server(listen_on, addr=addr)
     port = server.server_port
     return port

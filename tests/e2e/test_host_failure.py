@@ -217,13 +217,18 @@ async def test_host_killed_during_a_long_command(cluster, client: Client):
     # Nothing reruns by itself.
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.phase == "lost" and state.generation == 1
+    # Saves went on while the long command ran: the start uses the last one that
+    # completed, which is the one after the writes or a later one.
+    last = (await client.show_sandbox(sandbox_id)).last_completed_save
+    assert last is not None and saved.last_completed_save is not None
+    assert (last.completed_at or 0) >= (saved.last_completed_save.completed_at or 0)
 
     await client.start_sandbox(sandbox_id)
     view = await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
     assert (view.host, view.generation) == ("h2", 2)
     assert view.recovered_from is not None
     assert view.recovered_from.source == "save"
-    assert view.recovered_from.save_id == saved.last_completed_save.id
+    assert view.recovered_from.save_id == last.id
     assert view.recovered_from.behind_failure_s is not None
     assert view.recovered_from.behind_failure_s >= 0
     check = await client.exec(sandbox_id, ["sh", "-c", "cat note; cat runs 2>/dev/null || :"])

@@ -94,7 +94,7 @@ async def test_a_wrong_password_is_refused_and_the_right_one_taken(server: NatsS
         server.url, {"user": "scheduler", "pass": "guess"}
     )
     own = credentials.load(credentials.path_of(server.credentials_dir, "scheduler"))
-    assert await hello(server.url, {"user": own.user, "pass": own.password}) == b"PONG\r\n"
+    assert await hello(server.url, {"user": own.user, "pass": own.password}) == b"+OK\r\n"
 
 
 async def test_a_host_agent_takes_its_own_work_and_no_other_hosts(server: NatsServer):

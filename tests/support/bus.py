@@ -32,14 +32,16 @@ async def make_streams(server: NatsServer, names: Names) -> None:
 
 
 async def hello(url: str, connect: dict[str, object]) -> bytes:
-    """The server's answer to a CONNECT (the protocol's first step, by hand: a
-    refused nats-py connect leaves its socket for the garbage collector)."""
+    """The server's answer to a CONNECT: `+OK` or `-ERR '…'` (the protocol's first
+    step, by hand: a refused nats-py connect leaves its socket for the garbage
+    collector). Verbose, so the answer needs nothing more sent: a second write
+    could reach a server that already closed and draw a reset that discards
+    its `-ERR` before it is read."""
     port = urlparse(url).port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         await reader.readline()  # INFO
-        writer.write(b"CONNECT " + json.dumps({"verbose": False, **connect}).encode() + b"\r\n")
-        writer.write(b"PING\r\n")
+        writer.write(b"CONNECT " + json.dumps({"verbose": True, **connect}).encode() + b"\r\n")
         await writer.drain()
         return await asyncio.wait_for(reader.readline(), 10)
     finally:

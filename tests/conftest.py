@@ -16,6 +16,9 @@ import pytest
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsCluster, NatsServer
 from sandhold.bus.streams import ensure_streams
+from sandhold.client import Client, connect
+
+from tests.e2e.harness import Up
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,17 +73,17 @@ async def nc(nats_url: str, names: Names) -> AsyncIterator[nats.NATS]:
     try:
         yield conn
     finally:
-        for stream in (
-            names.events_stream,
-            names.output_stream,
-            names.requests_stream,
-            names.hostwork_stream,
-            names.saves_stream,
-            f"KV_{names.lease_bucket}",
-        ):
+        for stream in names.all_streams:
             with contextlib.suppress(Exception):
                 await js.delete_stream(stream)
         await conn.close()
+
+
+@pytest.fixture
+async def client(up: Up) -> AsyncIterator[Client]:
+    """A client of the `up` that the test's module or directory starts."""
+    async with await connect(up.url) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

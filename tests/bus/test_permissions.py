@@ -185,3 +185,12 @@ def test_docs_security_shows_the_permission_table_of_the_code():
     doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
     shown = doc.split("<!-- permissions:begin -->\n", 1)[1].split("<!-- permissions:end -->")[0]
     assert shown == table(Names()), "regenerate the table: python -c 'from sandhold.bus...'"
+
+
+def test_the_stream_list_permissions_name_is_every_stream_made():
+    """The permissions and the start-up wait name streams by `Names.all_streams`:
+    a stream added to `stream_configs` but not there would be unreachable."""
+    from sandhold.bus.streams import stream_configs
+
+    made = {str(c.name) for c in stream_configs(NAMES)} | {f"KV_{NAMES.lease_bucket}"}
+    assert set(NAMES.all_streams) == made

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-from sandhold.client import Client, connect
+from sandhold.client import Client
 
 from tests.e2e.harness import Up
 
@@ -26,15 +26,6 @@ def own_up(tmp_path) -> Iterator[Up]:
         yield running
     finally:
         running.stop()
-
-
-@pytest.fixture
-async def client(up: Up) -> AsyncIterator[Client]:
-    c = await connect(up.url)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def running_sandbox(client: Client, **kwargs) -> str:

@@ -135,11 +135,8 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Up
 
 @pytest.fixture
 async def client(cluster) -> AsyncIterator[Client]:
-    c = await connect(cluster[0].url)
-    try:
+    async with await connect(cluster[0].url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 async def _running_on_h1_with_h2_waiting(client: Client, cluster, **create) -> str:

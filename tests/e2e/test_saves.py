@@ -42,7 +42,7 @@ while True:
 
 
 @pytest.fixture(scope="module")
-def saving_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     running = Up(
         tmp_path_factory.mktemp("saves") / "data", "--save-interval", "1", "--save-timeout", "8"
     ).start()
@@ -53,22 +53,10 @@ def saving_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 
 @pytest.fixture
-async def client(saving_up: Up) -> AsyncIterator[Client]:
-    c = await connect(saving_up.url)
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
-@pytest.fixture
-async def admin(saving_up: Up) -> AsyncIterator[Client]:
+async def admin(up: Up) -> AsyncIterator[Client]:
     """For what no service or operator may do: change the save store's limits."""
-    c = await connect(saving_up.admin_url)
-    try:
+    async with await connect(up.admin_url) as c:
         yield c
-    finally:
-        await c.close()
 
 
 def _completed(state: sb.Sandbox) -> list[str]:
@@ -109,7 +97,7 @@ async def test_every_completed_save_is_crash_consistent(client: Client):
     await client.stop_sandbox(sandbox_id)
 
 
-async def test_unchanged_files_are_not_uploaded_again(client: Client, saving_up: Up):
+async def test_unchanged_files_are_not_uploaded_again(client: Client, up: Up):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     script = "for i in 1 2 3 4 5 6 7 8; do head -c 4194304 /dev/urandom > f$i; done"
     assert (await client.exec(sandbox_id, ["sh", "-c", script])).command.exit_code == 0
@@ -138,7 +126,7 @@ async def _big_change(client: Client, sandbox_id: str, name: str) -> None:
 
 @pytest.mark.parametrize("stage", ["capture", "upload"])
 async def test_host_agent_killed_during_a_save_never_completes_it(
-    saving_up: Up, client: Client, stage: str
+    up: Up, client: Client, stage: str
 ):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     await client.exec(sandbox_id, ["sh", "-c", "echo one > note"])
@@ -148,7 +136,7 @@ async def test_host_agent_killed_during_a_save_never_completes_it(
     assert base.state == "completed"
     await _big_change(client, sandbox_id, "blob")
 
-    agent = saving_up.service_pid("host-agent:local")
+    agent = up.service_pid("host-agent:local")
     save = await client.snapshot(sandbox_id, f"interrupted-{stage}")
     if stage == "upload":
         await client.wait_for(
@@ -168,21 +156,19 @@ async def test_host_agent_killed_during_a_save_never_completes_it(
     view = await client.show_sandbox(sandbox_id)
     assert view.last_completed_save is not None and view.last_completed_save.id == base.id
     # the restarted agent thawed the sandbox: it still runs commands
-    await wait_until(lambda: saving_up.service_pid("host-agent:local") != agent, what="restart")
+    await wait_until(lambda: up.service_pid("host-agent:local") != agent, what="restart")
     after = await client.exec(sandbox_id, ["cat", "note"], wait_timeout=60)
     assert after.stdout == b"one\n"
     await client.stop_sandbox(sandbox_id)
 
 
-async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(
-    saving_up: Up, client: Client
-):
+async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(up: Up, client: Client):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     base = await client.wait_for_save(
         sandbox_id, (await client.snapshot(sandbox_id, "base")).id, timeout=60
     )
     await _big_change(client, sandbox_id, "blob")
-    saver = saving_up.service_pid("saver")
+    saver = up.service_pid("saver")
     save = await client.snapshot(sandbox_id, "unverified")
     await client.wait_for(
         sandbox_id,
@@ -211,7 +197,7 @@ async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(
 
 
 async def test_a_failing_final_save_is_reported_apart_from_the_stop(
-    saving_up: Up, client: Client, admin: Client
+    up: Up, client: Client, admin: Client
 ):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     await client.exec(sandbox_id, ["sh", "-c", "echo saved > note"])
@@ -228,7 +214,7 @@ async def test_a_failing_final_save_is_reported_apart_from_the_stop(
     config.discard = DiscardPolicy.NEW
     await js.update_stream(config)
     try:
-        done = saving_up.cli("sandbox", "stop", sandbox_id, "--json")
+        done = up.cli("sandbox", "stop", sandbox_id, "--json")
     finally:
         config.max_bytes = -1
         config.discard = DiscardPolicy.OLD
@@ -244,7 +230,7 @@ async def test_a_failing_final_save_is_reported_apart_from_the_stop(
 
     # The host's copy is gone (as after a host loss): the next start restores the
     # last completed save, which holds "saved", not the lost change.
-    shutil.rmtree(saving_up.workspace(sandbox_id).parents[2])  # its whole root, fs/
+    shutil.rmtree(up.workspace(sandbox_id).parents[2])  # its whole root, fs/
     await client.start_sandbox(sandbox_id)
     await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
     assert (await client.exec(sandbox_id, ["cat", "note"])).stdout == b"saved\n"
@@ -356,9 +342,7 @@ def sb_view(state: sb.Sandbox):
     return sandbox_view(state, now=time.time())
 
 
-async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(
-    saving_up: Up, client: Client
-):
+async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(up: Up, client: Client):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
     churn = "while true; do head -c 300000 /dev/urandom > data; sleep 0.3; done"
     writer = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", churn], key="churn"))
@@ -387,7 +371,7 @@ async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(
         timeout=60,
         what="no save in flight",
     )
-    done = saving_up.cli("admin", "gc", "--grace", "0")
+    done = up.cli("admin", "gc", "--grace", "0")
     assert done.returncode == 0, done.stderr
     result = msgspec.json.decode(done.stdout)
     assert result["ok"] and result["deleted_chunks"] > 0 and result["deleted_manifests"] > 0

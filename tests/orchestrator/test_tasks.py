@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +48,6 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         yield running
     finally:
         running.stop()
-
-
-@pytest.fixture
-async def client(up: Up) -> AsyncIterator[Client]:
-    c = await connect(up.url)
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 # --- helpers -----------------------------------------------------------------------

@@ -47,6 +47,18 @@ class Names(msgspec.Struct, frozen=True):
         """The save store: content-addressed chunks and manifests."""
         return f"{self._stream_prefix}_SAVES"
 
+    @property
+    def all_streams(self) -> tuple[str, ...]:
+        """Every stream sandhold keeps, the lease bucket's included."""
+        return (
+            self.events_stream,
+            self.output_stream,
+            self.requests_stream,
+            self.hostwork_stream,
+            self.saves_stream,
+            f"KV_{self.lease_bucket}",
+        )
+
     def chunk(self, digest: str) -> str:
         return f"{self.prefix}.chunk.{digest}"
 

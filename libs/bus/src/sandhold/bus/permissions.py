@@ -48,17 +48,6 @@ def _api(*tokens: str) -> str:
     return "$JS.API." + ".".join(tokens)
 
 
-def _streams(names: Names) -> list[str]:
-    return [
-        names.events_stream,
-        names.output_stream,
-        names.requests_stream,
-        names.hostwork_stream,
-        names.saves_stream,
-        f"KV_{names.lease_bucket}",
-    ]
-
-
 def _read(stream: str) -> list[str]:
     """Reading a stream: direct gets, ordered and pull consumers of one's own."""
     return [
@@ -108,7 +97,7 @@ def row(names: Names, role: str, user: str, *, host: str | None = None) -> Permi
     work, saves, leases = names.hostwork_stream, names.saves_stream, f"KV_{names.lease_bucket}"
     inbox = f"{inbox_prefix(user)}.>"
     # Every process: see that the streams exist, say it is ready, hear its replies.
-    base_pub = [_api("STREAM.INFO", s) for s in _streams(names)] + [names.ready]
+    base_pub = [_api("STREAM.INFO", s) for s in names.all_streams] + [names.ready]
     base_sub = [inbox]
     answers = "_INBOX.>"  # replies to whoever asked (a request names its inbox)
     kv = f"$KV.{names.lease_bucket}"

@@ -104,9 +104,8 @@ async def ensure_streams(js: JetStreamContext, names: Names, *, replicas: int = 
 async def await_streams(js: JetStreamContext, names: Names, *, poll_s: float = 0.5) -> None:
     """Wait until every stream and bucket exists. Services never make them: only
     the admin user may (`sandhold up`, or `sandhold streams ensure` on a cluster)."""
-    wanted = [str(c.name) for c in stream_configs(names)] + [f"KV_{names.lease_bucket}"]
     said = False
-    for stream in wanted:
+    for stream in names.all_streams:
         while True:
             try:
                 await js.stream_info(stream)

@@ -23,7 +23,9 @@ async def send(nc, js, body: dict) -> dict:
         "Sh-Reply": inbox,  # where the scheduler answers
     }
     data = json.dumps(body).encode()
-    await js.publish(f"{PREFIX}.req.{body['type']}", data, headers=headers)
+    # The tenant is the subject's last token (the operator acts as "default").
+    tenant = body.get("tenant", "default").replace(".", "~")
+    await js.publish(f"{PREFIX}.req.{body['type']}.{tenant}", data, headers=headers)
     reply = json.loads((await sub.next_msg(timeout=30)).data)
     if not reply["ok"]:
         sys.exit(f"refused: {reply['error']['code']}: {reply['error']['message']}")

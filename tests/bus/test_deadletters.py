@@ -25,24 +25,26 @@ async def test_a_request_that_exhausts_its_deliveries_is_answered_and_removed(
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=30,
             max_deliver=2,
-            filter_subject=names.request("sandbox.>"),
+            filter_subject=names.requests("sandbox"),
         ),
     )
     sub = await js.pull_subscribe_bind("doomed", names.requests_stream)
     watcher = await deadletters.watch(nc, names.requests_stream, "doomed", what="test")
     inbox = nc.new_inbox()
     replies = await nc.subscribe(inbox, max_msgs=1)
-    await js.publish(names.request("sandbox.create"), b"{}", headers={REPLY_HEADER: inbox})
+    await js.publish(
+        names.request("sandbox.create", "default"), b"{}", headers={REPLY_HEADER: inbox}
+    )
     for _ in range(2):  # a handler that fails every time
         (msg,) = await sub.fetch(1, timeout=5)
-        assert msg.subject == names.request("sandbox.create")
+        assert msg.subject == names.request("sandbox.create", "default")
         await msg.nak()
     # The consumer asks for more (as the services' loops always do): the server
     # would deliver it a third time, gives up instead and says so.
     with pytest.raises(NatsTimeoutError):
         await sub.fetch(1, timeout=2)
     reply = msgspec.json.decode((await replies.next_msg(timeout=10)).data)
-    kept = await js.publish(names.request("sandbox.start"), b"{}")
+    kept = await js.publish(names.request("sandbox.start", "default"), b"{}")
     assert reply["ok"] is False and reply["error"]["code"] == "not_handled"
 
     async def only_the_other_is_left() -> bool:
@@ -51,6 +53,6 @@ async def test_a_request_that_exhausts_its_deliveries_is_answered_and_removed(
 
     await wait_until(only_the_other_is_left, timeout=10, what="the dead request removed")
     (other,) = await sub.fetch(1, timeout=5)  # the queue goes on
-    assert other.subject == names.request("sandbox.start")
+    assert other.subject == names.request("sandbox.start", "default")
     await other.ack()
     await watcher.unsubscribe()

@@ -23,6 +23,7 @@ from tests.support.bus import hello, make_streams
 NAMES = Names("sh")
 ROLES = [("scheduler", None), ("saver", None), ("gateway", None), ("operator", None)]
 HOSTS = ["h1", "h2"]
+TENANTS = ["acme", "globex"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
         credentials.issue(running.credentials_dir, role)
     for host in HOSTS:
         credentials.issue(running.credentials_dir, "host-agent", host=host)
+    for tenant in TENANTS:
+        credentials.issue(running.credentials_dir, "tenant", tenant=tenant)
     running.start()
     try:
         asyncio.run(make_streams(running, NAMES))
@@ -177,6 +180,52 @@ async def test_a_user_connecting_through_bus_connect_gets_its_own_inbox(
         assert (await nc.jetstream().stream_info(NAMES.events_stream)).config.name
     finally:
         await nc.close()
+
+
+async def test_a_tenant_may_call_its_own_api_subject(server: NatsServer):
+    admin = await connect(server.admin_url, name="test-admin")
+    try:
+        heard = await admin.subscribe("sh.api.acme")
+        await admin.flush()
+        async with as_user(server, "tenant-acme") as acme:
+            await acme.nc.publish("sh.api.acme", b"call")
+            await acme.nc.flush()
+            assert (await heard.next_msg(timeout=10)).data == b"call"
+            assert acme.errors.empty()
+    finally:
+        await admin.close()
+
+
+async def test_a_tenant_has_no_other_subject_and_no_jetstream(server: NatsServer):
+    """Not another tenant's API or replies, no request, event or output subject,
+    and no JetStream API: no consumers, so none that delivers stored messages
+    to a subject the tenant may not publish to (nats-server #8274)."""
+    async with as_user(server, "tenant-acme") as acme:
+        for subject in (
+            "sh.api.globex",
+            "sh.req.sandbox.create.acme",
+            "sh.ev.sandbox.x",
+            "sh.svc.ready",
+        ):
+            await acme.refused(acme.nc.publish(subject, b"{}"), f'"{subject}"')
+        await acme.refused(
+            acme.js.add_consumer(
+                NAMES.events_stream, ConsumerConfig(name="mine", filter_subject="sh.ev.>")
+            ),
+            "CONSUMER.CREATE.SH_EVENTS",
+        )
+        await acme.refused(
+            acme.js.get_last_msg(NAMES.events_stream, "sh.ev.sandbox.x", direct=True),
+            "DIRECT.GET.SH_EVENTS",
+        )
+        await acme.refused(acme.js.stream_info(NAMES.events_stream), "STREAM.INFO.SH_EVENTS")
+        for subject in (
+            "sh.ev.>",
+            "sh.out.>",
+            "sh.api.globex",
+            f"{inbox_prefix('tenant-globex')}.>",
+        ):
+            await acme.refused(acme.nc.subscribe(subject), f'"{subject}"')
 
 
 def test_docs_security_shows_the_permission_table_of_the_code():

@@ -47,31 +47,71 @@ def test_a_conflicting_key_is_a_clear_error_from_the_cli(up: Up):
 
 
 @pytest.mark.parametrize(
-    ("subject", "payload", "names_the_problem"),
+    ("subject", "payload", "code", "names_the_problem"),
     [
-        ("sh.req.command.run", b"this is not json", "malformed"),
-        ("sh.req.command.run", b'{"type": "command.run", "key": "k"}', "sandbox_id"),
+        ("sh.req.command.run.default", b"this is not json", "malformed_request", "malformed"),
         (
-            "sh.req.command.run",
+            "sh.req.command.run.default",
+            b'{"type": "command.run", "key": "k"}',
+            "malformed_request",
+            "sandbox_id",
+        ),
+        (
+            "sh.req.command.run.default",
             b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", "argv": []}',
+            "malformed_request",
             "argv",
         ),
         (
-            "sh.req.sandbox.create",
+            "sh.req.sandbox.create.default",
             b'{"type": "sandbox.create", "key": "k", "colour": "red"}',
+            "malformed_request",
             "colour",
         ),
-        ("sh.req.sandbox.create", b'{"type": "sandbox.explode", "key": "k"}', "sandbox.explode"),
         (
-            "sh.req.command.run",
+            "sh.req.sandbox.create.default",
+            b'{"type": "sandbox.explode", "key": "k"}',
+            "malformed_request",
+            "sandbox.explode",
+        ),
+        (
+            "sh.req.command.run.default",
             b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", '
             b'"argv": ["true"], "timeout_s": -1}',
+            "malformed_request",
             "timeout_s",
+        ),
+        # A subject without the tenant (or of another type) is named back.
+        (
+            "sh.req.sandbox.create",
+            b'{"type": "sandbox.create", "key": "k"}',
+            "malformed_request",
+            "sh.req.sandbox.create.default",
+        ),
+        (
+            "sh.req.sandbox.start.default",
+            b'{"type": "sandbox.create", "key": "k"}',
+            "malformed_request",
+            "sh.req.sandbox.create.default",
+        ),
+        # The subject says whose request it is; a body naming another is refused.
+        (
+            "sh.req.sandbox.create.acme",
+            b'{"type": "sandbox.create", "key": "k", "tenant": "globex"}',
+            "wrong_tenant",
+            "'acme' names tenant 'globex'",
+        ),
+        (
+            "sh.req.command.run.acme~corp",
+            b'{"type": "command.run", "key": "k", "sandbox_id": "sb-0123456789abcdef", '
+            b'"argv": ["true"]}',
+            "wrong_tenant",
+            "'acme.corp' names tenant 'default'",
         ),
     ],
 )
 async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_on(
-    up: Up, client: Client, subject: str, payload: bytes, names_the_problem: str
+    up: Up, client: Client, subject: str, payload: bytes, code: str, names_the_problem: str
 ):
     nc = await nats.connect(up.url, inbox_prefix=inbox_prefix("operator"))
     try:
@@ -82,7 +122,7 @@ async def test_a_malformed_request_gets_a_clear_error_and_the_scheduler_serves_o
     finally:
         await nc.close()
     assert reply["ok"] is False
-    assert reply["error"]["code"] == "malformed_request"
+    assert reply["error"]["code"] == code
     assert names_the_problem in reply["error"]["message"]
     # nothing was half-applied, and the next request is served
     sandbox_id = await running_sandbox(client)

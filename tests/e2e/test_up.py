@@ -232,7 +232,7 @@ async def test_a_credential_made_for_a_host_elsewhere_works_at_once_and_ends_whe
     assert made.returncode == 0, made.stderr
     assert out.stat().st_mode & 0o777 == 0o600
     listed = own_up.cli_json("credentials", "ls", "--json")
-    assert {"user": "host-h9", "role": "host-agent", "host": "h9"} in listed
+    assert {"user": "host-h9", "role": "host-agent", "host": "h9", "tenant": None} in listed
     h9 = credentials.load(out)
     closed = asyncio.Event()
 

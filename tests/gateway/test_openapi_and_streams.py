@@ -205,3 +205,33 @@ async def test_a_client_that_does_not_read_does_not_make_the_gateway_buffer(gw0:
 
         logged = [r.seq for r in await read_subject(client.js, client.names.events_stream, subject)]
     assert ids == logged
+
+
+async def test_a_json_client_gets_the_events_as_pages_that_wait_for_the_next(gw0: Gw):
+    """`Accept: application/json` on an events path: one page, then the next
+    after it, which waits (`?wait=`) for an event to come."""
+    json_only = {"Accept": "application/json"}
+    async with gw0.http() as http:
+        sandbox_id = (await http.post("/api/v1/sandboxes")).json()["id"]
+        path = f"/api/v1/sandboxes/{sandbox_id}/events"
+        first = await http.get(path, headers=json_only)
+        assert first.status_code == 200 and first.headers["content-type"] == "application/json"
+        page = first.json()
+        assert [e["type"] for e in page["events"]] == ["sandbox.created"]
+        last = page["last_event_id"]
+        assert last == page["events"][-1]["seq"]
+        # Nothing after it: an empty page, the same point back.
+        empty = (await http.get(f"{path}?after={last}", headers=json_only)).json()
+        assert empty == {"events": [], "last_event_id": last}
+        # A page asked to wait is answered by the next event, whether it comes
+        # while the page waits or just before (never by an empty page first).
+        waiting = asyncio.ensure_future(http.get(f"{path}?after={last}&wait=30", headers=json_only))
+        assert (await http.delete(f"/api/v1/sandboxes/{sandbox_id}")).status_code == 202
+        later = (await asyncio.wait_for(waiting, 40)).json()
+        assert later["events"] and all(e["seq"] > last for e in later["events"])
+        assert "sandbox.deleted" in [e["type"] for e in later["events"]]
+        bad = await http.get(f"{path}?wait=31", headers=json_only)
+        assert bad.status_code == 400 and bad.json()["code"] == "invalid_parameter"
+        # An EventSource (text/event-stream) still gets the stream.
+        async with http.stream("GET", path, headers={"Accept": "text/event-stream"}) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")

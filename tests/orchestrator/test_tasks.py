@@ -297,7 +297,7 @@ async def test_a_malformed_request_on_nats_gets_malformed_request_and_creates_no
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox, max_msgs=1)
             await js.publish(
-                client.names.request("task.submit"),
+                client.names.request("task.submit", "default"),
                 payload,
                 stream=client.names.requests_stream,
                 headers={REPLY_HEADER: inbox, "Nats-Msg-Id": uuid.uuid4().hex},

@@ -91,6 +91,9 @@ async def _with_client(args: argparse.Namespace, action: Callable[[Client], Awai
     except (OSError, TimeoutError) as err:
         print(f"sandhold: cannot reach NATS at {url}: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except ValueError as err:  # a credential this client cannot use (a tenant's)
+        print(f"sandhold: {err}", file=sys.stderr)
+        return EXIT_REJECTED
     try:
         return await action(client)
     except Rejected as err:
@@ -567,7 +570,12 @@ def _build_parser() -> argparse.ArgumentParser:
     creds_create = creds_actions.add_parser(
         "create", help="a credential for a service run elsewhere (the server takes it at once)"
     )
-    creds_create.add_argument("--role", required=True, choices=[r for r in ROLES if r != "admin"])
+    who = creds_create.add_mutually_exclusive_group(required=True)
+    who.add_argument("--role", choices=[r for r in ROLES if r not in ("admin", "tenant")])
+    who.add_argument(
+        "--tenant",
+        help="a user for this tenant's own clients: its NATS API and nothing else (docs/api.md)",
+    )
     creds_create.add_argument("--host", help="the host id, for --role host-agent")
     creds_create.add_argument("--out", help="also copy it here (0600)")
     creds_ls = creds_actions.add_parser("ls", help="users by name and role (never the password)")
@@ -751,8 +759,9 @@ def _credentials_command(args: argparse.Namespace) -> int:
             if (args.role == "host-agent") != (args.host is not None):
                 print("sandhold: --host H goes with --role host-agent, and only", file=sys.stderr)
                 return EXIT_REJECTED
+            role = "tenant" if args.tenant is not None else args.role
             try:
-                made = creds.issue(directory, args.role, host=args.host)
+                made = creds.issue(directory, role, host=args.host, tenant=args.tenant)
             except ValueError as err:
                 print(f"sandhold: {err}", file=sys.stderr)
                 return EXIT_REJECTED
@@ -765,9 +774,16 @@ def _credentials_command(args: argparse.Namespace) -> int:
         case "ls":
             users = creds.every(directory)
             if args.json:
-                _print_json([{"user": c.user, "role": c.role, "host": c.host} for c in users])
+                _print_json(
+                    [{"user": c.user, "role": c.role, "host": c.host, "tenant": c.tenant}
+                     for c in users]
+                )  # fmt: skip
             for c in [] if args.json else users:
-                print(f"{c.user}  role={c.role}" + (f"  host={c.host}" if c.host else ""))
+                print(
+                    f"{c.user}  role={c.role}"
+                    + (f"  host={c.host}" if c.host else "")
+                    + (f"  tenant={c.tenant}" if c.tenant else "")
+                )
         case "revoke":
             path = creds.path_of(directory, args.user)
             if args.user == "admin" or not path.exists():

@@ -1,7 +1,7 @@
 """Requests on the REQUESTS work queue: publishing one, and answering it — the
 one way, for every kind.
 
-decode strictly → check it came on its own subject → decide (behind the
+decode strictly → check it came on its own subject, the tenant's the body names → decide (behind the
 fence) → reply → ack. A malformed request is answered `malformed_request`
 and dead-lettered (never redelivered, counted); a refusal is answered with
 its code and acked; an infrastructure error leaves the request for a
@@ -39,11 +39,13 @@ class RequestKinds(Generic[R]):
         *,
         decode: Callable[[bytes], R],
         tag_of: Callable[[R], str],
+        tenant_of: Callable[[R], str],
         error: Callable[[str, str], bytes],
         what: str,
     ) -> None:
         self.decode = decode
         self.tag_of = tag_of
+        self.tenant_of = tenant_of
         self.error = error
         self.what = what
 
@@ -68,12 +70,21 @@ async def answer(
         await dead_letter(msg, kinds.what)
         return None
     tag = kinds.tag_of(request)
-    expected = names.request(tag)
-    if msg.subject != expected:
+    tenant = kinds.tenant_of(request)
+    sent_as = names.tenant_of_request(msg.subject, tag)
+    if sent_as is None:
+        expected = names.request(tag, tenant)
         message = (
             f"malformed request: a {tag!r} request was sent to {msg.subject}; send it to {expected}"
         )
         await _reply(nc, reply_to, "malformed_request", kinds.error("malformed_request", message))
+        await dead_letter(msg, kinds.what)
+        return None
+    if sent_as != tenant:
+        # The subject says whose request it is (permissions hold a publisher to
+        # its own subjects); a body that names another tenant is refused.
+        message = f"a request sent as tenant {sent_as!r} names tenant {tenant!r} in its body"
+        await _reply(nc, reply_to, "wrong_tenant", kinds.error("wrong_tenant", message))
         await dead_letter(msg, kinds.what)
         return None
     try:

@@ -1,6 +1,6 @@
-"""NATS credentials: one user per service, host, operator and admin.
+"""NATS credentials: one user per service, host, operator, tenant and admin.
 
-Each is a small JSON file (`{"user", "password", "role", "host"}`, mode 0600)
+Each is a small JSON file (`{"user", "password", "role", "host", "tenant"}`, mode 0600)
 in a credentials directory (`<data dir>/credentials` for `sandhold up`). The
 nats-server configuration is rendered from the same directory
 (`permissions.authorization`), so a credential exists exactly when its user
@@ -23,8 +23,11 @@ import msgspec
 
 ENV = "SANDHOLD_NATS_CREDENTIALS"
 
-# One subject token (the user name is also the inbox prefix's second token).
-_USER = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+# One subject token (the user name is also the inbox prefix's second token);
+# a tenant's user is `tenant-<tenant>` (its `.` written `~`, as in subjects).
+_USER = re.compile(r"^([a-z][a-z0-9_-]{0,62}|tenant-[A-Za-z0-9_~-]{1,64})$")
+# The domain's tenant names (sandhold.domain.requests.Tenant).
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class Credentials(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,22 +35,33 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True):
     password: str
     role: str
     host: str | None = None  # a host-agent's host id
+    tenant: str | None = None  # a tenant's name, for role `tenant`
 
 
-def user_for(role: str, host: str | None = None) -> str:
-    """The user name of a role (`host-<id>` for a host-agent)."""
+def user_for(role: str, host: str | None = None, tenant: str | None = None) -> str:
+    """The user name of a role (`host-<id>` for a host-agent, `tenant-<name>` for a tenant)."""
+    if role == "tenant":
+        return f"tenant-{str(tenant).replace('.', '~')}"
     return f"host-{host}" if role == "host-agent" else role
 
 
-def issue(directory: Path, role: str, *, host: str | None = None) -> Credentials:
+def issue(
+    directory: Path, role: str, *, host: str | None = None, tenant: str | None = None
+) -> Credentials:
     """The credential of `role` in `directory`, made (0600) if it does not exist yet."""
-    user = user_for(role, host)
+    if (role == "tenant") != (tenant is not None):
+        raise ValueError("a tenant's credential names its tenant, and only a tenant's does")
+    if tenant is not None and not _TENANT.match(tenant):
+        raise ValueError(f"tenant {tenant!r}: 1-64 of A-Z a-z 0-9 _ . -")
+    user = user_for(role, host, tenant)
     if not _USER.match(user):
         raise ValueError(f"user {user!r}: 1-63 of a-z 0-9 _ -, starting with a letter")
     path = path_of(directory, user)
     if path.exists():
         return load(path)
-    made = Credentials(user=user, password=secrets.token_urlsafe(32), role=role, host=host)
+    made = Credentials(
+        user=user, password=secrets.token_urlsafe(32), role=role, host=host, tenant=tenant
+    )
     _write_private(path, msgspec.json.encode(made))
     return made
 

@@ -72,8 +72,22 @@ class Names(msgspec.Struct, frozen=True):
     def events(self, kind: str, aggregate_id: str = "*") -> str:
         return f"{self.prefix}.ev.{kind}.{aggregate_id}"
 
-    def request(self, tag: str) -> str:
-        return f"{self.prefix}.req.{tag}"
+    def request(self, tag: str, tenant: str) -> str:
+        """Where a request of type `tag` (`family.verb`) for `tenant` is sent:
+        the tenant is in the subject, so permissions can hold a publisher to
+        its own, and the service refuses a body that names another."""
+        return f"{self.prefix}.req.{tag}.{tenant_token(tenant)}"
+
+    def tenant_of_request(self, subject: str, tag: str) -> str | None:
+        """The tenant a request subject of type `tag` names (None: not one of them)."""
+        home, _, token = subject.rpartition(".")
+        return tenant_of_token(token) if home == f"{self.prefix}.req.{tag}" and token else None
+
+    def requests(self, family: str) -> str:
+        """Every request of one family (`sandbox`, `command`, `task`). Wider than
+        `.<verb>.<tenant>`: one sent to a subject of the wrong shape is still
+        taken off the queue, to be answered and dead-lettered."""
+        return f"{self.prefix}.req.{family}.>"
 
     @property
     def all_requests(self) -> str:
@@ -85,7 +99,25 @@ class Names(msgspec.Struct, frozen=True):
     def output(self, sandbox_id: str, command_id: str) -> str:
         return f"{self.prefix}.out.{sandbox_id}.{command_id}"
 
+    def api(self, tenant: str) -> str:
+        """A tenant's own NATS API (the gateway answers it, decision 028)."""
+        return f"{self.prefix}.api.{tenant_token(tenant)}"
+
+    @property
+    def all_api(self) -> str:
+        return f"{self.prefix}.api.*"
+
     @property
     def ready(self) -> str:
         """Core subject on which services announce that they are serving."""
         return f"{self.prefix}.svc.ready"
+
+
+def tenant_token(tenant: str) -> str:
+    """A tenant name as one subject token. Tenant names may hold dots, which
+    split subjects; `~` is not allowed in a name, so the mapping is one-to-one."""
+    return tenant.replace(".", "~")
+
+
+def tenant_of_token(token: str) -> str:
+    return token.replace("~", ".")

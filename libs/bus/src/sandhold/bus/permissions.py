@@ -30,6 +30,7 @@ ROLES = (
     "gateway",
     "metrics",
     "host-agent",
+    "tenant",
 )
 
 
@@ -90,7 +91,9 @@ def _advisory(stream: str, durable: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
 
 
-def row(names: Names, role: str, user: str, *, host: str | None = None) -> Permissions | None:
+def row(
+    names: Names, role: str, user: str, *, host: str | None = None, tenant: str | None = None
+) -> Permissions | None:
     """The permissions of `user` in `role` (None: everything, the admin)."""
     p = names.prefix
     ev, out, req = names.events_stream, names.output_stream, names.requests_stream
@@ -104,6 +107,12 @@ def row(names: Names, role: str, user: str, *, host: str | None = None) -> Permi
     match role:
         case "admin":
             return None
+        case "tenant":
+            # A tenant's own clients: its API subject, its own replies, nothing
+            # else: no JetStream API at all (decision 028 says why).
+            if tenant is None:
+                raise ValueError("a tenant's permissions are for one tenant")
+            return Permissions(publish=[names.api(tenant)], subscribe=[inbox])
         case "operator":  # the CLI on the control-plane machine
             pub = [
                 names.all_requests,
@@ -148,8 +157,8 @@ def row(names: Names, role: str, user: str, *, host: str | None = None) -> Permi
         case "orchestrator":
             pub = [
                 names.events("task"),
-                f"{p}.req.sandbox.*",
-                f"{p}.req.command.*",
+                f"{p}.req.sandbox.*.*",
+                f"{p}.req.command.*.*",
                 answers,
                 *_read(ev),
                 *_read(out),
@@ -162,15 +171,15 @@ def row(names: Names, role: str, user: str, *, host: str | None = None) -> Permi
             sub = [_advisory(req, "orchestrator")]
         case "gateway":
             pub = [
-                f"{p}.req.sandbox.*",
-                f"{p}.req.command.*",
-                f"{p}.req.task.*",
+                f"{p}.req.sandbox.*.*",
+                f"{p}.req.command.*.*",
+                f"{p}.req.task.*.*",
                 *_read(ev),
                 *_read(out),
                 *_read(leases),
                 _api("STREAM.INFO", saves),
             ]
-            sub = [f"{p}.ev.*.*", f"{p}.admin.rebuild-read-model"]
+            sub = [f"{p}.ev.*.*", f"{p}.admin.rebuild-read-model", names.all_api]
         case "metrics":
             pub = [*_read(ev)]
             sub = []
@@ -213,7 +222,7 @@ def authorization(names: Names, users: list[Credentials]) -> str:
     entries = []
     for c in users:
         entry: dict[str, object] = {"user": c.user, "password": c.password}
-        permissions = row(names, c.role, c.user, host=c.host)
+        permissions = row(names, c.role, c.user, host=c.host, tenant=c.tenant)
         if permissions is not None:
             rules: dict[str, object] = {
                 "publish": {"allow": permissions.publish},
@@ -227,15 +236,19 @@ def authorization(names: Names, users: list[Credentials]) -> str:
     return "authorization " + json.dumps({"users": entries}, indent=2) + "\n"
 
 
-def table(names: Names, *, host: str = "<host>") -> str:
+def table(names: Names, *, host: str = "<host>", tenant: str = "<tenant>") -> str:
     """The table of docs/security.md, made from the rows themselves."""
     lines = [
         "| user | role | may publish (and call) | may subscribe to |",
         "|---|---|---|---|",
     ]
     for role in ROLES:
-        user = f"host-{host}" if role == "host-agent" else role
-        permissions = row(names, role, user, host=host if role == "host-agent" else None)
+        user = {"host-agent": f"host-{host}", "tenant": f"tenant-{tenant}"}.get(role, role)
+        permissions = row(
+            names, role, user,
+            host=host if role == "host-agent" else None,
+            tenant=tenant if role == "tenant" else None,
+        )  # fmt: skip
         if permissions is None:
             lines.append(f"| `{user}` | {role} | everything | everything |")
             continue

@@ -12,6 +12,7 @@ from typing import TypedDict, TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from sandhold.bus import credentials as creds
 from sandhold.bus import leases
 from sandhold.bus.answering import publish_request
 from sandhold.bus.append import last_sequence
@@ -101,7 +102,7 @@ class Client:
         Raises `Rejected` with the scheduler's code when it refuses.
         """
         data = await self._request(
-            self.names.request(rq.request_tag(request)),
+            self.names.request(rq.request_tag(request), request.tenant),
             rq.encode_request(request),
             f"{request.tenant}:{request.key}:{rq.request_digest(request)}",
             "scheduler",
@@ -115,7 +116,7 @@ class Client:
     async def send_task(self, request: tk.AnyTaskRequest) -> TaskView:
         """Like `send`, for the orchestrator's task requests."""
         data = await self._request(
-            self.names.request(tk.task_request_tag(request)),
+            self.names.request(tk.task_request_tag(request), request.tenant),
             tk.encode_task_request(request),
             f"{request.tenant}:{request.key}:{tk.task_request_digest(request)}",
             "orchestrator",
@@ -136,7 +137,8 @@ class Client:
             # the service and gets the original result back (decision 001).
             # A trace starts here (or continues the caller's) and lasts until the
             # reply: the service and every one after it add their spans to it.
-            with context.span(f"request {subject.rsplit('.req.', 1)[-1]}", kind="client"):
+            tag = ".".join(subject.rsplit(".req.", 1)[-1].split(".")[:2])  # not the tenant
+            with context.span(f"request {tag}", kind="client"):
                 await publish_request(
                     self.js, self.names, subject, payload,
                     msg_id=f"{msg_id}:{inbox[-22:]}", reply_to=inbox,
@@ -664,5 +666,12 @@ async def connect(
 ) -> Client:
     """A client connected as `credentials` (else the user in the URL, else
     `SANDHOLD_NATS_CREDENTIALS`)."""
+    credentials = credentials or creds.from_environment()
+    if credentials is not None and credentials.role == "tenant":
+        raise ValueError(
+            f"{credentials.user} is a tenant's credential: it reaches sandhold through "
+            f"the gateway's NATS API ({Names(prefix).api(str(credentials.tenant))}, docs/api.md), "
+            "not the operator's bus this client speaks"
+        )
     nc = await bus_connect(url, name="sandhold-client", credentials=credentials)
     return Client(nc, Names(prefix), tenant=tenant)

@@ -84,8 +84,10 @@ port: int | None = None  # where this process's /metrics listens, once `serve` r
 
 def message_handled(consumer: str, subject: str, outcome: str, seconds: float) -> None:
     if _instruments is not None:
-        # A request's type is in its subject (`<prefix>.req.<type>`); work's is not.
-        _, _, request_type = subject.partition(".req.")
+        # A request's type is in its subject (`<prefix>.req.<family>.<verb>.<tenant>`;
+        # the tenant is left out: no tenant ids in labels); work's is not.
+        _, _, rest = subject.partition(".req.")
+        request_type = ".".join(rest.split(".")[:2])
         _instruments.handled.add(
             1, {"consumer": consumer, "type": request_type, "outcome": outcome}
         )

@@ -17,7 +17,7 @@ import msgspec
 from sandhold.domain import requests as rq
 from sandhold.domain.views import CommandView, SandboxView, SaveView
 from sandhold.gateway.problems import FieldError, ProblemError, field_of
-from sandhold.gateway.sse import EventRecord
+from sandhold.gateway.sse import EventPage, EventRecord
 
 # Carried by the header, the token or the path; or set by services, not callers
 # (`seed`: a save staged for the new sandbox, e.g. a task's checkout, which only
@@ -46,7 +46,7 @@ RunCommandBody = body_of(rq.RunCommand, "RunCommandBody")
 SnapshotBody = body_of(rq.SnapshotSandbox, "SnapshotBody")
 
 
-__all__ = ["EventRecord"]  # the SSE payload, documented with the bodies
+__all__ = ["EventPage", "EventRecord"]  # the SSE payload, documented with the bodies
 
 
 def request_fields(body: msgspec.Struct) -> dict[str, Any]:

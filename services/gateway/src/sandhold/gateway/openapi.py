@@ -47,6 +47,13 @@ LAST_EVENT_ID = {
     "description": "Resume after this event (its `id:`, a stream sequence).",
     "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"},
 }
+WAIT = {
+    "name": "wait",
+    "in": "query",
+    "required": False,
+    "description": "For a JSON page: seconds to wait for a first event when none is there yet.",
+    "schema": {"type": "integer", "minimum": 0, "maximum": 30},
+}
 AFTER = {
     "name": "after",
     "in": "query",
@@ -129,10 +136,13 @@ SSE_EVENT = {
 SSE = {
     "200": {
         "description": "Server-Sent Events: `id:` is the stream sequence, `event:` the event "
-        "type, `data:` an EventRecord (JSON); `: keep-alive` comments while idle",
+        "type, `data:` an EventRecord (JSON); `: keep-alive` comments while idle. With "
+        "`Accept: application/json` (and not text/event-stream): one page of the events "
+        "after the point asked for, waiting up to `wait` seconds for the first",
         "content": {
             # One event of the stream, as tools that read SSE (schemathesis) take it.
-            "text/event-stream": {"schema": SSE_EVENT}
+            "text/event-stream": {"schema": SSE_EVENT},
+            "application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}},
         },
     }
 }
@@ -309,7 +319,7 @@ def paths() -> dict[str, dict[str, Any]]:
                 "sandboxEvents",
                 "A sandbox's events as Server-Sent Events, resumable",
                 SSE,
-                params=[SANDBOX, LAST_EVENT_ID, AFTER],
+                params=[SANDBOX, LAST_EVENT_ID, AFTER, WAIT],
                 problems=(400, 404),
             )
         },
@@ -376,7 +386,7 @@ def task_paths() -> dict[str, dict[str, Any]]:
                 "taskEvents",
                 "A task's events as Server-Sent Events, resumable",
                 SSE,
-                params=[TASK, LAST_EVENT_ID, AFTER],
+                params=[TASK, LAST_EVENT_ID, AFTER, WAIT],
                 problems=(400, 404),
                 tag="tasks",
             )
@@ -500,6 +510,7 @@ def document() -> dict[str, Any]:
         b.CommandOutput,
         b.HostList,
         b.EventRecord,
+        b.EventPage,
     ]
     from sandhold.domain.task_manifest import TaskManifest
     from sandhold.domain.task_views import TaskView

@@ -47,6 +47,7 @@ STATUS: dict[str, tuple[int, str]] = {
     "snapshot_not_completed": (409, "Snapshot not completed"),
     "task_finished": (409, "Task already finished"),
     "malformed_request": (422, "Malformed request"),
+    "wrong_tenant": (403, "Request names another tenant"),
     # a poison request, dropped after max_deliver attempts (a dead letter): the
     # server failed, the client did nothing wrong (the 409 default would say so)
     "not_handled": (500, "Request could not be handled"),
@@ -62,6 +63,8 @@ STATUS: dict[str, tuple[int, str]] = {
     "not_acceptable": (406, "Not acceptable"),
     "body_too_large": (413, "Body too large"),
     "unavailable": (503, "Not answered in time"),
+    # over the NATS API (natsapi.py): an answer is one message, at most max_payload
+    "response_too_large": (400, "Answer too large for one message"),
     "internal_error": (500, "Internal error"),
 }
 

@@ -17,7 +17,7 @@ from sandhold.domain.host import Host, liveness
 from sandhold.domain.views import sandbox_view, save_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import FieldError, ProblemError
-from sandhold.gateway.sse import event_frames
+from sandhold.gateway.sse import event_frames, event_page
 from sandhold.gateway.web import (
     COMMAND_ID,
     COMMAND_STATES,
@@ -298,11 +298,12 @@ def handlers(ctx: Context) -> list:
     # --- events --------------------------------------------------------------------
 
     @get("/api/v1/sandboxes/{sandbox_id:str}/events")
-    async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream:
+    async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream | Response:
         tenant = tenant_of(ctx, request)
-        after = last_event_id(request)
+        after, wait_s = last_event_id(request), page_wait(request)
         await _owned(ctx, tenant, sid(sandbox_id))
-        return sse_response(ctx, ctx.names.events("sandbox", sandbox_id), after)
+        subject = ctx.names.events("sandbox", sandbox_id)
+        return await event_response(ctx, request, subject, after, wait_s)
 
     # --- hosts -----------------------------------------------------------------------
 
@@ -369,7 +370,25 @@ def last_event_id(request: Request) -> int:
     return int(raw.strip())
 
 
-def sse_response(ctx: Context, subject: str, after: int) -> Stream:
+MAX_WAIT_S = 30
+
+
+def page_wait(request: Request) -> int:
+    """`?wait=`: how long a page of events waits for a first one (0-30 s)."""
+    return query_int(request, "wait", 0, 0, MAX_WAIT_S)
+
+
+async def event_response(
+    ctx: Context, request: Request, subject: str, after: int, wait_s: int
+) -> Stream | Response:
+    """The events after `after`: a Server-Sent Events stream, or, for a client
+    that asks for JSON (a poller, a tenant's NATS API call), one page of them,
+    waiting up to `wait_s` seconds for the first when there are none."""
+    if _wants_json(request):
+        page = await event_page(
+            ctx.js, ctx.names.events_stream, subject, after=after, wait_s=wait_s
+        )
+        return json_response(page)
     return Stream(
         event_frames(
             ctx.js,
@@ -381,6 +400,13 @@ def sse_response(ctx: Context, subject: str, after: int) -> Stream:
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def _wants_json(request: Request) -> bool:
+    """`Accept: application/json` without `text/event-stream` (a browser's
+    EventSource sends the latter; no Accept at all keeps the stream)."""
+    accept = request.headers.get("accept", "").lower()
+    return "application/json" in accept and "text/event-stream" not in accept
 
 
 async def owned(ctx: Context, tenant: str, kind: str, aggregate_id: str) -> None:

@@ -15,7 +15,13 @@ from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.routes_sandboxes import last_event_id, owned, page, sse_response
+from sandhold.gateway.routes_sandboxes import (
+    event_response,
+    last_event_id,
+    owned,
+    page,
+    page_wait,
+)
 from sandhold.gateway.web import (
     MAX_LIMIT,
     TASK_ID,
@@ -127,11 +133,12 @@ def handlers(ctx: Context) -> list:
         return json_response(view)
 
     @get("/api/v1/tasks/{task_id:str}/events")
-    async def task_events(request: Request, task_id: FromPath[str]) -> Stream:
+    async def task_events(request: Request, task_id: FromPath[str]) -> Stream | Response:
         tenant = tenant_of(ctx, request)
-        after = last_event_id(request)
+        after, wait_s = last_event_id(request), page_wait(request)
         await owned(ctx, tenant, "task", tid(task_id))
-        return sse_response(ctx, ctx.names.events("task", task_id), after)
+        subject = ctx.names.events("task", task_id)
+        return await event_response(ctx, request, subject, after, wait_s)
 
     return [submit_task, list_tasks, show_task, cancel_task, task_events]
 

@@ -4,6 +4,8 @@
 log, serves HTTP, and announces itself on `<prefix>.svc.ready` with its port.
 `<prefix>.admin.rebuild-read-model` (core request/reply) rebuilds the read
 model from the log; `sandhold admin rebuild-read-model` sends it.
+`<prefix>.api.<tenant>` is the same API over NATS, for tenants' own clients
+(natsapi.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from nats.aio.msg import Msg
 from sandhold.bus.names import Names
 from sandhold.bus.service import Shell
 from sandhold.gateway.app import create_app
+from sandhold.gateway.natsapi import NatsApi
 from sandhold.gateway.readmodel import ReadModel
 from sandhold.gateway.tokens import Tokens
 from sandhold.gateway.web import Context
@@ -94,9 +97,13 @@ class Gateway:
                 Tokens(self._tokens_path),
                 keepalive_s=self._keepalive_s,
             )
+            app = create_app(ctx)
+            api = NatsApi(shell.nc, self._names, app)
+            await api.start()
+            shell.on_close(api.close)
             server = _Server(
                 uvicorn.Config(
-                    create_app(ctx),
+                    app,
                     host=self._host,
                     port=self._port,
                     log_level="warning",

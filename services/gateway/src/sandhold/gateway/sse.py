@@ -28,6 +28,16 @@ BATCH_BYTES = 256 * 1024  # ...and about this many bytes: big events come fewer 
 
 _encoder = msgspec.json.Encoder()
 
+PAGE_BATCH = 16  # events per JSON page at most (a page is one NATS reply: ≤ 1 MB)
+
+
+class EventPage(msgspec.Struct, kw_only=True):
+    """The events after a point, as one JSON answer (long polling): ask again
+    with `after=last_event_id` for the next ones."""
+
+    events: list[EventRecord]
+    last_event_id: int  # the last event's id, or the `after` asked for when none came
+
 
 def frame(record: EventRecord) -> bytes:
     return (
@@ -67,3 +77,25 @@ async def event_frames(
                 yield frame(record)
     finally:
         await batches.aclose()
+
+
+async def event_page(
+    js: JetStreamContext, stream: str, subject: str, *, after: int, wait_s: float
+) -> EventPage:
+    """The events on `subject` after `after` that are there now, or, when there
+    are none, the first that come within `wait_s` (none when none came)."""
+    batches = pull_batches(
+        js, stream, subject, after=after, batch=PAGE_BATCH, batch_bytes=BATCH_BYTES,
+        idle_s=max(wait_s, 0.05), what="an event page",
+    )  # fmt: skip
+    try:
+        batch = await anext(batches)
+    finally:
+        await batches.aclose()
+    records = []
+    for seq, msg in batch:
+        try:
+            records.append(record_of(seq, msg.subject, msg.data))
+        except msgspec.DecodeError:
+            log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
+    return EventPage(events=records, last_event_id=batch[-1][0] if batch else after)

@@ -68,7 +68,15 @@ def json_response(value: object, status: int = 200, headers: dict[str, str] | No
 # --- request helpers -------------------------------------------------------------
 
 
+# Set in the ASGI scope by the NATS API (natsapi.py) for the tenant its subject
+# names; no HTTP request can set a scope key, only a header.
+TENANT_SCOPE_KEY = "sandhold.tenant"
+
+
 def tenant_of(ctx: Context, request: Request) -> str:
+    over_nats = request.scope.get(TENANT_SCOPE_KEY)
+    if isinstance(over_nats, str):
+        return over_nats
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     tenant = ctx.tokens.tenant_of(token.strip()) if scheme.lower() == "bearer" else None

@@ -67,7 +67,7 @@ class Sandboxes:
             ack = await publish_request(
                 self._js,
                 self._names,
-                self._names.request(rq.request_tag(request)),
+                self._names.request(rq.request_tag(request), request.tenant),
                 rq.encode_request(request),
                 msg_id=msg_id,
                 reply_to=inbox,

@@ -1,6 +1,6 @@
 """The orchestrator: takes task requests and drives every unfinished task.
 
-Requests (`<prefix>.req.task.*`) come off the REQUESTS work queue: decode
+Requests (`<prefix>.req.task.<verb>.<tenant>`) come off the REQUESTS work queue: decode
 strictly → decide on the task's folded state → append behind the fence →
 reply → ack. Every task not yet ended has one runner; at start-up the
 orchestrator replays every task and starts a runner for each unfinished one,
@@ -87,7 +87,7 @@ class Orchestrator:
                 # orchestrator that died goes to the next one soon.
                 ack_wait=5,
                 max_deliver=10,
-                filter_subject=self._names.request("task.>"),
+                filter_subject=self._names.requests("task"),
             )
             for task_id in self.tasks.ids():
                 self._ensure_runner(task_id)
@@ -242,6 +242,7 @@ def _error(code: str, message: str) -> bytes:
 _REQUESTS = RequestKinds(
     decode=tk.decode_task_request,
     tag_of=tk.task_request_tag,
+    tenant_of=lambda request: request.tenant,
     error=_error,
     what="task requests",
 )

@@ -83,8 +83,8 @@ class Scheduler:
                 ack_wait=10,
                 max_deliver=10,
                 filter_subjects=[
-                    self._names.request("sandbox.>"),
-                    self._names.request("command.>"),
+                    self._names.requests("sandbox"),
+                    self._names.requests("command"),
                 ],
             )
             await shell.work_queue(
@@ -237,5 +237,9 @@ def _error(code: str, message: str) -> bytes:
 
 
 _REQUESTS = RequestKinds(
-    decode=rq.decode_request, tag_of=rq.request_tag, error=_error, what="requests"
+    decode=rq.decode_request,
+    tag_of=rq.request_tag,
+    tenant_of=lambda request: request.tenant,
+    error=_error,
+    what="requests",
 )

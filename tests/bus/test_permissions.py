@@ -228,6 +228,24 @@ async def test_a_tenant_has_no_other_subject_and_no_jetstream(server: NatsServer
             await acme.refused(acme.nc.subscribe(subject), f'"{subject}"')
 
 
+@pytest.mark.parametrize("user", ["host-h1", "gateway", "operator", "saver", "tenant-acme"])
+async def test_no_one_but_the_scheduler_reads_or_writes_commands_secrets(
+    server: NatsServer, user: str
+):
+    subject = "sh.secret.cmd.cmd-0123456789abcdef"
+    async with as_user(server, "scheduler") as scheduler:
+        await scheduler.js.publish(subject, b'{"T": "v"}', stream=NAMES.secrets_stream)
+        kept = await scheduler.js.get_last_msg(NAMES.secrets_stream, subject, direct=True)
+        assert kept.data == b'{"T": "v"}'
+    async with as_user(server, user) as someone:
+        await someone.refused(
+            someone.js.get_last_msg(NAMES.secrets_stream, subject, direct=True),
+            f"DIRECT.GET.SH_SECRETS.{subject}",
+        )
+        await someone.refused(someone.nc.publish(subject, b"{}"), f'"{subject}"')
+        await someone.refused(someone.js.consumer_info(NAMES.secrets_stream, "any"), "SH_SECRETS")
+
+
 def test_docs_security_shows_the_permission_table_of_the_code():
     from sandhold.bus.permissions import table
 

@@ -230,3 +230,86 @@ class RunLog:
             line for path in sorted(self.data_dir.glob(pattern))
             for line in path.read_text().splitlines()
         ]  # fmt: skip
+
+
+class _gone:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, *_: object) -> bool:
+        return kind is ProcessLookupError
+
+
+class Host:
+    """One host-agent process with its own workspace root, stopped by PID."""
+
+    def __init__(self, up: Up, host_id: str, *extra: str, lease_ttl: float = 2.0) -> None:
+        self.up, self.host_id, self.extra = up, host_id, list(extra)
+        self.lease_ttl = lease_ttl
+        self.root = up.data_dir.parent / "hosts" / host_id
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Host:
+        with (self.up.data_dir.parent / f"{self.host_id}.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    SANDHOLD,
+                    "--data-dir",  # where `sandhold run` finds (or makes) this host's credential
+                    str(self.up.data_dir),
+                    "run",
+                    "host-agent",
+                    "--nats",
+                    self.up.nats_url,
+                    "--host-id",
+                    self.host_id,
+                    "--root",
+                    str(self.root),
+                    "--lease-ttl",
+                    str(self.lease_ttl),
+                    *self.extra,
+                ],
+                stdout=log,
+                stderr=log,
+                process_group=0,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def sandbox_pids(self) -> list[int]:
+        """The sandboxes' boxes (and so the commands in them), anything working in the root."""
+        marker, found = str(self.root.resolve()), box_inits(self.root)
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if os.readlink(d / "cwd").startswith(marker):
+                        found.append(int(d.name))
+                except OSError:
+                    continue
+        return found
+
+    def fail(self) -> None:
+        """The machine is gone: the agent and its sandboxes' processes die at once."""
+        os.kill(self.pid, signal.SIGKILL)
+        for pid in self.sandbox_pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+        assert self.process is not None
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with _gone():
+                os.kill(self.pid, signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pid in self.sandbox_pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,92 +18,10 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for
 
-from tests.e2e.harness import SANDHOLD, Up, box_inits
+from tests.e2e.harness import Host, Up
 from tests.support.waiting import wait_until
 
 LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
-
-
-class Host:
-    """One host-agent process with its own workspace root, stopped by PID."""
-
-    def __init__(self, up: Up, host_id: str, *extra: str) -> None:
-        self.up, self.host_id, self.extra = up, host_id, list(extra)
-        self.root = up.data_dir.parent / "hosts" / host_id
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Host:
-        with (self.up.data_dir.parent / f"{self.host_id}.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    SANDHOLD,
-                    "--data-dir",  # where `sandhold run` finds (or makes) this host's credential
-                    str(self.up.data_dir),
-                    "run",
-                    "host-agent",
-                    "--nats",
-                    self.up.nats_url,
-                    "--host-id",
-                    self.host_id,
-                    "--root",
-                    str(self.root),
-                    "--lease-ttl",
-                    str(LEASE_TTL),
-                    *self.extra,
-                ],
-                stdout=log,
-                stderr=log,
-                process_group=0,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    def sandbox_pids(self) -> list[int]:
-        """The sandboxes' boxes (and so the commands in them), anything working in the root."""
-        marker, found = str(self.root.resolve()), box_inits(self.root)
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    if os.readlink(d / "cwd").startswith(marker):
-                        found.append(int(d.name))
-                except OSError:
-                    continue
-        return found
-
-    def fail(self) -> None:
-        """The machine is gone: the agent and its sandboxes' processes die at once."""
-        os.kill(self.pid, signal.SIGKILL)
-        for pid in self.sandbox_pids():
-            with _gone():
-                os.kill(pid, signal.SIGKILL)
-        assert self.process is not None
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with _gone():
-                os.kill(self.pid, signal.SIGCONT)
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid in self.sandbox_pids():
-            with _gone():
-                os.kill(pid, signal.SIGKILL)
-
-
-class _gone:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, *_: object) -> bool:
-        return kind is ProcessLookupError
 
 
 @pytest.fixture
@@ -123,7 +40,10 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Up
         "10",
     ).start()
     marker = request.node.get_closest_marker("h1_args")
-    hosts = [Host(up, "h1", *(marker.args if marker else ())), Host(up, "h2")]
+    hosts = [
+        Host(up, "h1", *(marker.args if marker else ()), lease_ttl=LEASE_TTL),
+        Host(up, "h2", lease_ttl=LEASE_TTL),
+    ]
     try:
         hosts[0].start()
         yield up, hosts[0], hosts[1]
@@ -461,7 +381,7 @@ def sb_view(state: sb.Sandbox):
 
 async def test_a_sandbox_waiting_for_room_is_placed_when_a_slot_frees(tmp_path: Path):
     up = Up(tmp_path / "data", "--hosts", "0").start()
-    host = Host(up, "small", "--capacity", "1")
+    host = Host(up, "small", "--capacity", "1", lease_ttl=LEASE_TTL)
     client = await connect(up.url)
     try:
         host.start()

@@ -171,6 +171,9 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
         ({"argv": ["true"], "timeout_s": -1}, "$.timeout_s"),
         ({"argv": ["true"], "env": {"A": 1}}, "$.env[...]"),
         ({"argv": ["true"], "sandbox_id": sandbox_id}, "$.sandbox_id"),
+        ({"argv": ["true"], "secrets": {"1X": "v"}}, "$.secrets"),
+        ({"argv": ["true"], "secrets": {"T": 1}}, "$.secrets[...]"),
+        ({"argv": ["true"], "env": {"T": "a"}, "secrets": {"T": "b"}}, "$"),
     ):
         got = problem(await acme.post(f"{base}/commands", json=body), 422, "invalid_request")
         assert got["errors"][0]["field"] == field, got

@@ -1039,10 +1039,16 @@ async def test_a_task_cancelled_while_provisioning_leaves_no_sandbox_running(
             cancelled.append(asyncio.ensure_future(client.cancel_task(task_id)))
 
     # Cancel the moment provisioning begins: the create request is then in flight.
+    # No host has room for the sandbox (it waits, pending), so provisioning lasts
+    # until the cancel is decided: a quick host could otherwise start it first.
     sub = await client.nc.subscribe(client.names.events("task", task_id), cb=on_event)
     try:
         await client.submit_task(
-            manifest(repository={"url": git_daemon.url_for(git_repo.name)}, agent=sh("cat README")),
+            manifest(
+                repository={"url": git_daemon.url_for(git_repo.name)},
+                sandbox={"memory_limit_bytes": 2**60},
+                agent=sh("cat README"),
+            ),
             key=key,
         )
         task = await ended(client, task_id, timeout=30)
@@ -1057,7 +1063,8 @@ async def test_a_task_cancelled_while_provisioning_leaves_no_sandbox_running(
         return sandbox if sandbox is not None and sandbox.phase in ("stopped", "failed") else None
 
     # The create left before the cancel did (the runner sends it on entering
-    # provisioning), so the sandbox exists: it must end stopped, not running.
+    # provisioning), so the sandbox exists: it must end stopped, not left waiting
+    # to run once a host has room.
     await wait_until(settled, timeout=30, what=f"{sandbox_id} stopped")
 
 

@@ -24,6 +24,7 @@ from sandhold.domain.errors import InfraError, Rejected
 
 from sandhold.cli import audit, tasks
 from sandhold.cli.progress import progress
+from sandhold.cli.secret_args import add_secret_option, secrets_of
 from sandhold.cli.status import status_block
 from sandhold.cli.top import top
 
@@ -247,6 +248,11 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         print("sandhold: exec needs a command after --", file=sys.stderr)
         return EXIT_REJECTED
     env = dict(pair.split("=", 1) for pair in args.env)
+    try:
+        secrets = secrets_of(args.secret)
+    except ValueError as err:
+        print(f"sandhold: {err}", file=sys.stderr)
+        return EXIT_REJECTED
 
     def stream(name: str, data: bytes) -> None:
         out = sys.stdout if name == "stdout" else sys.stderr
@@ -259,6 +265,7 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         key=args.key,
         cwd=args.cwd,
         env=env,
+        secrets=secrets,
         timeout_s=args.timeout,
         user=args.user,
         on_output=None if args.json else stream,
@@ -610,7 +617,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the sandbox's unprivileged user (default) or its root, which holds no "
         "capability outside the sandbox",
     )
-    ex.add_argument("--env", action="append", default=[], metavar="K=V")
+    ex.add_argument("--env", action="append", default=[], metavar="K=V", help="recorded")
+    add_secret_option(ex, "the command's")
     ex.add_argument("--json", action="store_true", help="print the command record as JSON")
     ex.add_argument("argv", nargs="*", help="the command, after --")
 

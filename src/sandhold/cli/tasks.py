@@ -22,6 +22,8 @@ from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.saves import SaveStore
 
+from sandhold.cli.secret_args import add_secret_option, secrets_of
+
 # How `task watch` (and `submit --wait`) exit: 0 completed, like `exec` otherwise.
 TASK_EXIT_CODES = {"completed": 0, "failed": 1, "timed_out": 124, "cancelled": 130}
 EXIT_BAD_MANIFEST = 2
@@ -34,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     submit.add_argument("manifest")
     submit.add_argument("--key", help="idempotency key (default: a new one)")
     submit.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    add_secret_option(submit, "each agent step's (the manifest's `secrets:` names them)")
     ls = actions.add_parser("ls")
     ls.add_argument("--state", choices=sorted(get_args(tk.TaskState)))
     for name in ("show", "watch", "cancel"):
@@ -52,10 +55,12 @@ async def run(args: argparse.Namespace, client: Client) -> int:
         case "submit":
             try:
                 manifest = _read_manifest(args.manifest)
-            except ManifestError as err:
+                secrets = secrets_of(args.secret)
+                # (refused before anything is sent when the secrets do not fit it)
+                view = await client.submit_task(manifest, key=args.key, secrets=secrets)
+            except ValueError as err:  # ManifestError, or the secrets for the manifest
                 print(f"sandhold: {err}", file=sys.stderr)
                 return EXIT_BAD_MANIFEST
-            view = await client.submit_task(manifest, key=args.key)
             _print(view, args.json)
             if args.watch:
                 return await watch(client, view.id, as_json=args.json)

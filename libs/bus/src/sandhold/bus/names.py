@@ -48,6 +48,18 @@ class Names(msgspec.Struct, frozen=True):
         return f"{self._stream_prefix}_SAVES"
 
     @property
+    def secrets_stream(self) -> str:
+        return f"{self._stream_prefix}_SECRETS"
+
+    def secret(self, command_id: str) -> str:
+        """A command's secrets (the scheduler's)."""
+        return f"{self.prefix}.secret.cmd.{command_id}"
+
+    def task_secret(self, task_id: str) -> str:
+        """A task's secrets, for its agent steps (the orchestrator's)."""
+        return f"{self.prefix}.secret.task.{task_id}"
+
+    @property
     def all_streams(self) -> tuple[str, ...]:
         """Every stream sandhold keeps, the lease bucket's included."""
         return (
@@ -56,6 +68,7 @@ class Names(msgspec.Struct, frozen=True):
             self.requests_stream,
             self.hostwork_stream,
             self.saves_stream,
+            self.secrets_stream,
             f"KV_{self.lease_bucket}",
         )
 

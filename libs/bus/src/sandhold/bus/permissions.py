@@ -124,8 +124,13 @@ def row(
             ]
             sub = [f"{p}.ev.>", f"{p}.out.>", f"{p}.progress.>", names.ready]
         case "scheduler":
+            secrets = names.secrets_stream
             pub = [
                 names.events("sandbox"),
+                # commands' secrets: kept until launch, then removed (only here)
+                f"{p}.secret.cmd.*",
+                _api("DIRECT.GET", secrets, f"{p}.secret.cmd.*"),
+                _api("STREAM.PURGE", secrets),
                 f"{p}.work.*",
                 answers,
                 *_read(ev),
@@ -157,6 +162,10 @@ def row(
         case "orchestrator":
             pub = [
                 names.events("task"),
+                # tasks' secrets: kept from submit to end (only here)
+                f"{p}.secret.task.*",
+                _api("DIRECT.GET", names.secrets_stream, f"{p}.secret.task.*"),
+                _api("STREAM.PURGE", names.secrets_stream),
                 f"{p}.req.sandbox.*.*",
                 f"{p}.req.command.*.*",
                 answers,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -116,6 +117,11 @@ class NatsServer:
             "jetstream {",
             f'  store_dir: "{store}"',
             "  sync_interval: always",
+            # Encrypted at rest (a store made before is encrypted at the next
+            # start): what passes through it in transit, a secret on its way to
+            # a command, is never plaintext on disk (docs/security.md).
+            "  cipher: chachapoly",
+            f'  key: "{self._store_key()}"',
             "}",
         ]
         self.admin  # noqa: B018 - made on first use: the server never runs without it
@@ -131,6 +137,23 @@ class NatsServer:
                 "}",
             ]
         return "\n".join(lines) + "\n"
+
+    def _store_key(self) -> str:
+        """The store's encryption key, made once (0600) beside the store: without
+        it the store cannot be read, so it is backed up with the data dir."""
+        path = self.data_dir / "jetstream.key"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        key = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return key
 
     def write_config(self) -> Path:
         config = self.data_dir / "nats-server.conf"

@@ -19,6 +19,7 @@ from sandhold.bus.names import Names
 log = logging.getLogger(__name__)
 
 _STREAM_EXISTS_DIFFERENT = 10058
+SECRETS_MAX_AGE_S = 7 * 86400  # a command not launched within a week loses its secrets
 
 
 def stream_configs(
@@ -80,6 +81,20 @@ def stream_configs(
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             num_replicas=replicas,
+            duplicate_window=duplicate_window_s,
+        ),
+        # A command's secrets between its request and its launch: one subject per
+        # command, removed once it started (or after a week unlaunched). Only the
+        # scheduler reads or writes it; the store is encrypted at rest.
+        StreamConfig(
+            name=names.secrets_stream,
+            subjects=[f"{p}.secret.*.*"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=1,
+            max_age=SECRETS_MAX_AGE_S,
+            allow_direct=True,
             duplicate_window=duplicate_window_s,
         ),
     ]

@@ -297,10 +297,19 @@ class Client:
 
     # --- tasks --------------------------------------------------------------------
 
-    async def submit_task(self, manifest: TaskManifest, *, key: str | None = None) -> TaskView:
-        return await self.send_task(
-            tk.SubmitTask(key=self._key(key), tenant=self.tenant, manifest=manifest)
+    async def submit_task(
+        self,
+        manifest: TaskManifest,
+        *,
+        key: str | None = None,
+        secrets: dict[str, str] | None = None,
+    ) -> TaskView:
+        """Raises ValueError (before sending) when `secrets` are not one value for
+        each secret the manifest names."""
+        request = tk.SubmitTask(
+            key=self._key(key), tenant=self.tenant, manifest=manifest, secrets=secrets or {}
         )
+        return await self.send_task(request)
 
     async def cancel_task(self, task_id: str, *, key: str | None = None) -> TaskView:
         return await self.send_task(
@@ -432,6 +441,7 @@ class Client:
         key: str | None = None,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = 5.0,
         user: rq.CommandUser = "user",
@@ -490,6 +500,7 @@ class Client:
                     argv=argv,
                     cwd=cwd,
                     env=env or {},
+                    secrets=secrets or {},
                     timeout_s=timeout_s,
                     kill_grace_s=kill_grace_s,
                     user=user,

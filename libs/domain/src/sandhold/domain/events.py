@@ -110,6 +110,9 @@ class CommandQueued(Event, tag="command.queued", frozen=True):
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
     user: str = "user"  # "user" | "root", inside the sandbox
+    # The names of the secrets it is given (their values are never recorded:
+    # the scheduler keeps them for its dispatch only, docs/security.md).
+    secret_names: list[str] = []
 
 
 class CommandDispatched(Event, tag="command.dispatched", frozen=True):

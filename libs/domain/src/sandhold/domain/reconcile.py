@@ -134,6 +134,15 @@ def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:
     )
 
 
+def secrets_gone(state: Sandbox, command_id: str) -> ev.CommandEnded:
+    """A command whose secrets are no longer kept cannot run as asked."""
+    return _not_launched(
+        state,
+        command_id,
+        "its secrets are no longer kept (a week unlaunched, or lost with the bus): send it again",
+    )
+
+
 def _not_launched(state: Sandbox, command_id: str, reason: str) -> ev.CommandEnded:
     return ev.CommandEnded(
         command_id=command_id,

@@ -97,6 +97,13 @@ class SnapshotSandbox(Request, tag="sandbox.snapshot", frozen=True):
     name: SnapshotName
 
 
+# A secret's name is an environment variable's; its value reaches the command's
+# environment and nothing else: events, views and logs carry the name only.
+SecretName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+SecretValue = Annotated[str, msgspec.Meta(max_length=65536)]
+Secrets = Annotated[dict[SecretName, SecretValue], msgspec.Meta(max_length=64)]
+
+
 class RunCommand(Request, tag="command.run", frozen=True):
     sandbox_id: SandboxId
     argv: Argv
@@ -105,6 +112,16 @@ class RunCommand(Request, tag="command.run", frozen=True):
     timeout_s: Seconds | None = None
     kill_grace_s: Grace = 5.0
     user: CommandUser = "user"
+    secrets: Secrets = {}
+
+    def __post_init__(self) -> None:
+        both = sorted(set(self.env) & set(self.secrets))
+        if both:
+            raise ValueError(f"{', '.join(both)} given both in `env` and in `secrets`")
+
+    def __repr__(self) -> str:  # never a secret's value in a log line or a traceback
+        shown = msgspec.structs.replace(self, secrets=dict.fromkeys(self.secrets, "***"))
+        return "RunCommand" + repr(msgspec.structs.asdict(shown))
 
 
 class CancelCommand(Request, tag="command.cancel", frozen=True):
@@ -155,12 +172,17 @@ _LATER_FIELDS: dict[str, object] = {
     "pids_limit": None,
     "cpu_limit": None,
     "disk_limit_bytes": None,
+    "secrets": {},
 }
 
 
 def request_digest(request: AnyRequest) -> str:
     """What the request asks for, without its key: equal digests = same body."""
     body = msgspec.to_builtins(msgspec.structs.replace(request, key="-"))
+    if body.get("secrets"):
+        # The names, not the values: a digest is recorded, and a hash of a short
+        # secret can be guessed. A retry with a new value is the same request.
+        body["secrets"] = sorted(body["secrets"])
     for name, unset in _LATER_FIELDS.items():
         if name in body and body[name] == unset:
             body.pop(name)

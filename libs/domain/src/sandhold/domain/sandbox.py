@@ -72,6 +72,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
     user: str = "user"
+    secret_names: list[str] = []
     host: str | None = None
     generation: int = 0
     pid: int | None = None
@@ -258,6 +259,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 timeout_s=event.timeout_s,
                 kill_grace_s=event.kill_grace_s,
                 user=event.user,
+                secret_names=event.secret_names,
                 queued_at=envelope_time,
             )
             state = replace(
@@ -550,6 +552,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     timeout_s=request.timeout_s,
                     kill_grace_s=request.kill_grace_s,
                     user=request.user,
+                    secret_names=sorted(request.secrets),
                 )
             ]
         case rq.CancelCommand():

@@ -18,7 +18,7 @@ from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.idempotency import seen_before
-from sandhold.domain.requests import IdempotencyKey, Tenant
+from sandhold.domain.requests import IdempotencyKey, Secrets, Tenant
 from sandhold.domain.task_manifest import RecordedManifest, RecordedStep, TaskManifest
 
 TaskState = Literal[
@@ -61,6 +61,22 @@ class TaskRequest(
 
 class SubmitTask(TaskRequest, tag="task.submit", frozen=True):
     manifest: TaskManifest
+    # The values of the secrets the manifest names, one each; never recorded.
+    secrets: Secrets = {}
+
+    def __post_init__(self) -> None:
+        named, given = set(self.manifest.secrets), set(self.secrets)
+        if named != given:
+            missing, extra = sorted(named - given), sorted(given - named)
+            raise ValueError(
+                "`secrets`: a value for each secret the manifest names, and no other"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; not named in the manifest: {', '.join(extra)}" if extra else "")
+            )
+
+    def __repr__(self) -> str:  # never a secret's value in a log line or a traceback
+        shown = msgspec.structs.replace(self, secrets=dict.fromkeys(self.secrets, "***"))
+        return "SubmitTask" + repr(msgspec.structs.asdict(shown))
 
 
 class CancelTask(TaskRequest, tag="task.cancel", frozen=True):
@@ -88,6 +104,15 @@ def task_request_tag(request: AnyTaskRequest) -> str:
 
 def task_request_digest(request: AnyTaskRequest) -> str:
     body = msgspec.to_builtins(msgspec.structs.replace(request, key="-"))
+    # Secrets: the names only (a digest is recorded); none at all left out, so a
+    # task submitted before secrets existed keeps its digest.
+    if not body.get("secrets"):
+        body.pop("secrets", None)
+    else:
+        body["secrets"] = sorted(body["secrets"])
+    manifest = body.get("manifest")
+    if isinstance(manifest, dict) and manifest.get("secrets") == []:
+        manifest.pop("secrets")
     return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
 
 

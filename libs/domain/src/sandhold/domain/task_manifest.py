@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from sandhold.domain.requests import Argv, MemoryLimit, SaveId
+from sandhold.domain.requests import Argv, MemoryLimit, SaveId, SecretName
 
 DurationInput = float | str
 
@@ -146,6 +146,7 @@ class RecordedManifest(_Recorded, frozen=True):
     repository: RecordedRepository | None = None
     sandbox: RecordedSandboxSpec = RecordedSandboxSpec()
     environment: dict[str, str] = {}
+    secrets: Sequence[str] = []  # names; the values come with the submit request
     timeouts: RecordedTimeouts = RecordedTimeouts()
     retry: RecordedRetryPolicy = RecordedRetryPolicy()
     hang: RecordedHangPolicy = RecordedHangPolicy()
@@ -259,6 +260,9 @@ class TaskManifest(RecordedManifest, frozen=True, forbid_unknown_fields=True):
     repository: Repository | None = None
     sandbox: SandboxSpec = SandboxSpec()
     environment: Env = {}
+    # The secrets every agent step's command gets, by name: their values are
+    # given with the submit (`task submit --secret NAME=VALUE`), never recorded.
+    secrets: Annotated[list[SecretName], msgspec.Meta(max_length=64)] = []
     timeouts: Timeouts = Timeouts()
     retry: RetryPolicy = RetryPolicy()
     hang: HangPolicy = HangPolicy()
@@ -275,6 +279,17 @@ class TaskManifest(RecordedManifest, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 "`repository` and `sandbox.from_snapshot` both name the starting files; give one"
             )
+        agents = [self.agent] + [step.agent for step in self.pipeline]
+        recorded = set(self.environment).union(*(a.env for a in agents if a is not None))
+        both = sorted(set(self.secrets) & (recorded | _STEP_VARIABLES))
+        if both:
+            raise ValueError(f"`secrets`: {', '.join(both)} also set in an `env` or by sandhold")
+
+
+# Set in every agent step's environment by sandhold (task_policy.run_request).
+_STEP_VARIABLES = frozenset(
+    {"SANDHOLD_TASK_ID", "SANDHOLD_STEP", "SANDHOLD_STEP_KEY", "SANDHOLD_ITEM"}
+)
 
 
 class ManifestError(ValueError):

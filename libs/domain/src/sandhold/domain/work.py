@@ -41,6 +41,9 @@ class RunCommandWork(HostWork, tag="run_command", frozen=True):
     timeout_s: float | None = None
     kill_grace_s: float = 5.0
     user: str = "user"
+    # Filled in by the scheduler from its secret store as it sends the work (the
+    # plan knows the names only); the work queue drops the message once taken.
+    secrets: dict[str, str] = {}
 
     @property
     def msg_id(self) -> str:

@@ -440,11 +440,18 @@ _INT64 = {"format": "int64", "maximum": 2**63 - 1}
 def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
     """What the server checks beyond the types' shapes, said in the schemas too,
     so that every request the document allows is one the server accepts."""
+    components["RunCommandBody"]["description"] = (
+        "A command to run. `env` is recorded with the command; `secrets` reach its "
+        "environment and are never recorded (its events name them only). A name in both "
+        "is refused with 422."
+    )
     manifest = components["TaskManifest"]
     manifest["description"] = (
         "A task. Rules across fields that a schema cannot state, each refused with 422: "
         "`hang.cancel_after` longer than `hang.warn_after`; step names unique within "
-        "`pipeline`; not both `repository` and `sandbox.from_snapshot`."
+        "`pipeline`; not both `repository` and `sandbox.from_snapshot`; no name in `secrets` "
+        "also set in an `env`. A manifest naming `secrets` is refused over HTTP: their values "
+        "cannot travel in it (`sandhold task submit --secret`)."
     )
     # exactly one of `agent` (one command) or a non-empty `pipeline`
     manifest["oneOf"] = [

@@ -112,6 +112,8 @@ def field_of(err: msgspec.ValidationError) -> str:
     if marker in text:
         text, path = text.rsplit(marker, 1)
         path = path.rstrip("`")
+        # A bad key of an object: "... - at `key` in `$.secrets`" names the object.
+        path = path.removeprefix("key` in `")
     for start in ("Object missing required field `", "Object contains unknown field `"):
         if text.startswith(start):
             return f"{path}.{text.split('`')[1]}"

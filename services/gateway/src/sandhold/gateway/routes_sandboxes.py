@@ -232,13 +232,15 @@ def handlers(ctx: Context) -> list:
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
         body = b.decode_json(await json_body(request), b.RunCommandBody)
-        reply = await call(
-            ctx.client(tenant).send(
-                rq.RunCommand(
-                    key=key, tenant=tenant, sandbox_id=sid(sandbox_id), **b.request_fields(body)
-                )
+        try:
+            run = rq.RunCommand(
+                key=key, tenant=tenant, sandbox_id=sid(sandbox_id), **b.request_fields(body)
             )
-        )
+        except ValueError as err:  # a rule across fields (env and secrets share a name)
+            raise ProblemError(
+                "invalid_request", str(err), errors=[FieldError(field="$", message=str(err))]
+            ) from err
+        reply = await call(ctx.client(tenant).send(run))
         command = reply.command
         location = f"/api/v1/sandboxes/{command.sandbox_id}/commands/{command.id}"
         return json_response(command, 202, headers={"Location": location})

@@ -14,7 +14,7 @@ from sandhold.domain import task as tk
 from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.gateway import bodies as b
-from sandhold.gateway.problems import ProblemError
+from sandhold.gateway.problems import FieldError, ProblemError
 from sandhold.gateway.routes_sandboxes import (
     event_response,
     last_event_id,
@@ -93,9 +93,16 @@ def handlers(ctx: Context) -> list:
         manifest = await asyncio.to_thread(
             parse_body, await request.body(), request.headers.get("content-type", "")
         )
-        view = await call(
-            ctx.client(tenant).send_task(tk.SubmitTask(key=key, tenant=tenant, manifest=manifest))
-        )
+        try:
+            submit = tk.SubmitTask(key=key, tenant=tenant, manifest=manifest)
+        except ValueError as err:  # it names secrets: their values cannot come in a manifest
+            raise ProblemError(
+                "invalid_request",
+                f"{err}: over HTTP a task cannot be given secrets yet; submit it with "
+                "`sandhold task submit --secret NAME=VALUE` (docs/tasks.md)",
+                errors=[FieldError(field="$.secrets", message=str(err))],
+            ) from err
+        view = await call(ctx.client(tenant).send_task(submit))
         return json_response(view, 202, headers={"Location": f"/api/v1/tasks/{view.id}"})
 
     @get("/api/v1/tasks")

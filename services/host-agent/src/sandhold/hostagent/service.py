@@ -477,6 +477,7 @@ class HostAgent:
             work.argv,
             cwd=work.cwd,
             env=work.env,
+            secrets=work.secrets,
             timeout_s=work.timeout_s,
             kill_grace_s=work.kill_grace_s,
             user="root" if work.user == "root" else "user",

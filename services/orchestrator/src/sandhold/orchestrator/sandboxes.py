@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
+from sandhold.bus import secret_store
 from sandhold.bus.answering import publish_request
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
@@ -53,6 +54,10 @@ class Sandboxes:
 
     def state(self, sandbox_id: str) -> sb.Sandbox | None:
         return self._store.get(sandbox_id)[0]
+
+    async def task_secrets(self, task_id: str) -> dict[str, str] | None:
+        """The values of a task's secrets, kept since its submit; None once gone."""
+        return await secret_store.fetch(self._js, self._names, self._names.task_secret(task_id))
 
     # --- sending ----------------------------------------------------------------
 

@@ -18,12 +18,14 @@ from pathlib import Path
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
+from sandhold.bus import secret_store
 from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
 from sandhold.bus.service import Shell
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
+from sandhold.domain.errors import Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.faults import check_configuration
@@ -119,13 +121,27 @@ class Orchestrator:
             self._ensure_runner(tk.aggregate_of(request))
 
     async def _decide(self, request: tk.AnyTaskRequest) -> bytes:
-        executed = await self.tasks.execute(
-            tk.aggregate_of(request),
-            lambda state: tk.decide(state, request),
-            id_base=f"req:{request.key}",
-            causation_id=request.key,
-            correlation_id=request.key,
-        )
+        task_id = tk.aggregate_of(request)
+        kept = isinstance(request, tk.SubmitTask) and bool(request.secrets)
+        if isinstance(request, tk.SubmitTask) and kept:
+            if self.tasks.get(task_id)[0] is None:  # kept before the event naming them
+                await secret_store.keep(
+                    self._js, self._names, self._names.task_secret(task_id), request.secrets
+                )
+            else:
+                kept = False  # a retry: the first submit's are kept (or used)
+        try:
+            executed = await self.tasks.execute(
+                task_id,
+                lambda state: tk.decide(state, request),
+                id_base=f"req:{request.key}",
+                causation_id=request.key,
+                correlation_id=request.key,
+            )
+        except Rejected:
+            if kept:
+                await secret_store.forget(self._js, self._names, self._names.task_secret(task_id))
+            raise
         assert executed.state is not None
         reply = TaskReply(ok=True, task=task_view(executed.state))
         return _fitting(reply, self._nc.max_payload)
@@ -167,6 +183,12 @@ class Orchestrator:
             return
         self._runners[task_id] = asyncio.create_task(self._drive(task_id))
 
+    async def _forget_secrets(self, task_id: str) -> None:
+        """A task that ended needs its secrets no more."""
+        state, _ = self.tasks.get(task_id)
+        if state is not None and state.terminal and state.manifest.secrets:
+            await secret_store.forget(self._js, self._names, self._names.task_secret(task_id))
+
     def _holds_a_sandbox(self, state: tk.Task) -> bool:
         """An ended task whose sandbox is still up: the runner that ended it may
         have stopped between appending the end and stopping the sandbox, so a
@@ -201,6 +223,7 @@ class Orchestrator:
                     context.working_on(task_id=task_id),
                 ):
                     await runner.run()
+                await self._forget_secrets(task_id)
                 if self._runners.get(task_id) is asyncio.current_task():
                     del self._runners[task_id]
                 return

@@ -16,7 +16,7 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
-from sandhold.bus import leases
+from sandhold.bus import leases, secret_store
 from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
@@ -24,9 +24,10 @@ from sandhold.bus.service import Shell
 from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
+from sandhold.domain import work as wk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.placement import HostInfo, choose_host, network_modes
-from sandhold.domain.reconcile import plan
+from sandhold.domain.reconcile import plan, secrets_gone
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
 from sandhold.saves.errors import MissingManifest
@@ -54,6 +55,7 @@ class Scheduler:
         self._lease_ttl = lease_ttl
         self._defaults = defaults
         self._durable = durable
+        self._secrets_forgotten: set[str] = set()  # command ids, this process's
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -109,18 +111,71 @@ class Scheduler:
         sandbox_id = sb.aggregate_of(request)
         if isinstance(request, rq.CreateSandbox) and request.seed is not None:
             await self._check_seed(request.seed, sandbox_id)
-        executed = await self.sandboxes.execute(
-            sandbox_id,
-            lambda state: sb.decide(
-                state, request, defaults=self._defaults, find_snapshot=self._find_snapshot
-            ),
-            id_base=f"req:{request.key}",
-            causation_id=request.key,
-            correlation_id=request.key,
-        )
+        kept = await self._keep_secrets(request, sandbox_id)
+        try:
+            executed = await self.sandboxes.execute(
+                sandbox_id,
+                lambda state: sb.decide(
+                    state, request, defaults=self._defaults, find_snapshot=self._find_snapshot
+                ),
+                id_base=f"req:{request.key}",
+                causation_id=request.key,
+                correlation_id=request.key,
+            )
+        except Rejected:
+            if kept is not None:
+                await secret_store.forget(self._js, self._names, self._names.secret(kept))
+            raise
         assert executed.state is not None
         record = sb.result_of(executed.state, request)
         return _reply_encoder.encode(reply_for(record, sandbox_id, now=time.time()))
+
+    async def _keep_secrets(self, request: rq.AnyRequest, sandbox_id: str) -> str | None:
+        """Keep a new command's secrets before the event that names them is
+        appended (so a dispatch always finds them); the command's id if kept."""
+        if not isinstance(request, rq.RunCommand) or not request.secrets:
+            return None
+        command_id = rq.command_id_for(sandbox_id, request.key)
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is not None and command_id in state.commands:
+            return None  # a retry of a command already queued: its secrets are kept (or used)
+        await secret_store.keep(
+            self._js, self._names, self._names.secret(command_id), request.secrets
+        )
+        return command_id
+
+    async def _secrets_for(self, state: sb.Sandbox, work: wk.AnyWork) -> wk.AnyWork | None:
+        """The run instruction with its command's secrets; None (and the command
+        ended `not_launched`) when they are gone."""
+        if not isinstance(work, wk.RunCommandWork):
+            return work
+        if not state.commands[work.command_id].secret_names:
+            return work
+        values = await secret_store.fetch(
+            self._js, self._names, self._names.secret(work.command_id)
+        )
+        if values is not None:
+            return msgspec.structs.replace(work, secrets=values)
+        await self.sandboxes.execute(
+            state.id,
+            lambda s: (
+                [secrets_gone(s, work.command_id)]
+                if s is not None and s.commands[work.command_id].state == "dispatched"
+                else []
+            ),
+            id_base=f"secrets-gone:{work.command_id}",
+            causation_id=work.command_id,
+            correlation_id=work.command_id,
+        )
+        return None
+
+    async def _forget_used_secrets(self, state: sb.Sandbox) -> None:
+        """A command that started (or ended) needs its secrets no more."""
+        for command in state.commands.values():
+            used = command.state not in ("queued", "dispatched")
+            if command.secret_names and used and command.id not in self._secrets_forgotten:
+                await secret_store.forget(self._js, self._names, self._names.secret(command.id))
+                self._secrets_forgotten.add(command.id)
 
     async def _check_seed(self, save_id: str, sandbox_id: str) -> None:
         """A seed must be stored, and staged for exactly this sandbox: the id is
@@ -190,8 +245,11 @@ class Scheduler:
         after = plan(executed.state, self._choose_host, self._host_alive)
         if after.events:
             return  # more to decide: our own events marked it dirty again
+        await self._forget_used_secrets(executed.state)
         for host, work in after.work:
-            await send_work(self._js, self._names, host, work)
+            ready = await self._secrets_for(executed.state, work)
+            if ready is not None:
+                await send_work(self._js, self._names, host, ready)
 
     def _host_alive(self, host_id: str) -> bool:
         registered, _ = self.hosts.get(host_id)

@@ -382,6 +382,7 @@ class ProcessDriver:
         *,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = DEFAULT_KILL_GRACE_S,
         user: User = "user",
@@ -389,7 +390,9 @@ class ProcessDriver:
         """Start a command, or adopt it if this command id was launched before.
 
         ``cwd`` defaults to the workspace; a relative one is taken from there.
-        The environment is ``env`` over a minimal PATH and HOME, never the agent's.
+        The environment is ``env`` over a minimal PATH and HOME, never the agent's,
+        and ``secrets`` over that: they go to the supervisor through its pipe,
+        never into the command's spec or any other file.
         ``user`` is the sandbox's unprivileged user or its root (namespaced only).
         """
         paths = self.layout.command(sandbox_id, command_id)
@@ -408,7 +411,9 @@ class ProcessDriver:
         with handle.launching():
             placement = await self._placement(handle, workspace, cwd, env or {}, user)
             if placement is not None:
-                await self._hand_over(handle, argv, placement, timeout_s, kill_grace_s)
+                await self._hand_over(
+                    handle, argv, placement, timeout_s, kill_grace_s, secrets or {}
+                )
         return handle
 
     async def _placement(
@@ -447,6 +452,7 @@ class ProcessDriver:
         placement: _Placement,
         timeout_s: float | None,
         kill_grace_s: float,
+        secrets: dict[str, str],
     ) -> None:
         paths = handle.paths
         try:
@@ -483,7 +489,7 @@ class ProcessDriver:
                 return
             handle.attach(Doorbell(supervisor.doorbell_fd))
             try:
-                supervisor.hand_over(paths.directory)
+                supervisor.hand_over(paths.directory, secrets)
                 return
             except BrokenPipeError:
                 handle.detach()  # it died while idle; take the next one

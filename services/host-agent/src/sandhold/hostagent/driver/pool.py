@@ -38,11 +38,18 @@ class WarmSupervisor:
     stdin_fd: int
     doorbell_fd: int
 
-    def hand_over(self, command_dir: Path) -> None:
-        """Give it its command; raises BrokenPipeError if it died while idle."""
-        line = json.dumps({"command_dir": str(command_dir)}).encode() + b"\n"
+    def hand_over(self, command_dir: Path, secrets: dict[str, str] | None = None) -> None:
+        """Give it its command (and the command's secrets, which exist nowhere
+        else on this host); raises BrokenPipeError if it died while idle."""
+        line = json.dumps({"command_dir": str(command_dir), "secrets": secrets or {}}).encode()
+        line += b"\n"
+        view = memoryview(line)
         try:
-            os.write(self.stdin_fd, line)
+            # The supervisor is waiting in readline: a line longer than the pipe's
+            # buffer (big secrets) goes in parts as it reads them.
+            os.set_blocking(self.stdin_fd, True)
+            while view:
+                view = view[os.write(self.stdin_fd, view) :]
         finally:
             os.close(self.stdin_fd)
 

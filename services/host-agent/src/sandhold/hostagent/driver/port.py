@@ -60,6 +60,7 @@ class SandboxDriver(Protocol):
         *,
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
         timeout_s: float | None = None,
         kill_grace_s: float = ...,
         user: User = "user",

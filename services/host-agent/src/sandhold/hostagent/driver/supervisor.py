@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import selectors
@@ -428,7 +429,8 @@ def serve() -> int:
     line = sys.stdin.buffer.readline()
     if not line:
         return 0  # the driver let this warm supervisor go unused
-    paths = CommandPaths(Path(json.loads(line)["command_dir"]))
+    handed = json.loads(line)
+    paths = CommandPaths(Path(handed["command_dir"]))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -441,6 +443,10 @@ def serve() -> int:
     assert identity is not None
     write_json(paths.supervisor, identity.to_json())
     spec = CommandSpec.from_json(read_json(paths.spec) or {})
+    # Secrets came through the pipe: into the command's environment, in memory only.
+    secrets = handed.get("secrets") or {}
+    spec = dataclasses.replace(spec, env={**spec.env, **secrets})
+    del handed, line, secrets
     supervisor = Supervisor(paths, spec, wakeup)
     try:
         supervisor.run()

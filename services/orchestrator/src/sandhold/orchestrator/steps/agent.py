@@ -13,6 +13,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
@@ -25,6 +26,26 @@ if TYPE_CHECKING:
     from sandhold.orchestrator.runner import Runner
 
 log = logging.getLogger("sandhold.orchestrator")
+
+
+async def _with_secrets(
+    runner: Runner, record: tk.StepRecord, instance: tk.StepInstance
+) -> rq.RunCommand | None:
+    """The step's command with the task's secrets (kept since its submit, never
+    in its log); None, and the step's failure recorded, once they are gone."""
+    request = policy.run_request(runner.state, instance, record)
+    if not runner.state.manifest.secrets:
+        return request
+    values = await runner.sandboxes.task_secrets(runner.task_id)
+    if values is None:
+        await runner.record_step_failure(
+            record,
+            "secrets_gone",
+            "the task's secrets are no longer kept (a week after its submit, or lost "
+            "with the bus): submit it again",
+        )
+        return None
+    return msgspec.structs.replace(request, secrets=values)
 
 
 class AgentStep:
@@ -47,7 +68,10 @@ class AgentStep:
                 sandbox_id=sandbox_id,
                 command_id=rq.command_id_for(sandbox_id, key),
             )
-            sent = await runner.sandboxes.send(policy.run_request(runner.state, instance, record))
+            request = await _with_secrets(runner, record, instance)
+            if request is None:
+                return
+            sent = await runner.sandboxes.send(request)
             fault("after_send", instance.id)
             await runner.append(
                 ev.TaskStepDispatched(step_id=record.id, attempt=record.attempt),
@@ -96,7 +120,10 @@ class AgentStep:
                 "could be shown whether the request was sent; not dispatching it again",
             )
             return False
-        sent = await runner.sandboxes.send(policy.run_request(runner.state, instance, record))
+        request = await _with_secrets(runner, record, instance)
+        if request is None:
+            return False
+        sent = await runner.sandboxes.send(request)
         if not sent.duplicate:
             # Provably stillborn: the request had never been stored. This is its first send.
             log.info("%s: %s was never sent; dispatching it now", runner.task_id, record.id)

@@ -1,0 +1,38 @@
+"""Secrets between their request and their use, one subject each.
+
+A command's (`names.secret(command_id)`): the scheduler keeps them when it
+accepts the command (before the `command.queued` that names them), puts them
+into the run instruction for the command's host when it dispatches it, and
+removes them once the command has started or ended. A task's
+(`names.task_secret(task_id)`): the orchestrator keeps them when it accepts
+the task and gives them to each agent step's command, until the task ends.
+Only those two may read or write them (permissions.py), the events name the
+secrets only, and the server's store is encrypted at rest.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from sandhold.bus.names import Names
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(dict[str, str])
+
+
+async def keep(js: JetStreamContext, names: Names, subject: str, values: dict[str, str]) -> None:
+    await js.publish(subject, _encoder.encode(values), stream=names.secrets_stream)
+
+
+async def fetch(js: JetStreamContext, names: Names, subject: str) -> dict[str, str] | None:
+    """The secrets kept on `subject`, or None when they are gone (expired, removed)."""
+    try:
+        msg = await js.get_last_msg(names.secrets_stream, subject, direct=True)
+    except NotFoundError:
+        return None
+    return _decoder.decode(msg.data) if msg.data else None
+
+
+async def forget(js: JetStreamContext, names: Names, subject: str) -> None:
+    await js.purge_stream(names.secrets_stream, subject=subject)

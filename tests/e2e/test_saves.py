@@ -196,6 +196,41 @@ async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(up: Up, c
     await client.stop_sandbox(sandbox_id)
 
 
+async def test_a_manifest_written_over_before_verification_fails_the_save(
+    up: Up, client: Client, admin: Client
+):
+    """The saver verifies the manifest the host recorded (its SHA-256 in
+    `save.uploaded`), not whatever the subject holds when it looks."""
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo real > note"])
+    saver = up.service_pid("saver")
+    save = await client.snapshot(sandbox_id, "overwritten")
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.saves[save.id].state != "requested" else None,
+        timeout=30,
+        what="the host to take the work",
+    )
+    os.kill(saver, signal.SIGSTOP)  # no verification until the manifest is replaced
+    try:
+        await client.wait_for(
+            sandbox_id,
+            lambda s: s if s.saves[save.id].state in ("uploaded", "failed") else None,
+            timeout=60,
+            what="the upload",
+        )
+        store = SaveStore(admin.nc, admin.names)
+        real = await store.get_manifest(save.id)
+        assert await store.delete_manifest(save.id)
+        await store.put_manifest(msgspec.structs.replace(real, created_at=real.created_at + 1))
+    finally:
+        os.kill(saver, signal.SIGCONT)
+    done = await client.wait_for_save(sandbox_id, save.id, timeout=60)
+    assert done.state == "failed" and done.stage == "verify", done
+    assert "not the one its save recorded" in done.reason, done.reason
+    await client.stop_sandbox(sandbox_id)
+
+
 async def test_a_failing_final_save_is_reported_apart_from_the_stop(
     up: Up, client: Client, admin: Client
 ):
@@ -264,6 +299,31 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     assert stats is not None
     for sandbox_id in (source, copy.id):
         await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_snapshot_whose_manifest_was_written_over_is_not_restored(
+    client: Client, admin: Client
+):
+    """A save records its manifest's SHA-256; a sandbox made from the Snapshot
+    restores that manifest or none: one planted in its place (by anyone with the
+    right to the subject) fails the start instead of becoming the sandbox's files."""
+    source = await running_sandbox(client, save_interval_s=3600)
+    assert (await client.exec(source, ["sh", "-c", "echo mine > note"])).command.exit_code == 0
+    snap = await client.wait_for_save(source, (await client.snapshot(source, "m2")).id, timeout=60)
+    assert snap.state == "completed"
+    state = await client.sandbox_state(source)
+    assert state is not None and len(state.saves[snap.id].manifest_digest) == 64
+    store = SaveStore(admin.nc, admin.names)
+    real = await store.get_manifest(snap.id)
+    assert await store.delete_manifest(snap.id)
+    planted = msgspec.structs.replace(real, created_at=real.created_at + 1)
+    await store.put_manifest(planted)
+    copy = await client.create_sandbox(from_snapshot=snap.id)
+    failed = await client.wait_for_phase(copy.id, {"failed", "running"}, timeout=60)
+    assert failed.phase == "failed", failed
+    copied = await client.sandbox_state(copy.id)
+    assert copied is not None and "not the one its save recorded" in copied.reason, copied.reason
+    await client.stop_sandbox(source)
 
 
 async def test_what_root_installs_anywhere_in_the_root_survives_a_snapshot(client: Client):

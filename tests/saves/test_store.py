@@ -11,6 +11,7 @@ import pytest
 from sandhold.bus.names import Names
 from sandhold.saves import (
     CorruptChunk,
+    CorruptManifest,
     Entry,
     Manifest,
     ManifestConflict,
@@ -111,10 +112,11 @@ async def test_upload_sends_only_what_is_missing(store: SaveStore, tmp_path) -> 
 
 async def test_manifests_are_immutable(store: SaveStore) -> None:
     m = one_file_manifest("sv-0000000000000001", b"abc")
-    size = await store.put_manifest(m)
-    assert size > 0
-    assert await store.put_manifest(m) == size  # an identical re-put is fine
+    size, digest = await store.put_manifest(m)
+    assert size > 0 and len(digest) == 64
+    assert await store.put_manifest(m) == (size, digest)  # an identical re-put is fine
     assert await store.get_manifest(m.save_id) == m
+    assert await store.get_manifest(m.save_id, digest=digest) == m
     other = one_file_manifest("sv-0000000000000001", b"abd")
     with pytest.raises(ManifestConflict):
         await store.put_manifest(other)
@@ -146,9 +148,9 @@ async def test_a_manifest_larger_than_a_message_is_split(
         chunk_size=4096,
         entries=[Entry(path=b"node_modules", kind="dir", mode=0o755), *entries],
     )
-    size = await store.put_manifest(m)
+    size, digest = await store.put_manifest(m)
     assert size > 2 * MANIFEST_PART_BYTES
-    assert await store.put_manifest(m) == size
+    assert await store.put_manifest(m) == (size, digest)
     assert await store.get_manifest("sv-big") == m
     # A lost part makes the manifest incomplete, never a shorter tree.
     await nc.jetstream().purge_stream(names.saves_stream, subject=names.manifest("sv-big~1"))
@@ -196,3 +198,20 @@ async def test_stored_chunks_lists_every_chunk_with_its_time(store: SaveStore) -
     assert all(before - 1 <= t <= time.time() + 1 for t in stored.values())
     assert await store.delete_chunks([sha(p) for p in pieces[:10]]) == 10
     assert len(await store.stored_chunks()) == 40
+
+
+async def test_a_manifest_written_over_is_not_the_one_its_save_recorded(
+    store: SaveStore, nc: nats.NATS, names: Names
+) -> None:
+    """The store's own writes are fenced (expected sequence 0), but a writer
+    with the right to the subject could replace a manifest with a plain
+    publish: a reader given the digest its save recorded refuses that one."""
+    m = one_file_manifest("sv-0000000000000002", b"mine")
+    _, recorded = await store.put_manifest(m)
+    await nc.jetstream().purge_stream(names.saves_stream, subject=names.manifest(m.save_id))
+    planted = one_file_manifest("sv-0000000000000002", b"planted")
+    _, other = await store.put_manifest(planted)
+    assert other != recorded
+    assert await store.get_manifest(m.save_id) == planted  # without the digest: taken
+    with pytest.raises(CorruptManifest, match="not the one its save recorded"):
+        await store.get_manifest(m.save_id, digest=recorded)

@@ -33,6 +33,7 @@ class SandboxCreated(Event, tag="sandbox.created", frozen=True):
     save_interval_s: float | None = None  # None: the saver's global interval
     stop_deadline_s: float = 60.0  # how long a stop may take, final save included
     source_snapshot_id: str | None = None  # created from this Snapshot (a save id)
+    source_snapshot_digest: str = ""  # its manifest's SHA-256, as the Snapshot recorded
     source_sandbox_id: str | None = None  # ...which belongs to this sandbox
     recovery: Literal["lazy", "eager"] = "lazy"  # after a host failure: wait to be used, or not
     network: str = "none"  # "none" | "egress" (docs/isolation.md)
@@ -193,6 +194,9 @@ class SaveUploaded(Event, tag="save.uploaded", frozen=True):
     uploaded_chunks: int
     manifest_bytes: int
     duration_ms: float
+    # SHA-256 of the manifest as stored: the saver verifies, and a restore reads,
+    # that one and no other (a manifest written over by anyone else is refused).
+    manifest_digest: str = ""
 
 
 class SaveCompleted(Event, tag="save.completed", frozen=True):

@@ -84,6 +84,7 @@ def plan(
             cpu_limit=state.cpu_limit,
             disk_limit_bytes=state.disk_limit_bytes,
             restore_save_id=state.restore_save_id,
+            restore_manifest_digest=state.restore_digest(),
         )
         work.append((host, start))
     elif state.phase == "stopping" and host is not None:

@@ -105,6 +105,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
     stop_deadline_s: float = 60.0
     source_snapshot_id: str | None = None
+    source_snapshot_digest: str = ""
     source_sandbox_id: str | None = None
     running_since: float | None = None
     final_save_id: str | None = None  # the final save of the latest stop
@@ -131,6 +132,16 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
         save, else the Snapshot the sandbox was created from, else none (base image)."""
         latest = self.last_completed_save
         return latest.id if latest is not None else self.source_snapshot_id
+
+    def restore_digest(self) -> str:
+        """The recorded manifest digest of the save the placement restores ("":
+        none recorded, as for a seed or a save made before digests were)."""
+        save_id = self.restore_save_id
+        if save_id is None:
+            return ""
+        if save_id in self.saves:
+            return self.saves[save_id].manifest_digest
+        return self.source_snapshot_digest if save_id == self.source_snapshot_id else ""
 
     def queued_commands(self) -> list[Command]:
         return [c for c in self.commands.values() if c.state == "queued"]
@@ -159,6 +170,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             save_interval_s=event.save_interval_s or sv.DEFAULT_SAVE_INTERVAL_S,
             stop_deadline_s=event.stop_deadline_s,
             source_snapshot_id=event.source_snapshot_id,
+            source_snapshot_digest=event.source_snapshot_digest,
             source_sandbox_id=event.source_sandbox_id,
             recovery_policy=event.recovery,
             network=event.network,
@@ -405,6 +417,7 @@ def _create(
         seen_before(state.requests, request.key, digest)
         return []
     source_sandbox_id = None
+    source_digest = ""
     if request.from_snapshot is not None and request.seed is not None:
         raise Rejected(
             "invalid_request", "give `from_snapshot` or `seed`, not both: one starting point"
@@ -421,6 +434,7 @@ def _create(
                 "can be a starting point",
             )
         source_sandbox_id = owner.id
+        source_digest = snapshot.manifest_digest
     return [
         ev.SandboxCreated(
             sandbox_id=rq.sandbox_id_for(request.tenant, request.key),
@@ -431,6 +445,7 @@ def _create(
             save_interval_s=request.save_interval_s or defaults.save_interval_s,
             stop_deadline_s=request.stop_deadline_s or defaults.stop_deadline_s,
             source_snapshot_id=request.from_snapshot or request.seed,
+            source_snapshot_digest=source_digest,
             source_sandbox_id=source_sandbox_id,
             recovery=request.recovery or "lazy",
             network=request.network,

@@ -39,6 +39,7 @@ class SaveRecord(msgspec.Struct, frozen=True, kw_only=True):
     failed_at: float | None = None
     stage: str = ""
     reason: str = ""
+    manifest_digest: str = ""  # recorded with `save.uploaded` ("" before digests were)
 
 
 class SaveHealth(msgspec.Struct, kw_only=True):
@@ -79,6 +80,7 @@ def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[s
                 "uploaded_bytes": event.uploaded_bytes,
                 "total_bytes": event.total_bytes,
                 "files": event.files,
+                "manifest_digest": event.manifest_digest,
             }
         case ev.SaveCompleted(save_id=save_id):
             changes = {

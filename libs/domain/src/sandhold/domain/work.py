@@ -29,8 +29,10 @@ class StartSandboxWork(HostWork, tag="start_sandbox", frozen=True):
     pids_limit: int | None = None  # None: the host's default
     cpu_limit: float | None = None
     disk_limit_bytes: int | None = None  # a file system of this size for its persistent layer
-    # Materialise the workspace from this save when the host has none for the sandbox.
+    # Materialise the workspace from this save when the host has none for the sandbox,
+    # from the manifest with this SHA-256 (when recorded) and no other.
     restore_save_id: str | None = None
+    restore_manifest_digest: str = ""
 
 
 class RunCommandWork(HostWork, tag="run_command", frozen=True):

@@ -219,8 +219,9 @@ class SaveStore:
 
     # --- manifests ------------------------------------------------------------
 
-    async def put_manifest(self, manifest: Manifest) -> int:
-        """Store a manifest; returns its encoded size. Storing the same one again is fine.
+    async def put_manifest(self, manifest: Manifest) -> tuple[int, str]:
+        """Store a manifest; returns its encoded size and SHA-256 (hex), which the
+        save records. Storing the same one again is fine.
 
         Raises:
             ManifestConflict: a different manifest is stored under this save id.
@@ -234,20 +235,28 @@ class SaveStore:
         await self._put_immutable(save_id, self._names.manifest(save_id), parts[0], head_headers)
         for i, part in enumerate(parts[1:], start=1):
             await self._put_immutable(save_id, self._part_subject(save_id, i), part, {})
-        return len(encoded)
+        return len(encoded), digest
 
-    async def get_manifest(self, save_id: str) -> Manifest:
-        """The stored manifest of a save.
+    async def get_manifest(self, save_id: str, *, digest: str = "") -> Manifest:
+        """The stored manifest of a save (the one with SHA-256 `digest`, when given:
+        what the save recorded, so a manifest written over by anyone is refused).
 
         Raises:
             MissingManifest: not stored, or not completely.
-            CorruptManifest: stored but not decodable, or not this save's.
+            CorruptManifest: stored but not decodable, not this save's, or not the
+                one recorded.
         """
         check_save_id(save_id)
         head = await self._s.get(self._names.manifest(save_id))
         if head is None:
             raise MissingManifest(save_id)
-        count, digest = _head_fields(save_id, head)
+        count, stored_digest = _head_fields(save_id, head)
+        if digest and stored_digest != digest:
+            raise CorruptManifest(
+                f"manifest of save {save_id} is not the one its save recorded "
+                f"(stored {stored_digest[:12]}…, recorded {digest[:12]}…)"
+            )
+        digest = stored_digest
         rest = await asyncio.gather(
             *(self._s.get(self._part_subject(save_id, i)) for i in range(1, count))
         )

@@ -167,7 +167,7 @@ class HostSaves:
         try:
             progress = self._progress(sandbox_id, save_id, "upload")
             uploaded = await self._store.upload(captured.new_chunks, progress=progress)
-            manifest_bytes = await self._store.put_manifest(captured.manifest)
+            manifest_bytes, manifest_digest = await self._store.put_manifest(captured.manifest)
         except (OSError, SandholdError, TimeoutError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="upload", reason=str(err), **me))
             return
@@ -182,12 +182,13 @@ class HostSaves:
                 uploaded_bytes=uploaded.uploaded_bytes,
                 uploaded_chunks=uploaded.uploaded_chunks,
                 manifest_bytes=manifest_bytes,
+                manifest_digest=manifest_digest,
                 duration_ms=round((time.monotonic() - started) * 1000, 2),
                 **me,
             )
         )
 
-    async def restore_workspace(self, sandbox_id: str, save_id: str) -> bool:
+    async def restore_workspace(self, sandbox_id: str, save_id: str, digest: str = "") -> bool:
         """Materialise the sandbox's files from a save when this host has none; True if it did.
 
         A save of a whole root goes back into the persistent layer; one of a
@@ -195,7 +196,7 @@ class HostSaves:
         """
         if await asyncio.to_thread(self._driver.has_local_copy, sandbox_id):
             return False
-        manifest = await self._store.get_manifest(save_id)
+        manifest = await self._store.get_manifest(save_id, digest=digest)
         if manifest.layout == "root":
             dest = self._driver.save_root(sandbox_id)
             await asyncio.to_thread(shutil.rmtree, dest, True)

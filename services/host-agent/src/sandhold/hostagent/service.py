@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -323,10 +324,16 @@ class HostAgent:
             return
         await msg.ack()
 
-    async def _current(self, work: wk.AnyWork) -> sb.Sandbox:
-        """The sandbox as of at least the placement this work belongs to."""
+    async def _current(
+        self, work: wk.AnyWork, needs: Callable[[sb.Sandbox], bool] | None = None
+    ) -> sb.Sandbox:
+        """The sandbox as of at least the placement this work belongs to, and as of
+        the event the work follows from (`needs`: the command or save it names).
+        The instruction can come before this host folded that event: it is sent
+        the moment the event is appended, so the fold is caught up, not trusted."""
         state, _ = self.sandboxes.get(work.sandbox_id)
-        if state is None or state.generation < work.generation:
+        behind = state is None or state.generation < work.generation
+        if behind or (needs is not None and state is not None and not needs(state)):
             state, _ = await self.sandboxes.sync(work.sandbox_id)
         if state is None or state.generation != work.generation or state.host != self.host_id:
             raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
@@ -358,7 +365,9 @@ class HostAgent:
                     # Its disk first: a restore writes into it.
                     await self.driver.provision(sid, settings)
                     if work.restore_save_id is not None:
-                        await self.saving.restore_workspace(sid, work.restore_save_id)
+                        await self.saving.restore_workspace(
+                            sid, work.restore_save_id, work.restore_manifest_digest
+                        )
                     await self.driver.create_sandbox(
                         sid,
                         work.memory_limit_bytes,
@@ -375,7 +384,7 @@ class HostAgent:
                 started = ev.SandboxStarted(host=me, generation=gen, capabilities=capabilities)
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
-                state = await self._current(work)
+                state = await self._current(work, lambda s: work.command_id in s.commands)
                 command = state.commands.get(work.command_id)
                 if command is None or command.ended:
                     return
@@ -383,7 +392,8 @@ class HostAgent:
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.StopSandboxWork():
-                state = await self._current(work)
+                final_id = work.final_save_id
+                state = await self._current(work, lambda s: final_id is None or final_id in s.saves)
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
                 final = state.saves.get(work.final_save_id) if work.final_save_id else None
@@ -391,7 +401,7 @@ class HostAgent:
                     await self._final_save(work)
                 await self._report(sid, ev.SandboxStopped(host=me, generation=gen), work.msg_id)
             case wk.SaveSandboxWork():
-                state = await self._current(work)
+                state = await self._current(work, lambda s: work.save_id in s.saves)
                 save = state.saves.get(work.save_id)
                 if save is None or save.state != "requested":
                     return

@@ -135,7 +135,7 @@ class Saver:
         problems: list[str] = []
         total_bytes = files = 0
         try:
-            manifest = await self.store.get_manifest(save_id)
+            manifest = await self.store.get_manifest(save_id, digest=save.manifest_digest)
         except SandholdError as err:
             problems.append(f"manifest: {err}")
         else:

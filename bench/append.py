@@ -114,12 +114,12 @@ async def main() -> None:
     with nats_server("append") as server:
         warm = [(sid, envs[:2]) for sid, envs in plan[:200]]  # not counted
         for variant in VARIANTS:
-            await one_run(server.url, server.pid, variant, 99, warm)
+            await one_run(server.admin_url, server.pid, variant, 99, warm)
         for run in range(rounds):
             # Rotate the order each round so no variant always runs first or last.
             order = VARIANTS[run % 3 :] + VARIANTS[: run % 3]
             for variant in order:
-                value, client, srv = await one_run(server.url, server.pid, variant, run, plan)
+                value, client, srv = await one_run(server.admin_url, server.pid, variant, run, plan)
                 results[variant].append(value)
                 cpus[variant].append((client, srv))
                 print(

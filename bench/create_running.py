@@ -211,7 +211,7 @@ async def main() -> None:
     with sandhold_up("create") as up:
         created, deleted = await measure(up.url, count)
     with nats_server("create-floor") as server:
-        floor = await bus_floor(server.url, count)
+        floor = await bus_floor(server.admin_url, count)
     running = created["sandbox.started"]
     p50, p99 = percentile(running, 50) * 1000, percentile(running, 99) * 1000
     floor_sum = (percentile(floor, 50) + percentile(driver, 50)) * 1000

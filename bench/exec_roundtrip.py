@@ -297,7 +297,7 @@ async def main() -> None:
     with sandhold_up("exec") as up:
         totals, steps = await measure(up.url, count, up.data_dir / "hosts" / "local")
     with nats_server("exec-floor") as server:
-        floor = await bus_floor(server.url, count)
+        floor = await bus_floor(server.admin_url, count)
     p50, p99 = percentile(totals, 50) * 1000, percentile(totals, 99) * 1000
     latency = table(
         LATENCY_HEADERS,

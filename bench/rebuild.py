@@ -277,20 +277,20 @@ async def main() -> None:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[tuple[float, float, float]]] = {v: [] for v in VARIANTS}
     with nats_server("rebuild") as server:
-        total = await write_log(server.url, per_sandbox)
-        await replay(server.url, total, "count")  # warm-up: page cache
+        total = await write_log(server.admin_url, per_sandbox)
+        await replay(server.admin_url, total, "count")  # warm-up: page cache
         for run in range(rounds):
             main = VARIANTS[:4]
             order = main[run % 4 :] + main[: run % 4] + ["sandhold_per_kind"]
             for variant in order:
                 await set_subjects(
-                    server.url, SANDBOX_ONLY if variant == "sandhold_per_kind" else ALL_KINDS
+                    server.admin_url, SANDBOX_ONLY if variant == "sandhold_per_kind" else ALL_KINDS
                 )
                 with CpuMeter(server.pid) as meter:
                     if variant.startswith("sandhold"):
-                        elapsed = await rebuild(server.url, per_sandbox)
+                        elapsed = await rebuild(server.admin_url, per_sandbox)
                     else:
-                        elapsed = await replay(server.url, total, variant)
+                        elapsed = await replay(server.admin_url, total, variant)
                 times[variant].append(elapsed)
                 cpu[variant].append(
                     (meter.client, meter.others[0], meter.client_seconds / total * 1e6)
@@ -300,11 +300,11 @@ async def main() -> None:
                     f"{rate(total / elapsed)} msgs/s",
                     flush=True,
                 )
-        await set_subjects(server.url, ALL_KINDS)
+        await set_subjects(server.admin_url, ALL_KINDS)
         kept: list[Msg] = []
-        await replay(server.url, total, "keep", keep=kept)
+        await replay(server.admin_url, total, "keep", keep=kept)
         profile = cProfile.Profile()
-        profiled = await rebuild(server.url, per_sandbox, profile)
+        profiled = await rebuild(server.admin_url, per_sandbox, profile)
     gc.collect()
     gc.freeze()  # the kept messages are not the store's garbage: keep GC off them
     split = cpu_split(kept)

@@ -204,3 +204,30 @@ def test_a_task_naming_secrets_is_refused_over_http_with_the_way_to_give_them(up
     )
     assert answer.status_code == 422, answer.text
     assert "task submit --secret" in answer.json()["detail"]
+
+
+async def test_a_secret_read_from_a_file_stays_off_the_command_line(
+    up: Up, client: Client, tmp_path: Path
+):
+    value = secrets.token_hex(20)
+    token_file = tmp_path / "token.txt"
+    token_file.write_text(value + "\n")  # as an editor or `echo` leaves it
+    sandbox_id = await running_sandbox(client)
+    done = up.cli(
+        "exec", sandbox_id, "--secret-file", f"TOKEN={token_file}",
+        "--", "sh", "-c", 'printf %s "$TOKEN" | sha256sum',
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert hashlib.sha256(value.encode()).hexdigest() in done.stdout  # the newline dropped
+    for bad, says in (
+        ([f"TOKEN={tmp_path / 'absent'}"], "--secret-file TOKEN"),
+        (["TOKEN"], "NAME=PATH"),
+    ):
+        refused = up.cli("exec", sandbox_id, "--secret-file", *bad, "--", "true")
+        assert refused.returncode != 0 and says in refused.stderr, refused.stderr
+    twice = up.cli(
+        "exec", sandbox_id, "--secret", "TOKEN=a", "--secret-file", f"TOKEN={token_file}",
+        "--", "true",
+    )  # fmt: skip
+    assert twice.returncode != 0 and "given twice" in twice.stderr
+    assert files_holding(up.data_dir, value.encode()) == []

@@ -249,7 +249,7 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         return EXIT_REJECTED
     env = dict(pair.split("=", 1) for pair in args.env)
     try:
-        secrets = secrets_of(args.secret)
+        secrets = secrets_of(args.secret, args.secret_file)
     except ValueError as err:
         print(f"sandhold: {err}", file=sys.stderr)
         return EXIT_REJECTED

@@ -55,7 +55,7 @@ async def run(args: argparse.Namespace, client: Client) -> int:
         case "submit":
             try:
                 manifest = _read_manifest(args.manifest)
-                secrets = secrets_of(args.secret)
+                secrets = secrets_of(args.secret, args.secret_file)
                 # (refused before anything is sent when the secrets do not fit it)
                 view = await client.submit_task(manifest, key=args.key, secrets=secrets)
             except ValueError as err:  # ManifestError, or the secrets for the manifest

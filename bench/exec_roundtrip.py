@@ -66,11 +66,12 @@ STEPS = [
 
 
 async def measure(
-    url: str, count: int, host_root: Path
+    url: str, count: int, host_root: Path, *, watch_url: str
 ) -> tuple[list[float], dict[str, list[float]]]:
     names = Names("sh")
     client = await connect(url)
-    watcher = await nats.connect(url, name="bench-exec-watcher")
+    # As the admin: the work subjects are the hosts' and the scheduler's alone.
+    watcher = await nats.connect(watch_url, name="bench-exec-watcher")
     try:
         sandbox = await client.create_sandbox(key="bench-exec")
         await client.wait_for_phase(sandbox.id, {"running"}, timeout=60)
@@ -295,7 +296,9 @@ async def main() -> None:
         attach_rows = cgroup_attach_probe(root / "cgroup-probe")
         spawn = supervisor_spawn_probe(root / "spawn-probe")
     with sandhold_up("exec") as up:
-        totals, steps = await measure(up.url, count, up.data_dir / "hosts" / "local")
+        totals, steps = await measure(
+            up.url, count, up.data_dir / "hosts" / "local", watch_url=up.admin_url
+        )
     with nats_server("exec-floor") as server:
         floor = await bus_floor(server.admin_url, count)
     p50, p99 = percentile(totals, 50) * 1000, percentile(totals, 99) * 1000

@@ -38,7 +38,8 @@ log = logging.getLogger("sandhold.gateway.nats")
 _CALL_HEADERS = frozenset({"idempotency-key", "last-event-id", "content-type"})
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # sandhold.domain.requests.Tenant
 CALL_TIMEOUT_S = 75.0  # longer than a request's wait for its service (30 s) or a page's (30 s)
-MAX_CALLS = 256  # at once per gateway; more wait for a slot
+MAX_CALLS = 256  # at once per gateway; more wait for a slot...
+MAX_WAITING = 4 * MAX_CALLS  # ...up to this many in all, then "busy, retry" at once
 
 
 class ApiCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -61,11 +62,20 @@ _encoder = msgspec.json.Encoder()
 class NatsApi:
     """Serves `<prefix>.api.*` in a queue group: several gateways share the calls."""
 
-    def __init__(self, nc: NATS, names: Names, app: Any) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        names: Names,
+        app: Any,
+        *,
+        max_calls: int = MAX_CALLS,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
         self._nc = nc
         self._names = names
         self._app = app
-        self._slots = asyncio.Semaphore(MAX_CALLS)
+        self._slots = asyncio.Semaphore(max_calls)
+        self._max_waiting = max_waiting
         self._calls: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -79,6 +89,10 @@ class NatsApi:
     async def _on_msg(self, msg: Msg) -> None:
         if not msg.reply:
             log.warning("a call on %s without a reply subject: nobody to answer", msg.subject)
+            return
+        if len(self._calls) >= self._max_waiting:  # a flood must not grow without bound
+            busy = ProblemError("unavailable", "the gateway is busy: retry", retryable=True)
+            await msg.respond(_encoder.encode(_problem(busy, "")))
             return
         # A long poll must not hold up the calls after it: each runs on its own.
         call = asyncio.ensure_future(self._answer(msg))

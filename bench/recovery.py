@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,74 +41,11 @@ from sandhold.hostagent.driver.rootfs import SandboxFs
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from tests.e2e.harness import SANDHOLD, Up  # noqa: E402
+from tests.e2e.harness import Host, Up  # noqa: E402
 
 LEASE_TTL, FENCE_MARGIN = 5.0, 2.0
 GOAL_S = LEASE_TTL + FENCE_MARGIN + 2.0
 FILES, FILE_BYTES = 25, 4 * 1024 * 1024  # 100 MiB
-
-
-class Host:
-    """One `sandhold run host-agent` process with its own root, stopped by PID."""
-
-    def __init__(self, base: Path, url: str, host_id: str) -> None:
-        self.host_id, self.url = host_id, url
-        self.root = base / "hosts" / host_id
-        self.log = base / f"{host_id}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Host:
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    SANDHOLD,
-                    "run",
-                    "host-agent",
-                    "--nats",
-                    self.url,
-                    "--host-id",
-                    self.host_id,
-                    "--root",
-                    str(self.root),
-                    "--lease-ttl",
-                    str(LEASE_TTL),
-                ],
-                stdout=log,
-                stderr=log,
-                process_group=0,
-            )
-        return self
-
-    def sandbox_pids(self) -> list[int]:
-        """Supervisors and commands: every process working inside this host's root."""
-        marker, found = str(self.root.resolve()), []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if os.readlink(d / "cwd").startswith(marker):
-                        found.append(int(d.name))
-        return found
-
-    def fail(self) -> None:
-        """The machine is gone: the agent and its sandboxes' processes die at once."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        for pid in self.sandbox_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        for pid in self.sandbox_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 async def _live(client, host: str) -> bool:
@@ -131,7 +66,7 @@ async def one_failure(base: Path, rep: int) -> dict[str, float | str]:
     hosts: list[Host] = []
     try:
         up.start(timeout=90)
-        h1 = Host(base, up.url, "h1").start()
+        h1 = Host(up, "h1", lease_ttl=LEASE_TTL).start()
         hosts.append(h1)
         client = await connect(up.url)
         watcher = await nats.connect(up.url, name="bench-recovery-watcher")
@@ -152,7 +87,7 @@ async def one_failure(base: Path, rep: int) -> dict[str, float | str]:
             save_s = time.perf_counter() - t
             if done.state != "completed":
                 raise RuntimeError(f"save {save.id}: {done.state}")
-            h2 = Host(base, up.url, "h2").start()
+            h2 = Host(up, "h2", lease_ttl=LEASE_TTL).start()
             hosts.append(h2)
             deadline = time.monotonic() + 30
             while not await _live(client, "h2"):

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import msgspec
 from sandhold.bus import credentials
 from sandhold.hostagent.driver.cgroups import detect_cgroups, parse_mounts
+from sandhold.hostagent.driver.connections import default_root
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
 
@@ -189,6 +191,13 @@ def unmount_under(root: Path) -> None:
             subprocess.run(["umount", "-l", str(mount.target)], capture_output=True, check=False)
 
 
+def forget_connections(host_root: Path) -> None:
+    """A host's Connection files, which a killed agent leaves on the tmpfs."""
+    root, on_tmpfs = default_root(host_root)
+    if on_tmpfs:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _kill_leftovers(data_dir: Path) -> None:
     """Any process still running from this data dir (a test that failed midway)."""
     for pid in box_inits(data_dir):
@@ -207,6 +216,10 @@ def _kill_leftovers(data_dir: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid_dir.name), signal.SIGKILL)
     unmount_under(data_dir)
+    for hosts in (data_dir / "hosts", data_dir.parent / "hosts"):
+        with contextlib.suppress(OSError):
+            for host_id in os.listdir(hosts):
+                forget_connections(hosts / host_id)
 
 
 class RunLog:
@@ -299,6 +312,7 @@ class Host:
                 os.kill(pid, signal.SIGKILL)
         assert self.process is not None
         self.process.wait()
+        forget_connections(self.root)  # its memory went with it, the tmpfs included
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -313,3 +327,4 @@ class Host:
         for pid in self.sandbox_pids():
             with _gone():
                 os.kill(pid, signal.SIGKILL)
+        forget_connections(self.root)

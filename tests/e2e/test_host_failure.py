@@ -162,6 +162,29 @@ async def test_host_killed_during_a_long_command(cluster, client: Client):
     assert len(starts) == 1
 
 
+async def test_a_connection_is_delivered_again_after_recovery_on_another_host(
+    cluster, client: Client
+):
+    up, h1, h2 = cluster
+    sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
+    await client.set_connection(sandbox_id, "github", "token-1")
+    seen = await client.exec(sandbox_id, ["cat", "/run/connections/github"])
+    assert seen.stdout == b"token-1"
+    h1.fail()
+    await client.wait_for(
+        sandbox_id, lambda s: s if s.lost and s.lost.fenced else None, timeout=30, what="fenced"
+    )
+    # Set while lost: recorded, delivered with the rest wherever it comes back.
+    await client.set_connection(sandbox_id, "npm", "token-2")
+    await client.start_sandbox(sandbox_id)
+    view = await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    assert (view.host, view.generation) == ("h2", 2)
+    both = await client.exec(
+        sandbox_id, ["sh", "-c", "cat /run/connections/github /run/connections/npm"]
+    )
+    assert both.stdout == b"token-1token-2"
+
+
 async def _kept(client: Client, sandbox_id: str, command_id: str) -> bool:
     output = await client.read_output(sandbox_id, command_id)
     return output["stdout"] == b"started\n"

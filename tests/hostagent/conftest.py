@@ -30,7 +30,7 @@ from sandhold.hostagent.driver.cgroups import parse_mounts
 from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
-from tests.e2e.harness import unmount_under
+from tests.e2e.harness import forget_connections, unmount_under
 
 
 def supervisor_pids(root: Path) -> list[int]:
@@ -79,6 +79,7 @@ def reap(root: Path, host_id: str) -> None:
                 cgroups.remove(sandbox_dir.name)
         cgroups.remove_host()
     unmount_under(root)
+    forget_connections(root)
 
 
 def unified_mounts() -> list[Path]:

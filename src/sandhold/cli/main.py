@@ -226,6 +226,40 @@ async def _admin(args: argparse.Namespace, client: Client) -> int:
     return 0 if result.get("ok") else 1
 
 
+async def _connection(args: argparse.Namespace, client: Client) -> int:
+    match args.action:
+        case "set":
+            try:
+                value = _connection_value(args.from_file)
+            except ValueError as err:
+                print(f"sandhold: {err}", file=sys.stderr)
+                return EXIT_REJECTED
+            view = await client.set_connection(args.id, args.name, value, key=args.key)
+        case "rm":
+            view = await client.remove_connection(args.id, args.name, key=args.key)
+        case _:
+            view = await client.show_sandbox(args.id)
+    if args.json:
+        _print_json({"sandbox_id": view.id, "connections": view.connections,
+                     "pending": view.connections_pending})  # fmt: skip
+        return 0
+    if args.action != "ls":
+        print(f"{view.id}: Connection {args.name} {'set' if args.action == 'set' else 'removed'}")
+    for name in view.connections:
+        print(f"/run/connections/{name}")
+    if view.connections_pending:
+        print("(being delivered where it runs: commands wait for it)")
+    return 0
+
+
+def _connection_value(path: str) -> str:
+    """A Connection's value: the file's text as it is (`-`: standard input)."""
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--from-file {path}: {err} (a Connection is text)") from None
+
+
 async def _snapshot(args: argparse.Namespace, client: Client) -> int:
     save = await client.snapshot(args.id, args.name, key=args.key)
     async with progress(client, args.id):
@@ -597,6 +631,28 @@ def _build_parser() -> argparse.ArgumentParser:
         help="only chunks older than this many seconds (default: the saver's)",
     )
 
+    conn = sub.add_parser(
+        "connection", help="credentials delivered as files at /run/connections, never saved"
+    )
+    conn_actions = conn.add_subparsers(dest="action", required=True)
+    conn_set = conn_actions.add_parser(
+        "set", help="attach or replace one: delivered wherever the sandbox runs, never recorded"
+    )
+    conn_rm = conn_actions.add_parser("rm", help="remove one (its file goes at once)")
+    conn_ls = conn_actions.add_parser("ls", help="a sandbox's Connections by name")
+    for a in (conn_set, conn_rm, conn_ls):
+        a.add_argument("id")
+        if a is not conn_ls:
+            a.add_argument("name", help="the file name under /run/connections")
+            a.add_argument("--key", help="idempotency key (default: a new one)")
+        a.add_argument("--json", action="store_true")
+    conn_set.add_argument(
+        "--from-file",
+        required=True,
+        metavar="PATH",
+        help="the value: this file's text as it is (- for standard input)",
+    )
+
     snap = sub.add_parser("snapshot", help="take a named, retained save of a running sandbox")
     snap.add_argument("id")
     snap.add_argument("--name", required=True)
@@ -689,6 +745,7 @@ def main(argv: list[str] | None = None) -> None:
         "exec": _exec,
         "command": _command,
         "snapshot": _snapshot,
+        "connection": _connection,
         "admin": _admin,
         "host": _host,
         "replay": lambda a, c: audit.replay(

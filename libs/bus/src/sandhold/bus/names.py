@@ -60,6 +60,17 @@ class Names(msgspec.Struct, frozen=True):
         return f"{self.prefix}.secret.task.{task_id}"
 
     @property
+    def connections_stream(self) -> str:
+        return f"{self._stream_prefix}_CONNECTIONS"
+
+    def connection(self, sandbox_id: str, value_id: str) -> str:
+        """One Connection value of a sandbox, as one set request gave it (the scheduler's)."""
+        return f"{self.prefix}.conn.{sandbox_id}.{value_id}"
+
+    def connections_of(self, sandbox_id: str) -> str:
+        return f"{self.prefix}.conn.{sandbox_id}.*"
+
+    @property
     def all_streams(self) -> tuple[str, ...]:
         """Every stream sandhold keeps, the lease bucket's included."""
         return (
@@ -69,6 +80,7 @@ class Names(msgspec.Struct, frozen=True):
             self.hostwork_stream,
             self.saves_stream,
             self.secrets_stream,
+            self.connections_stream,
             f"KV_{self.lease_bucket}",
         )
 

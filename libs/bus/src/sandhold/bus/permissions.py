@@ -131,6 +131,10 @@ def row(
                 f"{p}.secret.cmd.*",
                 _api("DIRECT.GET", secrets, f"{p}.secret.cmd.*"),
                 _api("STREAM.PURGE", secrets),
+                # Connections' values: kept while referred to (only here)
+                f"{p}.conn.*.*",
+                _api("DIRECT.GET", names.connections_stream, f"{p}.conn.*.*"),
+                _api("STREAM.PURGE", names.connections_stream),
                 f"{p}.work.*",
                 answers,
                 *_read(ev),
@@ -182,6 +186,7 @@ def row(
             pub = [
                 f"{p}.req.sandbox.*.*",
                 f"{p}.req.command.*.*",
+                f"{p}.req.connection.*.*",
                 f"{p}.req.task.*.*",
                 *_read(ev),
                 *_read(out),

@@ -8,6 +8,10 @@ removes them once the command has started or ended. A task's
 the task and gives them to each agent step's command, until the task ends.
 Only those two may read or write them (permissions.py), the events name the
 secrets only, and the server's store is encrypted at rest.
+
+The same three calls keep Connections' values (`stream=names.connections_stream`,
+`names.connection(sandbox_id, value_id)`: `{"value": …}`), for the scheduler
+alone, as long as the sandbox refers to them (decision 031).
 """
 
 from __future__ import annotations
@@ -21,18 +25,30 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(dict[str, str])
 
 
-async def keep(js: JetStreamContext, names: Names, subject: str, values: dict[str, str]) -> None:
-    await js.publish(subject, _encoder.encode(values), stream=names.secrets_stream)
+async def keep(
+    js: JetStreamContext,
+    names: Names,
+    subject: str,
+    values: dict[str, str],
+    *,
+    stream: str | None = None,
+) -> None:
+    await js.publish(subject, _encoder.encode(values), stream=stream or names.secrets_stream)
 
 
-async def fetch(js: JetStreamContext, names: Names, subject: str) -> dict[str, str] | None:
-    """The secrets kept on `subject`, or None when they are gone (expired, removed)."""
+async def fetch(
+    js: JetStreamContext, names: Names, subject: str, *, stream: str | None = None
+) -> dict[str, str] | None:
+    """The values kept on `subject`, or None when they are gone (expired, removed)."""
     try:
-        msg = await js.get_last_msg(names.secrets_stream, subject, direct=True)
+        msg = await js.get_last_msg(stream or names.secrets_stream, subject, direct=True)
     except NotFoundError:
         return None
     return _decoder.decode(msg.data) if msg.data else None
 
 
-async def forget(js: JetStreamContext, names: Names, subject: str) -> None:
-    await js.purge_stream(names.secrets_stream, subject=subject)
+async def forget(
+    js: JetStreamContext, names: Names, subject: str, *, stream: str | None = None
+) -> None:
+    """Remove what is kept on `subject` (a wildcard removes every match)."""
+    await js.purge_stream(stream or names.secrets_stream, subject=subject)

@@ -97,6 +97,19 @@ def stream_configs(
             allow_direct=True,
             duplicate_window=duplicate_window_s,
         ),
+        # Connections' values (decision 031): one subject per set request, kept
+        # while the sandbox refers to it (no age limit), removed when replaced,
+        # removed or the sandbox deleted. Only the scheduler reads or writes it.
+        StreamConfig(
+            name=names.connections_stream,
+            subjects=[f"{p}.conn.*.*"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            duplicate_window=duplicate_window_s,
+        ),
     ]
 
 

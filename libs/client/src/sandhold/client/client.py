@@ -223,6 +223,31 @@ class Client:
         assert reply.save is not None
         return reply.save
 
+    async def set_connection(
+        self, sandbox_id: str, name: str, value: str, *, key: str | None = None
+    ) -> SandboxView:
+        """Attach (or replace) the Connection `name`: the file /run/connections/<name>
+        wherever the sandbox runs, from now on; its value is never recorded."""
+        reply = await self.send(
+            rq.SetConnection(
+                key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id, name=name,
+                value=value,
+            )
+        )  # fmt: skip
+        assert reply.sandbox is not None
+        return reply.sandbox
+
+    async def remove_connection(
+        self, sandbox_id: str, name: str, *, key: str | None = None
+    ) -> SandboxView:
+        reply = await self.send(
+            rq.RemoveConnection(
+                key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id, name=name
+            )
+        )
+        assert reply.sandbox is not None
+        return reply.sandbox
+
     async def wait_for_save(
         self, sandbox_id: str, save_id: str, *, timeout: float = 600.0
     ) -> SaveView:

@@ -64,6 +64,8 @@ class SandboxStarted(Event, tag="sandbox.started", frozen=True):
     host: str
     generation: int
     capabilities: dict[str, str] = {}
+    # The revision of the sandbox's Connections its files were written from.
+    connections_revision: int = 0
 
 
 class SandboxStartFailed(Event, tag="sandbox.start_failed", frozen=True):
@@ -151,6 +153,45 @@ class CommandEnded(Event, tag="command.ended", frozen=True):
     generation: int = 0
     output_kept: dict[str, int] = {}
     output_complete: bool = True
+
+
+# --- connections -------------------------------------------------------------
+# Named credentials delivered as files (decision 031). The log records that one
+# was set or removed, its size and where the scheduler keeps its value; never
+# the value. `revision` counts every change, so a host can say which it holds.
+
+
+class ConnectionSet(Event, tag="connection.set", frozen=True):
+    name: str
+    value_id: str  # its value's subject in the Connections stream (scheduler only)
+    size: int  # bytes
+    revision: int
+    request_key: str
+    request_digest: str
+
+
+class ConnectionRemoved(Event, tag="connection.removed", frozen=True):
+    name: str
+    revision: int
+    request_key: str
+    request_digest: str
+
+
+class ConnectionsDelivered(Event, tag="sandbox.connections_delivered", frozen=True):
+    """The host wrote the sandbox's Connections as of `revision` (all of them)."""
+
+    host: str
+    generation: int
+    revision: int
+
+
+class ConnectionsDropped(Event, tag="sandbox.connections_dropped", frozen=True):
+    """The host no longer holds the files it was given (its tmpfs was emptied:
+    a reboot, a full shutdown); the scheduler delivers them again."""
+
+    host: str
+    generation: int
+    epoch: int  # the host's, when it found them gone
 
 
 # --- saves and snapshots -----------------------------------------------------
@@ -430,6 +471,10 @@ AnyEvent = (
     | CommandStarted
     | CommandCancelRequested
     | CommandEnded
+    | ConnectionSet
+    | ConnectionRemoved
+    | ConnectionsDelivered
+    | ConnectionsDropped
     | RequestNoted
     | SaveRequested
     | SaveCaptured

@@ -38,7 +38,7 @@ def plan(
             events.append(
                 _not_launched(state, command.id, f"the sandbox was {state.phase} before it started")
             )
-        elif state.phase == "running" and host is not None:
+        elif state.phase == "running" and host is not None and state.connections_current:
             events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
 
     if state.phase in ("stopped", "failed", "deleted"):
@@ -85,6 +85,8 @@ def plan(
             disk_limit_bytes=state.disk_limit_bytes,
             restore_save_id=state.restore_save_id,
             restore_manifest_digest=state.restore_digest(),
+            connections_revision=state.connections_revision,
+            connection_value_ids=_value_ids(state),
         )
         work.append((host, start))
     elif state.phase == "stopping" and host is not None:
@@ -108,6 +110,14 @@ def plan(
         else:
             work.append((host, wk.DestroySandboxWork(sandbox_id=sid, generation=gen)))
 
+    if state.phase == "running" and host is not None and not state.connections_current:
+        deliver = wk.DeliverConnectionsWork(
+            sandbox_id=sid,
+            generation=gen,
+            revision=state.connections_revision,
+            connection_value_ids=_value_ids(state),
+        )
+        work.append((host, deliver))
     if state.phase == "running" and host is not None:
         for command in state.commands.values():
             if command.generation != gen:
@@ -118,6 +128,10 @@ def plan(
                 cancel = wk.CancelCommandWork(sandbox_id=sid, generation=gen, command_id=command.id)
                 work.append((host, cancel))
     return Plan(events, work)
+
+
+def _value_ids(state: Sandbox) -> dict[str, str]:
+    return {name: c.value_id for name, c in state.connections.items()}
 
 
 def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:

@@ -23,6 +23,8 @@ HostReport = (
     | ev.SandboxDeleted
     | ev.CommandStarted
     | ev.CommandEnded
+    | ev.ConnectionsDelivered
+    | ev.ConnectionsDropped
 )
 
 
@@ -54,6 +56,15 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
         case ev.CommandEnded():
             command = state.commands.get(report.command_id)
             news = command is not None and not command.ended
+        case ev.ConnectionsDelivered(revision=revision):
+            delivered = state.connections_delivered
+            news = state.phase in ("starting", "running") and (
+                delivered is None or revision > delivered
+            )
+        case ev.ConnectionsDropped():
+            news = (
+                state.phase in ("starting", "running") and state.connections_delivered is not None
+            )
         case ev.SaveCaptured():
             save = state.saves.get(report.save_id)
             news = save is not None and save.state == "requested"

@@ -129,6 +129,31 @@ class CancelCommand(Request, tag="command.cancel", frozen=True):
     command_id: CommandId
 
 
+# A Connection is a named credential delivered as the file
+# /run/connections/<name> (decision 031): a file name, never "." or "..".
+ConnectionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+# Text (a token, a key, a config file); the size of every Connection of a
+# sandbox together is bounded too (sandbox.MAX_CONNECTIONS_BYTES).
+ConnectionValue = Annotated[str, msgspec.Meta(max_length=65536)]
+
+
+class SetConnection(Request, tag="connection.set", frozen=True):
+    """Attach (or replace) a Connection; its value never reaches the log."""
+
+    sandbox_id: SandboxId
+    name: ConnectionName
+    value: ConnectionValue
+
+    def __repr__(self) -> str:  # never the value in a log line or a traceback
+        shown = msgspec.structs.replace(self, value="***")
+        return "SetConnection" + repr(msgspec.structs.asdict(shown))
+
+
+class RemoveConnection(Request, tag="connection.remove", frozen=True):
+    sandbox_id: SandboxId
+    name: ConnectionName
+
+
 AnyRequest = (
     CreateSandbox
     | StartSandbox
@@ -137,6 +162,8 @@ AnyRequest = (
     | SnapshotSandbox
     | RunCommand
     | CancelCommand
+    | SetConnection
+    | RemoveConnection
 )
 
 _decoder = msgspec.json.Decoder(AnyRequest)
@@ -183,6 +210,8 @@ def request_digest(request: AnyRequest) -> str:
         # The names, not the values: a digest is recorded, and a hash of a short
         # secret can be guessed. A retry with a new value is the same request.
         body["secrets"] = sorted(body["secrets"])
+    if isinstance(request, SetConnection):
+        body.pop("value")  # the same reasoning: a Connection's digest covers its name
     for name, unset in _LATER_FIELDS.items():
         if name in body and body[name] == unset:
             body.pop(name)
@@ -202,6 +231,12 @@ def save_id_for(sandbox_id: str, cause: str) -> str:
     """A save's id follows from what asked for it (a request key, or the state a
     scheduled save was decided on), so deciding twice names the same save."""
     return f"sv-{_short_hash('save', sandbox_id, cause)}"
+
+
+def connection_value_id(sandbox_id: str, key: str) -> str:
+    """Where a set request's value is kept (decision 031): one per request, so
+    values set concurrently never overwrite each other."""
+    return f"cv-{_short_hash('connection', sandbox_id, key)}"
 
 
 def command_id_for(sandbox_id: str, key: str) -> str:

@@ -61,6 +61,19 @@ class RecoveredFrom(msgspec.Struct, frozen=True, kw_only=True):
     lost_generation: int = 0
 
 
+# A sandbox's Connections travel in one host instruction (NATS's 1 MiB payload).
+MAX_CONNECTIONS = 16
+MAX_CONNECTIONS_BYTES = 128 * 1024
+
+
+class Connection(msgspec.Struct, frozen=True, kw_only=True):
+    """A Connection as the log knows it: where its value is kept, never the value."""
+
+    value_id: str
+    size: int
+    revision: int  # the revision that set it
+
+
 class Command(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     state: CommandState
@@ -122,6 +135,18 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     commands: dict[str, Command] = {}
     # idempotency key -> digest of the request body that used it
     requests: dict[str, str] = {}
+    connections: dict[str, Connection] = {}  # name -> where its value is kept
+    connections_revision: int = 0  # every set or removal counts one
+    # The revision the current placement's host wrote (None: nothing yet).
+    connections_delivered: int | None = None
+
+    @property
+    def connections_current(self) -> bool:
+        """Whether the placement's files are the Connections as they are now:
+        until they are, no command is dispatched (one queued after a `set` sees it)."""
+        return self.connections_revision == 0 or (
+            self.connections_delivered == self.connections_revision
+        )
 
     @property
     def last_completed_save(self) -> sv.SaveRecord | None:
@@ -191,6 +216,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 reason="",
                 # (logs written before the field existed: the same rule, applied here)
                 restore_save_id=event.restore_save_id or state.restore_point(),
+                connections_delivered=None,  # a new placement's host has none yet
             )
         case ev.SandboxStarting():
             return replace(state, phase="starting")
@@ -203,6 +229,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 running_since=envelope_time,
                 lost=None,
                 recovered_from=recovered,
+                connections_delivered=event.connections_revision,
             )
         case ev.SandboxLost():
             lost = LostInfo(
@@ -297,6 +324,31 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 output_complete=event.output_complete,
                 ended_at=envelope_time,
             )
+        case ev.ConnectionSet(name=name):
+            connection = Connection(
+                value_id=event.value_id, size=event.size, revision=event.revision
+            )
+            return replace(
+                state,
+                connections={**state.connections, name: connection},
+                connections_revision=event.revision,
+                requests=_remember(state, event.request_key, event.request_digest),
+            )
+        case ev.ConnectionRemoved(name=name):
+            return replace(
+                state,
+                connections={k: v for k, v in state.connections.items() if k != name},
+                connections_revision=event.revision,
+                requests=_remember(state, event.request_key, event.request_digest),
+            )
+        case ev.ConnectionsDelivered(generation=generation, revision=revision):
+            if generation != state.generation:
+                return state
+            return replace(state, connections_delivered=revision)
+        case ev.ConnectionsDropped(generation=generation):
+            if generation != state.generation:
+                return state
+            return replace(state, connections_delivered=None)
         case ev.RequestNoted(request_key=key, request_digest=digest):
             return replace(state, requests=_remember(state, key, digest))
         case ev.SaveRequested(request_key=key, request_digest=digest) if key and digest:
@@ -570,6 +622,52 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     secret_names=sorted(request.secrets),
                 )
             ]
+        case rq.SetConnection():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if seen_before(state.requests, request.key, digest):
+                return []
+            _refuse_if_deleted(state)
+            others = {n: c for n, c in state.connections.items() if n != request.name}
+            size = len(request.value.encode())
+            if len(others) >= MAX_CONNECTIONS:
+                raise Rejected(
+                    "too_many_connections",
+                    f"sandbox {state.id} has {len(others)} Connections, the most it may have; "
+                    "remove one first",
+                )
+            if size + sum(c.size for c in others.values()) > MAX_CONNECTIONS_BYTES:
+                raise Rejected(
+                    "connections_too_large",
+                    f"a sandbox's Connections may hold {MAX_CONNECTIONS_BYTES} bytes together; "
+                    f"with this one ({size} bytes) {state.id}'s would hold more",
+                )
+            return [
+                ev.ConnectionSet(
+                    name=request.name,
+                    value_id=rq.connection_value_id(state.id, request.key),
+                    size=size,
+                    revision=state.connections_revision + 1,
+                    request_key=request.key,
+                    request_digest=digest,
+                )
+            ]
+        case rq.RemoveConnection():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if seen_before(state.requests, request.key, digest):
+                return []
+            _refuse_if_deleted(state)
+            if request.name not in state.connections:
+                raise Rejected(
+                    "connection_not_found", f"sandbox {state.id} has no Connection {request.name!r}"
+                )
+            return [
+                ev.ConnectionRemoved(
+                    name=request.name,
+                    revision=state.connections_revision + 1,
+                    request_key=request.key,
+                    request_digest=digest,
+                )
+            ]
         case rq.CancelCommand():
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest):
@@ -588,6 +686,11 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             ]
         case _:
             assert_never(request)
+
+
+def _refuse_if_deleted(state: Sandbox) -> None:
+    if state.phase == "deleted" or state.delete_requested:
+        raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
 
 
 def result_of(state: Sandbox, request: rq.AnyRequest) -> Sandbox | Command | sv.SaveRecord:

@@ -74,6 +74,10 @@ class SandboxView(msgspec.Struct, kw_only=True):
     lost_host: str | None = None  # the host that failed under it
     recovery: dict[str, object] | None = None  # while lost: waiting_for_fence / fenced / ...
     recovered_from: RecoveredFrom | None = None  # the latest recovery's source
+    # Names of its Connections (files at /run/connections/<name>), never values;
+    # pending: not yet written where the sandbox runs (commands wait for it).
+    connections: list[str] = []
+    connections_pending: bool = False
 
 
 def isolation_of(s: Sandbox) -> dict[str, object]:
@@ -229,6 +233,8 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
             for r in s.saves.values()
             if r.kind == "snapshot" and r.state != "failed"
         ],
+        connections=sorted(s.connections),
+        connections_pending=s.phase in ("starting", "running") and not s.connections_current,
     )
 
 

@@ -33,6 +33,16 @@ class StartSandboxWork(HostWork, tag="start_sandbox", frozen=True):
     # from the manifest with this SHA-256 (when recorded) and no other.
     restore_save_id: str | None = None
     restore_manifest_digest: str = ""
+    # The sandbox's Connections as of `connections_revision`: where the plan
+    # says each is kept, and their values, filled in by the scheduler as it
+    # sends the work (the work queue drops the message once taken).
+    connections_revision: int = 0
+    connection_value_ids: dict[str, str] = {}
+    connections: dict[str, str] = {}
+
+    def __repr__(self) -> str:  # never a Connection's value in a log line
+        shown = msgspec.structs.replace(self, connections=dict.fromkeys(self.connections, "***"))
+        return "StartSandboxWork" + repr(msgspec.structs.asdict(shown))
 
 
 class RunCommandWork(HostWork, tag="run_command", frozen=True):
@@ -50,6 +60,22 @@ class RunCommandWork(HostWork, tag="run_command", frozen=True):
     @property
     def msg_id(self) -> str:
         return f"run_command:{self.command_id}:{self.generation}"
+
+
+class DeliverConnectionsWork(HostWork, tag="deliver_connections", frozen=True):
+    """Write the sandbox's Connections as of `revision` (the whole set: a name
+    not in it is removed); as in `StartSandboxWork`, values filled in on send."""
+
+    revision: int
+    connection_value_ids: dict[str, str] = {}
+    connections: dict[str, str] = {}
+
+    @property
+    def msg_id(self) -> str:
+        return f"deliver_connections:{self.sandbox_id}:{self.generation}:{self.revision}"
+
+    def __repr__(self) -> str:
+        return f"DeliverConnectionsWork({self.sandbox_id}, {self.generation}, {self.revision})"
 
 
 class CancelCommandWork(HostWork, tag="cancel_command", frozen=True):
@@ -88,4 +114,5 @@ AnyWork = (
     | StopSandboxWork
     | DestroySandboxWork
     | SaveSandboxWork
+    | DeliverConnectionsWork
 )

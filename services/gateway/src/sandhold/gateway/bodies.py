@@ -46,6 +46,12 @@ RunCommandBody = body_of(rq.RunCommand, "RunCommandBody")
 SnapshotBody = body_of(rq.SnapshotSandbox, "SnapshotBody")
 
 
+class ConnectionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A Connection's value (its name is in the path): never recorded, never shown."""
+
+    value: rq.ConnectionValue
+
+
 __all__ = ["EventPage", "EventRecord"]  # the SSE payload, documented with the bodies
 
 

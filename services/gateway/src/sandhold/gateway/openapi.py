@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import msgspec.inspect
+from sandhold.domain import requests as rq
 from sandhold.domain.views import CommandView, SandboxView, SaveView
 from sandhold.gateway import bodies as b
 from sandhold.gateway import web
@@ -31,6 +33,11 @@ SANDBOX = _id("sandbox_id", web.SANDBOX_ID.pattern, "the sandbox, `sb-` + 16 hex
 COMMAND = _id("command_id", web.COMMAND_ID.pattern, "the command, `cmd-` + 16 hex")
 SAVE = _id("save_id", web.SAVE_ID.pattern, "the save, `sv-` + 16 hex")
 TASK = _id("task_id", web.TASK_ID.pattern, "the task, `tk-` + 16 hex")
+CONNECTION = _id(
+    "name",
+    msgspec.inspect.type_info(rq.ConnectionName).pattern,  # type: ignore[attr-defined]
+    "the Connection's name: its file name under /run/connections",
+)
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
@@ -238,6 +245,24 @@ def paths() -> dict[str, dict[str, Any]]:
                 _json(202, SaveView, "the Snapshot, requested"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
                 body=b.SnapshotBody,
+                problems=WRITE,
+            ),
+        },
+        sandbox_path + "/connections/{name}": {
+            "put": _op(
+                "setConnection",
+                "Attach or replace a Connection: delivered at /run/connections/<name>, "
+                "never saved, never shown",
+                _json(200, SandboxView, "the sandbox (its Connections by name)"),
+                params=[SANDBOX, CONNECTION, IDEMPOTENCY_KEY],
+                body=b.ConnectionBody,
+                problems=WRITE,
+            ),
+            "delete": _op(
+                "removeConnection",
+                "Remove a Connection (its file goes from where the sandbox runs)",
+                _json(200, SandboxView, "the sandbox"),
+                params=[SANDBOX, CONNECTION, IDEMPOTENCY_KEY],
                 problems=WRITE,
             ),
         },

@@ -7,7 +7,7 @@ import contextlib
 import time
 
 import msgspec
-from litestar import Request, Response, delete, get, post
+from litestar import Request, Response, delete, get, post, put
 from litestar.params import FromPath
 from litestar.response import Stream
 from sandhold.bus import leases, ownership
@@ -225,6 +225,44 @@ def handlers(ctx: Context) -> list:
             raise ProblemError("save_not_found", f"no save {save_id} in {sandbox_id}")
         return json_response(save_view(state.id, record))
 
+    # --- connections (decision 031) ------------------------------------------------
+
+    def connection_name(value: str) -> str:
+        return b.convert(value, rq.ConnectionName)
+
+    @put("/api/v1/sandboxes/{sandbox_id:str}/connections/{name:str}", status_code=200)
+    async def set_connection(
+        request: Request, sandbox_id: FromPath[str], name: FromPath[str]
+    ) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        body = b.decode_json(await json_body(request), b.ConnectionBody)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.SetConnection(
+                    key=key,
+                    tenant=tenant,
+                    sandbox_id=sid(sandbox_id),
+                    name=connection_name(name),
+                    value=body.value,
+                )
+            )
+        )
+        return json_response(reply.sandbox)
+
+    @delete("/api/v1/sandboxes/{sandbox_id:str}/connections/{name:str}", status_code=200)
+    async def remove_connection(
+        request: Request, sandbox_id: FromPath[str], name: FromPath[str]
+    ) -> Response:
+        view = await _lifecycle(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.RemoveConnection(
+                key=k, tenant=t, sandbox_id=s, name=connection_name(name)
+            ),
+        )
+        return json_response(view)
+
     # --- commands ----------------------------------------------------------------
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/commands")
@@ -337,6 +375,8 @@ def handlers(ctx: Context) -> list:
         stop_sandbox,
         delete_sandbox,
         take_snapshot,
+        set_connection,
+        remove_connection,
         list_saves,
         list_snapshots,
         show_save,

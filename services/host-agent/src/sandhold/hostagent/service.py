@@ -116,6 +116,7 @@ class HostAgent:
             for handle in self.driver.adopt_all():
                 if self._is_current(handle.sandbox_id):
                     self._watch(handle)
+            await self._check_connections()
             shell.on_close(self._end_watchers)
             shell.spawn(self._renew_lease(), "lease renewal")
             # Work given up on is dropped: the scheduler sends again what state calls for.
@@ -250,6 +251,9 @@ class HostAgent:
         for sandbox_id in self.driver.layout.sandbox_ids():
             with contextlib.suppress(Exception):
                 await self.driver.stop_sandbox(sandbox_id, grace=0.0)
+            # Wherever they are recovered, they are delivered anew; none stay here.
+            with contextlib.suppress(Exception):
+                await self.driver.remove_connections(sandbox_id)
 
     async def _come_back(self) -> None:
         """Reachable again: a new epoch, then drop the copies that now belong to
@@ -276,6 +280,24 @@ class HostAgent:
             and state.generation == self._local_generation(sandbox_id)
             and state.phase not in ("lost", "recovering", "deleted")
         )
+
+    async def _check_connections(self) -> None:
+        """Connections live on a tmpfs: after a reboot (or a full shutdown, which
+        removes them) a sandbox still placed here has none. Say so, and the
+        scheduler delivers them again before its next command runs."""
+        for sandbox_id in self.driver.layout.sandbox_ids():
+            state, _ = self.sandboxes.get(sandbox_id)
+            if not self._is_current(sandbox_id) or state is None:
+                continue
+            if state.connections_delivered is None or state.phase != "running":
+                continue
+            if self.driver.connection_names(sandbox_id) == sorted(state.connections):
+                continue
+            dropped = ev.ConnectionsDropped(
+                host=self.host_id, generation=state.generation, epoch=self.epoch
+            )
+            with contextlib.suppress(Rejected):
+                await self._report(sandbox_id, dropped, f"{self.host_id}:start:{self.epoch}")
 
     async def _drop_stale_copies(self) -> None:
         for sandbox_id in self.driver.layout.sandbox_ids():
@@ -368,6 +390,8 @@ class HostAgent:
                         await self.saving.restore_workspace(
                             sid, work.restore_save_id, work.restore_manifest_digest
                         )
+                    # Before the box, which binds them: its first command finds them.
+                    await self.driver.deliver_connections(sid, work.connections)
                     await self.driver.create_sandbox(
                         sid,
                         work.memory_limit_bytes,
@@ -381,7 +405,12 @@ class HostAgent:
                     await self._report(sid, failed, work.msg_id)
                     return
                 capabilities = {k: str(v) for k, v in self.driver.sandbox_capabilities(sid).items()}
-                started = ev.SandboxStarted(host=me, generation=gen, capabilities=capabilities)
+                started = ev.SandboxStarted(
+                    host=me,
+                    generation=gen,
+                    capabilities=capabilities,
+                    connections_revision=work.connections_revision,
+                )
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
                 state = await self._current(work, lambda s: work.command_id in s.commands)
@@ -391,6 +420,11 @@ class HostAgent:
                 await self._launch(work)
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
+            case wk.DeliverConnectionsWork():
+                await self._current(work, lambda s: s.connections_revision >= work.revision)
+                await self.driver.deliver_connections(sid, work.connections)
+                delivered = ev.ConnectionsDelivered(host=me, generation=gen, revision=work.revision)
+                await self._report(sid, delivered, work.msg_id)
             case wk.StopSandboxWork():
                 final_id = work.final_save_id
                 state = await self._current(work, lambda s: final_id is None or final_id in s.saves)
@@ -399,6 +433,7 @@ class HostAgent:
                 final = state.saves.get(work.final_save_id) if work.final_save_id else None
                 if final is not None and final.state == "requested":
                     await self._final_save(work)
+                await self.driver.remove_connections(sid)  # delivered anew at its next start
                 await self._report(sid, ev.SandboxStopped(host=me, generation=gen), work.msg_id)
             case wk.SaveSandboxWork():
                 state = await self._current(work, lambda s: work.save_id in s.saves)
@@ -602,6 +637,7 @@ class HostAgent:
             *(set(self.driver.layout.sandbox_ids()) - with_commands),
         ]:
             await self.driver.stop_sandbox(sandbox_id)
+            await self.driver.remove_connections(sandbox_id)  # given again at the next start
         if self._watchers:
             await asyncio.wait(list(self._watchers.values()), timeout=30)
 
@@ -610,9 +646,14 @@ _PHASES_FOR: dict[type, frozenset[str]] = {
     wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),
     wk.RunCommandWork: frozenset({"running"}),
     wk.SaveSandboxWork: frozenset({"running"}),
+    wk.DeliverConnectionsWork: frozenset({"running"}),
 }
 
 
 def _report_key(report: HostReport) -> str:
+    if isinstance(report, ev.ConnectionsDelivered):
+        return f"{report.revision}:{report.generation}"
+    if isinstance(report, ev.ConnectionsDropped):
+        return f"{report.epoch}:{report.generation}"
     subject = getattr(report, "command_id", None) or getattr(report, "save_id", None)
     return f"{subject}:{report.generation}" if subject else str(report.generation)

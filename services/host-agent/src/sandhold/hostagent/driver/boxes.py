@@ -9,6 +9,7 @@ whom, what the host enforces. See ``box.py`` (the namespaces), ``joining.py``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -23,12 +24,14 @@ from typing import Any, Literal
 from sandhold.hostagent.driver import disk
 from sandhold.hostagent.driver.box import (
     BOX_MODULE,
+    CONNECTIONS_INSIDE,
     SLIRP4NETNS,
     BoxSpec,
     BoxState,
     read_state,
 )
 from sandhold.hostagent.driver.cgroups import Cgroups
+from sandhold.hostagent.driver.connections import ConnectionFiles
 from sandhold.hostagent.driver.joining import BoxTarget
 from sandhold.hostagent.driver.layout import HostLayout
 from sandhold.hostagent.driver.rootfs import (
@@ -105,12 +108,14 @@ class Boxes:
         cgroups: Cgroups,
         image_roots: list[Path],
         starter: Callable[[Path], str | None] | None = None,
+        connections: ConnectionFiles | None = None,
     ) -> None:
         """``starter`` starts a box from a spec file (the zygote's fork, see pool.py)
         and returns what the starter said, or None when it cannot (then a new
         interpreter is started)."""
         self.layout = layout
         self._starter = starter
+        self.connections = connections
         self.image_roots = image_roots
         self.host_id = host_id
         self.cgroups = cgroups
@@ -286,6 +291,10 @@ class Boxes:
         spec = self._spec(
             sandbox_id, self.fs(sandbox_id), directory, offset, settings, cgroup.procs
         )
+        if self.connections is not None:
+            # Made before the box, which binds it; filled now or later (delivery).
+            conn = await asyncio.to_thread(self.connections.prepare, sandbox_id, offset)
+            spec = dataclasses.replace(spec, connections=str(conn))
         return await self._start_box(spec, directory)
 
     def _spec(
@@ -349,7 +358,14 @@ class Boxes:
 def command_env(user: User, env: dict[str, str], path: str) -> dict[str, str]:
     home = "/root" if user == "root" else USER_HOME
     name = "root" if user == "root" else "sandbox"
-    return {"PATH": path, "HOME": home, "USER": name, "LOGNAME": name, **env}
+    return {
+        "PATH": path,
+        "HOME": home,
+        "USER": name,
+        "LOGNAME": name,
+        "SANDHOLD_CONNECTIONS": CONNECTIONS_INSIDE,
+        **env,
+    }
 
 
 def command_cwd(cwd: str | None) -> str:

@@ -25,6 +25,7 @@ from sandhold.hostagent.driver.boxes import (
     command_env,
 )
 from sandhold.hostagent.driver.cgroups import CgroupError, Cgroups, detect_cgroups
+from sandhold.hostagent.driver.connections import ConnectionFiles, default_root
 from sandhold.hostagent.driver.handle import CommandHandle
 from sandhold.hostagent.driver.layout import HostLayout, check_id
 from sandhold.hostagent.driver.pool import (
@@ -96,8 +97,13 @@ class ProcessDriver:
         poll_interval_s: float = 0.05,
         isolation: Isolation = "namespaces",
         image_roots: list[Path] | None = None,
+        connections_root: Path | None = None,
     ) -> None:
         self.layout = HostLayout(Path(root))
+        on_tmpfs = True
+        if connections_root is None:
+            connections_root, on_tmpfs = default_root(Path(root))
+        self.connections = ConnectionFiles(connections_root, on_tmpfs=on_tmpfs)
         self.host_id = check_id("host id", host_id)
         self.cgroups = cgroups if cgroups is not None else detect_cgroups(host_id)
         self._pool = SupervisorPool(self.layout.root, warm)
@@ -113,6 +119,7 @@ class ProcessDriver:
                 self.cgroups,
                 image_roots if image_roots is not None else [Path(root).parent.parent / "images"],
                 starter=self._pool.start_box,
+                connections=self.connections,
             )
             if isolation == "namespaces"
             else None
@@ -166,12 +173,15 @@ class ProcessDriver:
             # A file system per sandbox (disk.py): namespaced sandboxes only.
             "disk_quota": False,
             "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
+            "connections": "tmpfs" if self.connections.on_tmpfs else "disk",
         }
         if self.boxes is not None:
             isolation = self.boxes.capabilities()
             message = isolation.pop("message_isolation")
             if not (self.cgroups.enforces_memory_limit and self.cgroups.can_freeze):
                 message += f"; {self.cgroups.message}"
+            if (problem := self.connections.problem) is not None:
+                message += f"; {problem}"
             limits["disk_quota"] = isolation.pop("disk_quota")
             return {**isolation, **limits, "tmp_isolation": True, "message": message}
         degraded = ["UNISOLATED process driver (development only): commands run as the host's root"]
@@ -179,6 +189,8 @@ class ProcessDriver:
             degraded.append(self.cgroups.message)
         if not tmp_ok:
             degraded.append(f"/tmp is shared with the host: {tmp_detail}")
+        if (problem := self.connections.problem) is not None:
+            degraded.append(problem)
         return {
             "driver": "process",
             "user": "host-root",
@@ -285,6 +297,20 @@ class ProcessDriver:
             # Unmounted first: rmtree must not empty the disk and then stop at its mount.
             await asyncio.to_thread(self.boxes.unmount_disk, sandbox_id)
         await asyncio.to_thread(shutil.rmtree, sandbox_dir, ignore_errors=True)
+        await asyncio.to_thread(self.connections.remove, sandbox_id)
+
+    async def deliver_connections(self, sandbox_id: str, values: dict[str, str]) -> None:
+        """Make the sandbox's Connection files exactly `values` (name -> text),
+        readable by the sandbox's users and by no other user of this host."""
+        owner = self.id_offset(sandbox_id)
+        await asyncio.to_thread(self.connections.write, sandbox_id, values, owner)
+
+    def connection_names(self, sandbox_id: str) -> list[str]:
+        """The names of the Connection files this host holds for the sandbox."""
+        return self.connections.names(sandbox_id)
+
+    async def remove_connections(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self.connections.remove, sandbox_id)
 
     async def stop_sandbox(
         self, sandbox_id: str, grace: float = DEFAULT_KILL_GRACE_S
@@ -428,7 +454,13 @@ class ProcessDriver:
         if self.boxes is None:
             return _Placement(
                 cwd=str(workspace / cwd) if cwd else str(workspace),
-                env={"PATH": DEFAULT_PATH, "HOME": str(workspace), **env},
+                env={
+                    "PATH": DEFAULT_PATH,
+                    "HOME": str(workspace),
+                    # no /run/connections without a mount namespace: the host's copy
+                    "SANDHOLD_CONNECTIONS": str(self.connections.directory(handle.sandbox_id)),
+                    **env,
+                },
                 box=None,
                 keep_visible=[str(workspace)],
             )

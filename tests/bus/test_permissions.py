@@ -246,6 +246,27 @@ async def test_no_one_but_the_scheduler_reads_or_writes_commands_secrets(
         await someone.refused(someone.js.consumer_info(NAMES.secrets_stream, "any"), "SH_SECRETS")
 
 
+@pytest.mark.parametrize("user", ["host-h1", "gateway", "operator", "saver", "tenant-acme"])
+async def test_no_one_but_the_scheduler_reads_writes_or_purges_connection_values(
+    server: NatsServer, user: str
+):
+    """The host gets a sandbox's values in its work, never from the store."""
+    subject = "sh.conn.sb-0123456789abcdef.cv-0123456789abcdef"
+    async with as_user(server, "scheduler") as scheduler:
+        await scheduler.js.publish(subject, b'{"value": "v"}', stream=NAMES.connections_stream)
+        kept = await scheduler.js.get_last_msg(NAMES.connections_stream, subject, direct=True)
+        assert kept.data == b'{"value": "v"}'
+    async with as_user(server, user) as someone:
+        await someone.refused(
+            someone.js.get_last_msg(NAMES.connections_stream, subject, direct=True),
+            f"DIRECT.GET.SH_CONNECTIONS.{subject}",
+        )
+        await someone.refused(someone.nc.publish(subject, b"{}"), f'"{subject}"')
+        await someone.refused(
+            someone.js.purge_stream(NAMES.connections_stream), "STREAM.PURGE.SH_CONNECTIONS"
+        )
+
+
 def test_docs_security_shows_the_permission_table_of_the_code():
     from sandhold.bus.permissions import table
 

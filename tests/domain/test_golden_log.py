@@ -300,3 +300,15 @@ def test_v3_a_host_failure_and_its_recovery_replay() -> None:
     assert (command.state, command.output_complete) == ("infrastructure_lost", False)
     host = fold(evolve_host, (e for e in envelopes if e.aggregate_id == "host-a"), None)
     assert host is not None and (host.status, host.fence_at) == ("fenced", 1700000207.0)
+
+
+def test_v4_connections_set_delivered_dropped_and_removed_replay() -> None:
+    lines = (GOLDEN.parent / "sandbox_v4.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and sandbox.phase == "running"
+    assert list(sandbox.connections) == ["github"]
+    assert sandbox.connections["github"].size == 16
+    assert (sandbox.connections_revision, sandbox.connections_delivered) == (3, 3)
+    assert {"v4-set-github", "v4-set-npm", "v4-rm-npm"} <= set(sandbox.requests)
+    assert b"never-in-the-log" not in b"".join(lines)

@@ -1,4 +1,7 @@
-"""`Follower`: the one way the log is read in order — replay, catch-up, live, resume."""
+"""`Follower`: the one way the log is read in order — replay, catch-up, live, resume.
+
+Most of these read the output stream: the event log asks more of its messages
+(the fence header, the last tests here), and these are about the reading."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import asyncio
 import nats
 import nats.errors
 from nats.aio.msg import Msg
-from sandhold.bus.follow import Follower, pull_batches
+from sandhold.bus.follow import FENCE_HEADER, Follower, pull_batches
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer, free_port
 from sandhold.bus.service import connect
@@ -22,7 +25,7 @@ def _number(data: bytes) -> int:
 
 async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS, names: Names):
     js = nc.jetstream()
-    subject = names.events("sandbox", "sb-1")
+    subject = names.output("sb-1", "c")
     for n in range(50):
         await js.publish(subject, str(n).encode())
     seen: list[tuple[int, int]] = []
@@ -31,7 +34,7 @@ async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS
     def handle(seq: int, _msg: Msg, value: int) -> None:
         seen.append((seq, value))
 
-    follower = Follower(js, names.events_stream, names.events("sandbox", ">"), int, handle)
+    follower = Follower(js, names.output_stream, f"{names.prefix}.out.>", int, handle)
     try:
         await follower.start(timeout=10)
         at_catch_up.append(len(seen))
@@ -48,12 +51,12 @@ async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS
 
 async def test_it_starts_from_a_sequence(nc: nats.NATS, names: Names):
     js = nc.jetstream()
-    acks = [await js.publish(names.events("task", "t-1"), str(n).encode()) for n in range(5)]
+    acks = [await js.publish(names.output("t-1", "c"), str(n).encode()) for n in range(5)]
     seen: list[int] = []
     follower = Follower(
         js,
-        names.events_stream,
-        names.events("task", ">"),
+        names.output_stream,
+        f"{names.prefix}.out.>",
         int,
         lambda _seq, _msg, value: seen.append(value),
         start_seq=acks[3].seq,
@@ -67,7 +70,7 @@ async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted
     nc: nats.NATS, names: Names
 ):
     js = nc.jetstream()
-    subject = names.events("sandbox", "sb-2")
+    subject = names.output("sb-2", "c")
     import msgspec
 
     def decode(data: bytes) -> int:
@@ -84,7 +87,7 @@ async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted
 
     for payload in (b"1", b"junk", b"13", b"2", b"junk"):
         await js.publish(subject, payload)
-    follower = Follower(js, names.events_stream, subject, decode, handle)
+    follower = Follower(js, names.output_stream, subject, decode, handle)
     await follower.start(timeout=10)  # the last message is undecodable: catching up still ends
     await follower.stop()
     assert handled == [1, 2]
@@ -101,10 +104,10 @@ async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
     try:
         js = conn.jetstream()
         await ensure_streams(js, names)
-        subject = names.events("sandbox", "sb-3")
+        subject = names.output("sb-3", "c")
         for n in range(3):
             await js.publish(subject, str(n).encode())
-        follower = Follower(js, names.events_stream, subject, int, lambda _s, _m, v: seen.append(v))
+        follower = Follower(js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v))
         await follower.start(timeout=10)
         server.kill()
         server.start()
@@ -137,9 +140,9 @@ async def test_pull_batches_reads_after_a_sequence_in_batches_then_says_when_it_
     nc: nats.NATS, names: Names
 ):
     js = nc.jetstream()
-    subject = names.events("sandbox", "sb-p1")
+    subject = names.output("sb-p1", "c")
     acks = [await js.publish(subject, str(n).encode()) for n in range(10)]
-    batches = pull_batches(js, names.events_stream, subject, after=acks[2].seq, batch=3, idle_s=0.3)
+    batches = pull_batches(js, names.output_stream, subject, after=acks[2].seq, batch=3, idle_s=0.3)
     got: list[list[int]] = []
     sequences: list[int] = []
     try:
@@ -156,11 +159,11 @@ async def test_pull_batches_reads_after_a_sequence_in_batches_then_says_when_it_
 
 async def test_pull_batches_takes_fewer_big_messages_at_a_time(nc: nats.NATS, names: Names):
     js = nc.jetstream()
-    subject = names.events("sandbox", "sb-p2")
+    subject = names.output("sb-p2", "c")
     for n in range(20):
         await js.publish(subject, str(n % 10).encode() * 10_000)  # 10 KB each
     batches = pull_batches(
-        js, names.events_stream, subject, after=0, batch=8, batch_bytes=25_000, idle_s=0.3
+        js, names.output_stream, subject, after=0, batch=8, batch_bytes=25_000, idle_s=0.3
     )
     sizes: list[int] = []
     try:
@@ -178,16 +181,16 @@ async def test_pull_batches_resumes_after_its_consumer_goes_away(nc: nats.NATS, 
     """A consumer removed under the reader (the server's idle clean-up, an
     operator) is made again after the last sequence handed out."""
     js = nc.jetstream()
-    subject = names.events("sandbox", "sb-p3")
+    subject = names.output("sb-p3", "c")
     for n in range(3):
         await js.publish(subject, str(n).encode())
-    batches = pull_batches(js, names.events_stream, subject, after=0, batch=10, idle_s=0.3)
+    batches = pull_batches(js, names.output_stream, subject, after=0, batch=10, idle_s=0.3)
     seen: list[int] = []
     try:
         first = await anext(batches)
         seen += [int(m.data) for _, m in first]
-        [info] = [c async for c in _consumers(js, names.events_stream)]
-        await js.delete_consumer(names.events_stream, info)
+        [info] = [c async for c in _consumers(js, names.output_stream)]
+        await js.delete_consumer(names.output_stream, info)
         for n in range(3, 6):
             await js.publish(subject, str(n).encode())
         async with asyncio.timeout(30):
@@ -196,9 +199,37 @@ async def test_pull_batches_resumes_after_its_consumer_goes_away(nc: nats.NATS, 
     finally:
         await batches.aclose()
     assert seen == list(range(6))  # nothing twice, nothing skipped
-    assert [c async for c in _consumers(js, names.events_stream)] == []  # closed, removed
+    assert [c async for c in _consumers(js, names.output_stream)] == []  # closed, removed
 
 
 async def _consumers(js, stream: str):
     for info in await js.consumers_info(stream):
         yield info.name
+
+
+# --- the event log: only what was appended behind the fence is an event --------------------
+
+
+async def test_a_message_on_the_event_log_without_the_fence_header_is_never_an_event(
+    nc: nats.NATS, names: Names
+):
+    js = nc.jetstream()
+    subject = names.events("sandbox", "sb-0000000000000009")
+    await js.publish(subject, b"1", headers={FENCE_HEADER: "0"})  # appended the one way
+    await js.publish(subject, b"2")  # a raw publish: no fence
+    last = await js.publish(subject, b"3", headers={FENCE_HEADER: "2"})
+    seen: list[int] = []
+    follower = Follower(
+        js, names.events_stream, subject, int, lambda _s, _m, value: seen.append(value)
+    )
+    await follower.start(timeout=10)
+    await follower.stop()
+    assert seen == [1, 3]
+    assert (follower.unfenced, follower.position) == (1, last.seq)
+
+    batches = pull_batches(js, names.events_stream, subject, after=0, batch=10, idle_s=0.3)
+    try:
+        got = await anext(batches)
+    finally:
+        await batches.aclose()
+    assert [int(m.data) for _, m in got] == [1, 3]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 
+import httpx
 import msgspec
+from sandhold.client import Client
 
 from tests.e2e.harness import SANDHOLD, Up
 from tests.support.forging import publish_refused
@@ -112,6 +114,7 @@ async def test_events_tail_follows_stored_events_only(up: Up):
 
 async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
     import nats
+    from sandhold.bus.follow import FENCE_HEADER
     from sandhold.bus.names import Names
 
     names = Names(up.runtime["prefix"])
@@ -123,8 +126,11 @@ async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
     }  # fmt: skip
     nc = await nats.connect(up.admin_url)
     try:
+        # Appended the one way (a newer version would): behind the fence.
         await nc.jetstream().publish(
-            names.events("sandbox", sandbox_id), msgspec.json.encode(future)
+            names.events("sandbox", sandbox_id),
+            msgspec.json.encode(future),
+            headers={FENCE_HEADER: "0"},
         )
     finally:
         await nc.close()
@@ -134,3 +140,43 @@ async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
     assert (line["type"], line["event"]["to"], line["actor"]) == (
         "sandbox.teleported", "mars", "a-newer-version",
     )  # fmt: skip
+
+
+async def test_a_forged_event_without_the_fence_is_stored_but_never_believed(
+    up: Up, client: Client
+):
+    """A host-agent's credential may append to sandbox subjects; one that skips
+    the fence (a raw publish of a well-formed `sandbox.deleted`) gets its
+    message stored, and no reader takes it for history: not the scheduler,
+    not a client's fold, not the gateway, not `audit export`."""
+    import nats
+    from sandhold.bus.permissions import inbox_prefix
+
+    sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    forged = {
+        "id": "forged:0", "aggregate_id": sandbox_id, "time": 1.0, "actor": "host-agent:local",
+        "causation_id": "c", "correlation_id": "c",
+        "event": {"type": "sandbox.deleted", "host": "local", "generation": 1},
+    }  # fmt: skip
+    nc = await nats.connect(up.url_as("host-local"), inbox_prefix=inbox_prefix("host-local"))
+    try:
+        ack = await nc.jetstream().publish(
+            client.names.events("sandbox", sandbox_id), msgspec.json.encode(forged)
+        )
+        assert ack.seq > 0  # the stream took it: permissions allow the subject
+    finally:
+        await nc.close()
+    assert (await client.show_sandbox(sandbox_id)).phase == "running"
+    ran = up.cli("exec", sandbox_id, "--", "true")  # the scheduler did not believe it either
+    assert ran.returncode == 0, ran.stderr
+    exported = up.cli("audit", "export", "--sandbox", sandbox_id)
+    assert exported.returncode == 0 and "forged:0" not in exported.stdout
+    assert "sandbox.created" in exported.stdout
+    token = up.cli("token", "create", "--tenant", "default")
+    assert token.returncode == 0, token.stderr
+    shown = httpx.get(
+        f"{up.gateway_url}/api/v1/sandboxes/{sandbox_id}",
+        headers={"Authorization": f"Bearer {token.stdout.strip()}"},
+        timeout=30,
+    )
+    assert shown.status_code == 200 and shown.json()["phase"] == "running", shown.text

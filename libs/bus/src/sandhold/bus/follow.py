@@ -14,6 +14,12 @@ the handler once, in stream order, with its sequence and its decoded value.
   (`undecodable`), never fatal; a handler that raises is logged and counted
   the same way. The position moves on either way, so catching up always ends.
 
+* Fenced: on the event log (`fence_required`) a message stored without the
+  fence header (`Nats-Expected-Last-Subject-Sequence`, which every append
+  carries) was not appended the one way, behind the single-writer fence: it is
+  skipped, logged and counted (`unfenced`), never read as an event. The stream
+  keeps whatever a publisher sent; what the readers take for history does not.
+
 `pull_batches` is the same log read for a reader that sets the pace (an SSE
 client behind a slow socket, a read model committing to SQLite): the next
 batch is fetched only when the reader asks for it, so a reader that falls
@@ -32,10 +38,38 @@ from typing import Generic, TypeVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from sandhold.bus.append import last_sequence
 
 log = logging.getLogger(__name__)
+
+FENCE_HEADER = Header.EXPECTED_LAST_SUBJECT_SEQUENCE
+
+
+def fence_required(stream: str) -> bool:
+    """Whether every message of `stream` must carry the fence header: the event
+    log's (`<PREFIX>_EVENTS`, `Names.events_stream`), whoever reads it."""
+    return stream.endswith("_EVENTS")
+
+
+def fenced(msg: Msg) -> bool:
+    """Whether the message was appended with an expected last subject sequence
+    (JetStream stored it only because that sequence was right at the time)."""
+    return has_fence(msg.headers)
+
+
+def has_fence(headers: dict[str, str] | None) -> bool:
+    """The same, for a message read with a direct get (its headers)."""
+    return headers is not None and FENCE_HEADER in headers
+
+
+def _skip_unfenced(msg: Msg, seq: int, what: str) -> None:
+    log.error(
+        "%s at %s seq %d was stored without the fence header: not an event, skipped",
+        what,
+        msg.subject,
+        seq,
+    )
 
 T = TypeVar("T")
 # (stream sequence, the message, its decoded value)
@@ -67,7 +101,9 @@ class Follower(Generic[T]):
         self.what = what
         self.position = start_seq - 1  # the last sequence handled (or skipped)
         self.undecodable = 0
+        self.unfenced = 0
         self.failed = 0
+        self._require_fence = fence_required(stream)
         self.caught_up = asyncio.Event()
         self._target = 0
         self._sub: JetStreamContext.PushSubscription | None = None
@@ -108,6 +144,11 @@ class Follower(Generic[T]):
         seq = stream_sequence(msg)
         if seq <= self.position:
             return  # a consumer recreated a step behind: already handled
+        if self._require_fence and not fenced(msg):
+            self.unfenced += 1
+            _skip_unfenced(msg, seq, self.what)
+            self._passed(seq)
+            return
         try:
             value = self._decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -119,6 +160,9 @@ class Follower(Generic[T]):
             except Exception:
                 self.failed += 1
                 log.exception("%s at %s seq %d could not be handled", self.what, msg.subject, seq)
+        self._passed(seq)
+
+    def _passed(self, seq: int) -> None:
         self.position = seq
         if seq >= self._target:
             self.caught_up.set()
@@ -181,6 +225,7 @@ async def pull_batches(
     position = after
     size = batch
     delay = 0.5
+    require_fence = fence_required(stream)
     while True:
         consumer = f"pull-{uuid.uuid4().hex}"
         sub = None
@@ -211,9 +256,17 @@ async def pull_batches(
                     got = sum(len(m.data) for m in msgs)
                     size = max(1, min(batch, batch_bytes * len(msgs) // max(1, got)))
                 fresh = [(seq, m) for m in msgs if (seq := stream_sequence(m)) > position]
+                if not fresh:
+                    continue
+                last = fresh[-1][0]
+                if require_fence:
+                    for seq, m in fresh:
+                        if not fenced(m):
+                            _skip_unfenced(m, seq, what)
+                    fresh = [(seq, m) for seq, m in fresh if fenced(m)]
                 if fresh:
                     yield fresh
-                    position = fresh[-1][0]
+                position = last
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - a lost consumer is made again

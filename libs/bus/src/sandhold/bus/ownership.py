@@ -12,6 +12,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.follow import has_fence
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 
@@ -19,21 +20,30 @@ from sandhold.domain import events as ev
 async def first_event(
     js: JetStreamContext, names: Names, kind: str, aggregate_id: str
 ) -> ev.AnyEvent | None:
-    """The aggregate's first event (its creation), or None."""
-    try:
-        msg = await js.get_msg(
-            names.events_stream,
-            seq=1,
-            subject=names.events(kind, aggregate_id),
-            next=True,
-            direct=True,
-        )
-    except NotFoundError:
-        return None
-    try:
-        return decode_envelope(msg.data or b"").event
-    except msgspec.DecodeError:
-        return None
+    """The aggregate's first event (its creation), or None. Messages stored without
+    the fence are passed over, as every reader does (follow.py)."""
+    seq = 1
+    for _ in range(_LOOK_PAST):
+        try:
+            msg = await js.get_msg(
+                names.events_stream,
+                seq=seq,
+                subject=names.events(kind, aggregate_id),
+                next=True,
+                direct=True,
+            )
+        except NotFoundError:
+            return None
+        if has_fence(msg.headers):
+            try:
+                return decode_envelope(msg.data or b"").event
+            except msgspec.DecodeError:
+                return None
+        seq = (msg.seq or seq) + 1
+    return None
+
+
+_LOOK_PAST = 16  # unfenced messages in front of a creation: more is not worth reading
 
 
 async def tenant_of(js: JetStreamContext, names: Names, kind: str, aggregate_id: str) -> str | None:

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from sandhold.bus.append import WrongSequence, append, last_sequence
 from sandhold.bus.codec import decode_envelope
-from sandhold.bus.follow import Follower, stream_sequence  # noqa: F401 - re-exported
+from sandhold.bus.follow import Follower, has_fence, stream_sequence  # noqa: F401 - re-exported
 from sandhold.bus.names import Names
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import InfraError, Rejected
@@ -132,11 +132,11 @@ class AggregateStore(Generic[S]):
                 )
             except NotFoundError:
                 break
+            # A message stored without the fence is not an event (follow.py): passed
+            # over, so the next append still expects the subject's real last sequence.
+            believed = [decode_envelope(raw.data or b"")] if has_fence(raw.headers) else []
             self._apply(
-                aggregate_id,
-                raw.seq or 0,
-                [decode_envelope(raw.data or b"")],
-                (raw.headers or {}).get(context.TRACEPARENT),
+                aggregate_id, raw.seq or 0, believed, (raw.headers or {}).get(context.TRACEPARENT)
             )
         return self.get(aggregate_id)
 

@@ -23,6 +23,7 @@ from sandhold.domain import requests as rq
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Host, Up
+from tests.support.waiting import wait_until
 
 
 def files_holding(root: Path, needle: bytes) -> list[Path]:
@@ -192,7 +193,7 @@ def test_a_tasks_secrets_reach_each_agent_step_and_are_recorded_by_name_only(
     assert files_holding(up.data_dir, value.encode()) == []
 
 
-def test_a_task_naming_secrets_is_refused_over_http_with_the_way_to_give_them(up: Up):
+def test_a_task_naming_secrets_without_values_is_refused_over_http_saying_how(up: Up):
     made = up.cli("token", "create", "--tenant", "acme")
     assert made.returncode == 0, made.stderr
     body = {"name": "s", "secrets": ["T"], "agent": {"command": ["true"]}}
@@ -203,7 +204,51 @@ def test_a_task_naming_secrets_is_refused_over_http_with_the_way_to_give_them(up
         timeout=30,
     )
     assert answer.status_code == 422, answer.text
-    assert "task submit --secret" in answer.json()["detail"]
+    assert "as an object" in answer.json()["detail"]
+    bad = httpx.post(
+        f"{up.gateway_url}/api/v1/tasks",
+        json={**body, "secrets": {"T": 7}},
+        headers={"Authorization": f"Bearer {made.stdout.strip()}"},
+        timeout=30,
+    )
+    assert bad.status_code == 422, bad.text
+
+
+async def test_a_task_given_secrets_over_http_runs_with_them_and_keeps_no_trace(up: Up):
+    made = up.cli("token", "create", "--tenant", "acme")
+    assert made.returncode == 0, made.stderr
+    auth = {"Authorization": f"Bearer {made.stdout.strip()}"}
+    value = f"http-{secrets.token_hex(16)}"
+    manifest = (
+        "name: with-a-secret\n"
+        "secrets:\n"
+        f"  API_TOKEN: {value}\n"
+        "agent:\n"
+        "  command: [sh, -c, 'printf %s \"$API_TOKEN\" | sha256sum']\n"
+    )
+    sent = httpx.post(
+        f"{up.gateway_url}/api/v1/tasks",
+        content=manifest,
+        headers={**auth, "Content-Type": "application/yaml"},
+        timeout=30,
+    )
+    assert sent.status_code == 202, sent.text
+    assert value not in sent.text
+    task_id = sent.json()["id"]
+
+    def ended() -> dict | None:
+        shown = httpx.get(f"{up.gateway_url}/api/v1/tasks/{task_id}", headers=auth, timeout=30)
+        body = shown.json()
+        return body if body["state"] in ("completed", "failed", "cancelled", "timed_out") else None
+
+    task = await wait_until(ended, timeout=120, interval=0.2, what="the task to end")
+    assert task["state"] == "completed", task
+    exported = up.cli("audit", "export")
+    assert exported.returncode == 0 and '"API_TOKEN"' in exported.stdout
+    digest = hashlib.sha256(value.encode()).hexdigest()
+    assert digest in exported.stdout  # the step's output: the value arrived, whole
+    assert value not in exported.stdout
+    assert files_holding(up.data_dir, value.encode()) == []
 
 
 async def test_a_secret_read_from_a_file_stays_off_the_command_line(

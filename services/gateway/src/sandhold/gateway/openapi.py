@@ -475,8 +475,9 @@ def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
         "A task. Rules across fields that a schema cannot state, each refused with 422: "
         "`hang.cancel_after` longer than `hang.warn_after`; step names unique within "
         "`pipeline`; not both `repository` and `sandbox.from_snapshot`; no name in `secrets` "
-        "also set in an `env`. A manifest naming `secrets` is refused over HTTP: their values "
-        "cannot travel in it (`sandhold task submit --secret`)."
+        "also set in an `env`. Over HTTP `secrets` may also be an object, name to value: "
+        "the task is given those values (never recorded; the manifest records the names); "
+        "a list of names without values is refused."
     )
     # exactly one of `agent` (one command) or a non-empty `pipeline`
     manifest["oneOf"] = [

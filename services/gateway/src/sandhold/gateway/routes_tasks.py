@@ -11,6 +11,7 @@ from litestar import Request, Response, get, post
 from litestar.params import FromPath
 from litestar.response import Stream
 from sandhold.domain import task as tk
+from sandhold.domain.requests import Secrets
 from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.gateway import bodies as b
@@ -58,9 +59,13 @@ class _NoAliases(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def parse_body(data: bytes, content_type: str) -> TaskManifest:
-    """A manifest from a YAML or JSON body: 400 if it does not parse, 422 naming
-    the field if it does not match the schema."""
+def parse_body(data: bytes, content_type: str) -> tuple[TaskManifest, dict[str, str]]:
+    """A manifest from a YAML or JSON body, and the values of its secrets: 400 if
+    it does not parse, 422 naming the field if it does not match the schema.
+
+    Over HTTP the body is the manifest, so a task's secrets come in it:
+    `secrets` as an object (name -> value) names them and gives their values;
+    the manifest recorded names them only (a list), as `task submit --secret`."""
     media = content_type.split(";")[0].strip().lower()
     if media in YAML_TYPES:
         try:
@@ -77,7 +82,11 @@ def parse_body(data: bytes, content_type: str) -> TaskManifest:
             "unsupported_media_type",
             f"send the manifest as application/yaml or application/json, not {media}",
         )
-    return b.convert(parsed, TaskManifest)
+    values: dict[str, str] = {}
+    if isinstance(parsed, dict) and isinstance(parsed.get("secrets"), dict):
+        values = b.convert(parsed["secrets"], Secrets)
+        parsed = {**parsed, "secrets": sorted(values)}
+    return b.convert(parsed, TaskManifest), values
 
 
 def handlers(ctx: Context) -> list:
@@ -90,16 +99,17 @@ def handlers(ctx: Context) -> list:
         key = idempotency_key(request)
         # Off the event loop: a 1 MB manifest is seconds of pure-Python YAML, and
         # every other request and event stream of this gateway would wait for it.
-        manifest = await asyncio.to_thread(
+        manifest, secrets = await asyncio.to_thread(
             parse_body, await request.body(), request.headers.get("content-type", "")
         )
         try:
-            submit = tk.SubmitTask(key=key, tenant=tenant, manifest=manifest)
-        except ValueError as err:  # it names secrets: their values cannot come in a manifest
+            submit = tk.SubmitTask(key=key, tenant=tenant, manifest=manifest, secrets=secrets)
+        except ValueError as err:  # names without values (a list): nothing to give them
             raise ProblemError(
                 "invalid_request",
-                f"{err}: over HTTP a task cannot be given secrets yet; submit it with "
-                "`sandhold task submit --secret NAME=VALUE` (docs/tasks.md)",
+                f"{err}: over HTTP give `secrets` as an object, name to value (their "
+                "values are never recorded), or submit with `sandhold task submit "
+                "--secret NAME=VALUE` (docs/tasks.md)",
                 errors=[FieldError(field="$.secrets", message=str(err))],
             ) from err
         view = await call(ctx.client(tenant).send_task(submit))

@@ -12,6 +12,7 @@ import nats
 import nats.errors
 import pytest
 from nats.js.api import ConsumerConfig
+from nats.js.errors import NotFoundError
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
 from sandhold.bus.permissions import inbox_prefix
@@ -113,6 +114,22 @@ async def test_a_host_agent_takes_its_own_work_and_no_other_hosts(server: NatsSe
         await h1.refused(h1.js.add_consumer(NAMES.hostwork_stream, sneaky), "host-h1.sh.work.h2")
         await h1.refused(
             h1.js.publish("sh.work.h2", b"{}", stream=NAMES.hostwork_stream), '"sh.work.h2"'
+        )
+
+
+@pytest.mark.parametrize("stream", ["SH_EVENTS", "SH_OUTPUT", "SH_SAVES"])
+async def test_a_host_agent_reads_streams_by_direct_get_and_makes_no_consumer_on_them(
+    server: NatsServer, stream: str
+):
+    """A push consumer would deliver stored bytes (its own output, say) to any
+    subject it names, such as another tenant's requests (decision 032)."""
+    async with as_user(server, "host-h1") as h1:
+        with contextlib.suppress(NotFoundError):
+            await h1.js.get_last_msg(stream, "sh.nothing.here", direct=True)  # allowed
+        assert h1.errors.empty()
+        await h1.refused(
+            h1.js.add_consumer(stream, ConsumerConfig(deliver_subject="sh.req.command.run.acme")),
+            f"$JS.API.CONSUMER.CREATE.{stream}",
         )
 
 

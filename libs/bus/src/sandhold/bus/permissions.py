@@ -64,6 +64,11 @@ def _read(stream: str) -> list[str]:
     ]
 
 
+def _direct(stream: str) -> list[str]:
+    """Reading single messages of a stream, by subject or sequence; no consumer."""
+    return [_api("DIRECT.GET", stream), _api("DIRECT.GET", stream, ">")]
+
+
 def _work_queue(stream: str, durable: str, *, filtered_create: str | None = None) -> list[str]:
     """Taking messages off one durable of a work-queue stream, and no other."""
     create = (
@@ -209,9 +214,11 @@ def row(
                 f"{p}.chunk.*",
                 f"{p}.manifest.*",
                 f"{kv}.{host}",
-                *_read(ev),
-                *_read(out),
-                *_read(saves),
+                # Direct gets only, no consumer: a push consumer delivers where its
+                # maker says, past the maker's permissions (decision 032).
+                *_direct(ev),
+                *_direct(out),
+                *_direct(saves),
                 _api("STREAM.INFO", leases),
                 _api("STREAM.MSG.GET", leases),
                 # its own work and no other host's: the filter is in the subject

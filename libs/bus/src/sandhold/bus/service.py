@@ -116,9 +116,14 @@ class Shell:
 
     # --- what a service is made of ---------------------------------------------
 
-    def store(self, kind: str, evolve: Evolve[S], *, actor: str | None = None) -> AggregateStore[S]:
-        """An aggregate store of `kind`, stopped with the shell (`start_stores` folds it)."""
-        store = AggregateStore(self.js, self.names, kind, evolve, actor=actor or self.name)
+    def store(
+        self, kind: str, evolve: Evolve[S], *, actor: str | None = None, follow: bool = True
+    ) -> AggregateStore[S]:
+        """An aggregate store of `kind`, stopped with the shell (`start_stores` folds
+        it; one made with `follow=False` reads aggregates on demand instead)."""
+        store = AggregateStore(
+            self.js, self.names, kind, evolve, actor=actor or self.name, follow=follow
+        )
         self._stores.append(store)
         return store
 

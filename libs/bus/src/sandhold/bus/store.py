@@ -44,9 +44,20 @@ class Executed(msgspec.Struct, Generic[S]):
 
 class AggregateStore(Generic[S]):
     def __init__(
-        self, js: JetStreamContext, names: Names, kind: str, evolve: Evolve[S], *, actor: str
+        self,
+        js: JetStreamContext,
+        names: Names,
+        kind: str,
+        evolve: Evolve[S],
+        *,
+        actor: str,
+        follow: bool = True,
     ) -> None:
+        """`follow=False`: no consumer at all; an aggregate is read (direct gets)
+        when asked for (`sync`) and before every decision. For a user that may
+        create no consumer (a host-agent, decision 032)."""
         self._js = js
+        self._follow = follow
         self._stream = names.events_stream
         self._names = names
         self._kind = kind
@@ -66,7 +77,10 @@ class AggregateStore(Generic[S]):
     # --- reading --------------------------------------------------------------
 
     async def start(self, *, timeout: float = 60.0) -> None:
-        """Replay every aggregate of this kind, then follow live events."""
+        """Replay every aggregate of this kind, then follow live events (unless
+        made with `follow=False`: then aggregates are read one by one, on demand)."""
+        if not self._follow:
+            return
         self._follower = Follower(
             self._js,
             self._stream,
@@ -191,6 +205,9 @@ class AggregateStore(Generic[S]):
         attempts: int,
     ) -> Executed[S]:
         synced = False
+        if not self._follow:
+            await self.sync(aggregate_id)  # nothing keeps it current but this
+            synced = True
         for _ in range(attempts):
             state, seq = self.get(aggregate_id)
             try:

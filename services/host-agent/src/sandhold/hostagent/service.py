@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -95,8 +94,10 @@ class HostAgent:
             await self.driver.start()
             shell.on_close(self.driver.close)
             actor = f"host-agent:{self.host_id}"
-            self.sandboxes = shell.store("sandbox", sb.evolve, actor=actor)
-            self.hosts = shell.store("host", host_domain.evolve, actor=actor)
+            # Read on demand, never followed: a host-agent may create no consumer on
+            # the log (a push consumer delivers where its maker says, decision 032).
+            self.sandboxes = shell.store("sandbox", sb.evolve, actor=actor, follow=False)
+            self.hosts = shell.store("host", host_domain.evolve, actor=actor, follow=False)
             await shell.start_stores()
             self.saving = HostSaves(
                 shell.nc,
@@ -171,7 +172,7 @@ class HostAgent:
             entry = await self._kv.get(self.host_id)
             if entry.value:
                 previous = _lease_decoder.decode(entry.value).epoch
-        registered, _ = self.hosts.get(self.host_id)
+        registered, _ = await self.hosts.sync(self.host_id)
         self.epoch = max(previous, registered.epoch if registered else 0) + 1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         registration = ev.HostRegistered(
@@ -346,17 +347,13 @@ class HostAgent:
             return
         await msg.ack()
 
-    async def _current(
-        self, work: wk.AnyWork, needs: Callable[[sb.Sandbox], bool] | None = None
-    ) -> sb.Sandbox:
-        """The sandbox as of at least the placement this work belongs to, and as of
-        the event the work follows from (`needs`: the command or save it names).
-        The instruction can come before this host folded that event: it is sent
-        the moment the event is appended, so the fold is caught up, not trusted."""
-        state, _ = self.sandboxes.get(work.sandbox_id)
-        behind = state is None or state.generation < work.generation
-        if behind or (needs is not None and state is not None and not needs(state)):
-            state, _ = await self.sandboxes.sync(work.sandbox_id)
+    async def _current(self, work: wk.AnyWork) -> sb.Sandbox:
+        """The sandbox as the log has it now, if this work still belongs to it.
+        The instruction was sent once the event it follows from was appended, so
+        a read now sees that event (the command or save it names)."""
+        # Nothing follows the log here: every instruction is checked against the
+        # sandbox as the log has it now (one direct get, more if it moved on).
+        state, _ = await self.sandboxes.sync(work.sandbox_id)
         if state is None or state.generation != work.generation or state.host != self.host_id:
             raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
         if state.phase in ("lost", "recovering"):
@@ -413,7 +410,7 @@ class HostAgent:
                 )
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
-                state = await self._current(work, lambda s: work.command_id in s.commands)
+                state = await self._current(work)
                 command = state.commands.get(work.command_id)
                 if command is None or command.ended:
                     return
@@ -421,13 +418,12 @@ class HostAgent:
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.DeliverConnectionsWork():
-                await self._current(work, lambda s: s.connections_revision >= work.revision)
+                await self._current(work)
                 await self.driver.deliver_connections(sid, work.connections)
                 delivered = ev.ConnectionsDelivered(host=me, generation=gen, revision=work.revision)
                 await self._report(sid, delivered, work.msg_id)
             case wk.StopSandboxWork():
-                final_id = work.final_save_id
-                state = await self._current(work, lambda s: final_id is None or final_id in s.saves)
+                state = await self._current(work)
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
                 final = state.saves.get(work.final_save_id) if work.final_save_id else None
@@ -436,7 +432,7 @@ class HostAgent:
                 await self.driver.remove_connections(sid)  # delivered anew at its next start
                 await self._report(sid, ev.SandboxStopped(host=me, generation=gen), work.msg_id)
             case wk.SaveSandboxWork():
-                state = await self._current(work, lambda s: work.save_id in s.saves)
+                state = await self._current(work)
                 save = state.saves.get(work.save_id)
                 if save is None or save.state != "requested":
                     return

@@ -175,6 +175,18 @@ async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_fi
     assert lifecycle(await client.task_records(task_id)) == LIFECYCLE
     view = await client.show_task(task_id)
     assert view.state == "completed" and view.steps[0].output == "three\n"
+    # The seed's manifest digest is recorded where it was staged and where the
+    # sandbox was created: a restore of the seed reads that manifest and no other.
+    [staged] = [
+        r.envelope.event
+        for r in await client.task_records(task_id)
+        if r.envelope.type == "task.staged"
+    ]
+    assert len(staged.seed_manifest_digest) == 64
+    assert task.sandbox_id is not None
+    created = (await client.sandbox_records(task.sandbox_id))[0].envelope.event
+    assert created.source_snapshot_id == task.seed_save_id
+    assert created.source_snapshot_digest == staged.seed_manifest_digest
 
 
 # --- 2. the CLI ------------------------------------------------------------------------

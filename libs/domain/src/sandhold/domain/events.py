@@ -366,6 +366,7 @@ class TaskStaged(TaskEvent, tag="task.staged", frozen=True):
     commit: str
     files: int
     bytes: int
+    seed_manifest_digest: str = ""  # SHA-256 of its manifest as stored
 
 
 class TaskProvisioned(TaskEvent, tag="task.provisioned", frozen=True):

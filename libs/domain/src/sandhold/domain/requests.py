@@ -42,6 +42,7 @@ class Request(
 
 
 SaveId = Annotated[str, msgspec.Meta(pattern=r"^sv-[0-9a-f]{16}$")]
+ManifestDigest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 SnapshotName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
 ]
@@ -71,6 +72,8 @@ class CreateSandbox(Request, tag="sandbox.create", frozen=True):
     # A save the caller staged in the store for this very sandbox (its manifest
     # names the new sandbox's id), e.g. a task's checked-out repository.
     seed: SaveId | None = None
+    # ...and the SHA-256 of its manifest as staged: restored only if it is that one.
+    seed_manifest_digest: ManifestDigest | None = None
     network: Network = "none"
     image: ImagePath | None = None
     pids_limit: PidsLimit | None = None  # default: the host's (4096)
@@ -193,6 +196,7 @@ _LATER_FIELDS: dict[str, object] = {
     "stop_deadline_s": None,
     "recovery": None,
     "seed": None,
+    "seed_manifest_digest": None,
     "network": "none",
     "image": None,
     "user": "user",

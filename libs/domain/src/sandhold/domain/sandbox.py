@@ -487,6 +487,8 @@ def _create(
             )
         source_sandbox_id = owner.id
         source_digest = snapshot.manifest_digest
+    elif request.seed is not None:
+        source_digest = request.seed_manifest_digest or ""
     return [
         ev.SandboxCreated(
             sandbox_id=rq.sandbox_id_for(request.tenant, request.key),

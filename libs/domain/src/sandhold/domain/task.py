@@ -180,6 +180,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""
     failed_stage: str = ""
     seed_save_id: str | None = None
+    seed_manifest_digest: str = ""
     commit: str | None = None
     sandbox_id: str | None = None
     attempts: list[Attempt] = []
@@ -244,7 +245,12 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
             )
             return replace(state, attempts=[*state.attempts, attempt])
         case ev.TaskStaged():
-            return replace(state, seed_save_id=event.seed_save_id, commit=event.commit)
+            return replace(
+                state,
+                seed_save_id=event.seed_save_id,
+                seed_manifest_digest=event.seed_manifest_digest,
+                commit=event.commit,
+            )
         case ev.TaskProvisioned():
             return replace(state, sandbox_id=event.sandbox_id)
         case ev.TaskStepClaimed():

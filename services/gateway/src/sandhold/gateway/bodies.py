@@ -22,7 +22,9 @@ from sandhold.gateway.sse import EventPage, EventRecord
 # Carried by the header, the token or the path; or set by services, not callers
 # (`seed`: a save staged for the new sandbox, e.g. a task's checkout, which only
 # the orchestrator can stage).
-_NOT_IN_BODY = frozenset({"key", "tenant", "sandbox_id", "command_id", "seed"})
+_NOT_IN_BODY = frozenset(
+    {"key", "tenant", "sandbox_id", "command_id", "seed", "seed_manifest_digest"}
+)
 
 
 def body_of(request_type: type, name: str) -> type:

@@ -321,6 +321,7 @@ class Runner:
         await self.append(
             ev.TaskStaged(
                 seed_save_id=staged.seed_save_id,
+                seed_manifest_digest=staged.manifest_digest,
                 commit=commit,
                 files=staged.files,
                 bytes=staged.bytes,
@@ -344,6 +345,7 @@ class Runner:
                         memory_limit_bytes=spec.memory_limit_bytes,
                         from_snapshot=spec.from_snapshot,
                         seed=state.seed_save_id,
+                        seed_manifest_digest=state.seed_manifest_digest or None,
                     ),
                     lambda s: True,
                     sandbox_id=sandbox_id,

@@ -22,6 +22,7 @@ class Staged(msgspec.Struct, frozen=True):
     seed_save_id: str
     files: int
     bytes: int
+    manifest_digest: str  # SHA-256 of the manifest as stored: the one the sandbox restores
 
 
 async def store_seed(
@@ -42,10 +43,10 @@ async def store_seed(
         )
         manifest = owned_by_the_sandbox_user(captured.manifest)
         await store.upload(captured.new_chunks)
-        await store.put_manifest(manifest)
+        _, digest = await store.put_manifest(manifest)
     finally:
         shutil.rmtree(spool, ignore_errors=True)
-    return Staged(save_id, manifest.files, manifest.total_bytes)
+    return Staged(save_id, manifest.files, manifest.total_bytes, digest)
 
 
 def owned_by_the_sandbox_user(manifest: Manifest) -> Manifest:

@@ -30,7 +30,7 @@ from sandhold.domain.placement import HostInfo, choose_host, network_modes
 from sandhold.domain.reconcile import plan, secrets_gone
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
-from sandhold.saves.errors import MissingManifest
+from sandhold.saves.errors import CorruptManifest, MissingManifest
 from sandhold.saves.store import SaveStore
 
 log = logging.getLogger("sandhold.scheduler")
@@ -112,7 +112,7 @@ class Scheduler:
     async def _decide(self, request: rq.AnyRequest) -> bytes:
         sandbox_id = sb.aggregate_of(request)
         if isinstance(request, rq.CreateSandbox) and request.seed is not None:
-            await self._check_seed(request.seed, sandbox_id)
+            await self._check_seed(request.seed, sandbox_id, request.seed_manifest_digest or "")
         kept = await self._keep_secrets(request, sandbox_id)
         before, _ = self.sandboxes.get(sandbox_id)
         value = await self._keep_connection(request, sandbox_id)
@@ -253,15 +253,16 @@ class Scheduler:
                 await secret_store.forget(self._js, self._names, self._names.secret(command.id))
                 self._secrets_forgotten.add(command.id)
 
-    async def _check_seed(self, save_id: str, sandbox_id: str) -> None:
+    async def _check_seed(self, save_id: str, sandbox_id: str, digest: str) -> None:
         """A seed must be stored, and staged for exactly this sandbox: the id is
-        derived from tenant and key, so no one can start from another's files."""
+        derived from tenant and key, so no one can start from another's files.
+        With its digest (the orchestrator's), it must be the manifest staged."""
         state, _ = self.sandboxes.get(sandbox_id)
         if state is not None:
             return  # already created: the aggregate answers the retry
         try:
-            manifest = await SaveStore(self._nc, self._names).get_manifest(save_id)
-        except MissingManifest:
+            manifest = await SaveStore(self._nc, self._names).get_manifest(save_id, digest=digest)
+        except (MissingManifest, CorruptManifest):
             manifest = None
         if manifest is None or manifest.sandbox_id != sandbox_id:
             raise Rejected("seed_not_found", f"no save {save_id} staged for sandbox {sandbox_id}")

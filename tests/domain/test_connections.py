@@ -188,6 +188,7 @@ def test_malformed_connection_requests_are_refused_on_decode() -> None:
     base = {"type": "connection.set", "key": "k", "sandbox_id": SID, "name": "ok", "value": "v"}
     for bad in (
         {"name": ".."},
+        {"name": "a..b"},
         {"name": "a/b"},
         {"name": ""},
         {"name": "x" * 65},

@@ -133,8 +133,11 @@ class CancelCommand(Request, tag="command.cancel", frozen=True):
 
 
 # A Connection is a named credential delivered as the file
-# /run/connections/<name> (decision 031): a file name, never "." or "..".
-ConnectionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+# /run/connections/<name> (decision 031): a file name, never "." or "..",
+# and with no ".." anywhere (the host's own rule for names it writes).
+ConnectionName = Annotated[
+    str, msgspec.Meta(max_length=64, pattern=r"^[A-Za-z0-9](\.?[A-Za-z0-9_-])*\.?$")
+]
 # Text (a token, a key, a config file); the size of every Connection of a
 # sandbox together is bounded too (sandbox.MAX_CONNECTIONS_BYTES).
 ConnectionValue = Annotated[str, msgspec.Meta(max_length=65536)]

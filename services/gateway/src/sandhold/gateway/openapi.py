@@ -38,6 +38,7 @@ CONNECTION = _id(
     msgspec.inspect.type_info(rq.ConnectionName).pattern,  # type: ignore[attr-defined]
     "the Connection's name: its file name under /run/connections",
 )
+CONNECTION["schema"]["maxLength"] = 64
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",

@@ -71,6 +71,7 @@ def _skip_unfenced(msg: Msg, seq: int, what: str) -> None:
         seq,
     )
 
+
 T = TypeVar("T")
 # (stream sequence, the message, its decoded value)
 Handler = Callable[[int, Msg, T], None]

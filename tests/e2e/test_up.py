@@ -165,6 +165,7 @@ async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
             timeout=30,
         )
         assert refused.returncode == 1 and "another `sandhold up`" in refused.stderr
+        assert first.process is not None and f"pid {first.process.pid}" in refused.stderr
     finally:
         first.stop()
     second = Up(tmp_path / "data").start()

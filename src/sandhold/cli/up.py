@@ -356,12 +356,24 @@ def up(
     gateway_port: int | None = None,
 ) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
-    lock = (data_dir / "up.lock").open("w")
+    # The kernel drops the lock when its holder dies, however it dies: a crash
+    # leaves no stale lock to clear. The holder's pid is written in it to be named.
+    lock = (data_dir / "up.lock").open("a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print(f"sandhold: another `sandhold up` is using {data_dir}", file=sys.stderr)
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        print(
+            f"sandhold: another `sandhold up` (pid {holder}) is using {data_dir}; "
+            f"stop it first (kill -TERM {holder}), or give another --data-dir",
+            file=sys.stderr,
+        )
         return 1
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
     _first_token(data_dir)
     import uvloop
 

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import Header, PubAck
-from sandhold.bus.codec import REPLY_HEADER, reply_inbox
+from sandhold.bus.codec import REPLY_HEADER, reflected, reply_inbox
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.domain.errors import InfraError, Rejected
@@ -59,6 +59,14 @@ async def answer(
 ) -> R | None:
     """Answer one request; `decide` returns the encoded reply (or raises
     `Rejected` / `InfraError`). Returns the request when it was decided."""
+    if reflected(msg.headers):
+        # A stored message someone had the server bounce onto a request subject
+        # (decision 034): never anyone's request. Not answered (its reply header
+        # is whatever the bounced message carried), only dropped.
+        log.error("a bounced stored message on %s: dropped, not a request", msg.subject)
+        metrics.replied("reflected")
+        await msg.term()
+        return None
     reply_to = reply_inbox(msg.headers)
     try:
         request = kinds.decode(msg.data)

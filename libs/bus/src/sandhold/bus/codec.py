@@ -18,6 +18,19 @@ STREAM_HEADER = "Sh-Stream"
 OFFSET_HEADER = "Sh-Offset"
 
 
+# What nats-server adds to a stored message it answers a direct get with. The
+# answer goes to whatever reply subject the asker named, past the asker's
+# publish permissions: a user that may read a stream it also writes could have
+# its own bytes published anywhere (decision 034). None of our publishers sets
+# it, so a message carrying it is a stored one bounced, and never taken in.
+REFLECTED_HEADER = "Nats-Stream"
+
+
+def reflected(headers: dict[str, str] | None) -> bool:
+    """Whether the message is a stored message the server answered a read with."""
+    return headers is not None and REFLECTED_HEADER in headers
+
+
 def reply_inbox(headers: dict[str, str] | None) -> str | None:
     """Where to answer a request: its `Sh-Reply` when that is an inbox. Anything
     else is not answered, so a request cannot make a service publish, with the

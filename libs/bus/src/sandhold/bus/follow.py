@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from sandhold.bus.append import last_sequence
+from sandhold.bus.codec import reflected
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ def fenced(msg: Msg) -> bool:
 
 
 def has_fence(headers: dict[str, str] | None) -> bool:
-    """The same, for a message read with a direct get (its headers)."""
-    return headers is not None and FENCE_HEADER in headers
+    """The same, for a message read with a direct get (its headers). A stored
+    message bounced onto an event subject (codec.reflected) is not one."""
+    return headers is not None and FENCE_HEADER in headers and not reflected(headers)
 
 
 def _skip_unfenced(msg: Msg, seq: int, what: str) -> None:

@@ -75,6 +75,8 @@ class LeaseWatcher:
                 lease = _decode(entry.value)
             except msgspec.DecodeError:
                 continue
+            if lease.host != entry.key:
+                continue  # a host may write its own key only: its value speaks for it alone
             age = 0.0
             if entry.created is not None:
                 created = (

@@ -25,12 +25,9 @@ async def first_event(
     seq = 1
     for _ in range(_LOOK_PAST):
         try:
+            # (not a direct get: has_fence must see the headers as stored)
             msg = await js.get_msg(
-                names.events_stream,
-                seq=seq,
-                subject=names.events(kind, aggregate_id),
-                next=True,
-                direct=True,
+                names.events_stream, seq=seq, subject=names.events(kind, aggregate_id), next=True
             )
         except NotFoundError:
             return None

@@ -66,7 +66,11 @@ def _read(stream: str) -> list[str]:
 
 def _direct(stream: str) -> list[str]:
     """Reading single messages of a stream, by subject or sequence; no consumer."""
-    return [_api("DIRECT.GET", stream), _api("DIRECT.GET", stream, ">")]
+    return [
+        _api("DIRECT.GET", stream),
+        _api("DIRECT.GET", stream, ">"),
+        _api("STREAM.MSG.GET", stream),  # headers as stored (decision 034)
+    ]
 
 
 def _work_queue(stream: str, durable: str, *, filtered_create: str | None = None) -> list[str]:
@@ -135,10 +139,12 @@ def row(
                 # commands' secrets: kept until launch, then removed (only here)
                 f"{p}.secret.cmd.*",
                 _api("DIRECT.GET", secrets, f"{p}.secret.cmd.*"),
+                _api("STREAM.MSG.GET", secrets),  # what was kept, headers as stored
                 _api("STREAM.PURGE", secrets),
                 # Connections' values: kept while referred to (only here)
                 f"{p}.conn.*.*",
                 _api("DIRECT.GET", names.connections_stream, f"{p}.conn.*.*"),
+                _api("STREAM.MSG.GET", names.connections_stream),
                 _api("STREAM.PURGE", names.connections_stream),
                 f"{p}.work.*",
                 answers,
@@ -174,6 +180,7 @@ def row(
                 # tasks' secrets: kept from submit to end (only here)
                 f"{p}.secret.task.*",
                 _api("DIRECT.GET", names.secrets_stream, f"{p}.secret.task.*"),
+                _api("STREAM.MSG.GET", names.secrets_stream),
                 _api("STREAM.PURGE", names.secrets_stream),
                 f"{p}.req.sandbox.*.*",
                 f"{p}.req.command.*.*",

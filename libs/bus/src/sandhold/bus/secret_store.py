@@ -16,10 +16,16 @@ alone, as long as the sandbox refers to them (decision 031).
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names
+
+log = logging.getLogger(__name__)
+
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(dict[str, str])
@@ -41,10 +47,18 @@ async def fetch(
 ) -> dict[str, str] | None:
     """The values kept on `subject`, or None when they are gone (expired, removed)."""
     try:
-        msg = await js.get_last_msg(stream or names.secrets_stream, subject, direct=True)
+        # Not a direct get: its answer's headers would hide whether the message
+        # kept here is one bounced onto this subject by someone else (decision 034).
+        msg = await js.get_last_msg(stream or names.secrets_stream, subject)
     except NotFoundError:
         return None
-    return _decoder.decode(msg.data) if msg.data else None
+    if reflected(msg.headers):
+        log.error("%s holds a bounced stored message, not what was kept: ignored", subject)
+        return None
+    try:
+        return _decoder.decode(msg.data) if msg.data else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # not what we keep: as good as gone
 
 
 async def forget(

@@ -141,8 +141,10 @@ class AggregateStore(Generic[S]):
         last = await last_sequence(self._js, self._stream, subject)
         while (known := self._seqs.get(aggregate_id, 0)) < last:
             try:
+                # Not a direct get: its answer's headers would hide a stored message
+                # bounced onto this subject (codec.reflected, decision 034).
                 raw = await self._js.get_msg(
-                    self._stream, seq=known + 1, subject=subject, next=True, direct=True
+                    self._stream, seq=known + 1, subject=subject, next=True
                 )
             except NotFoundError:
                 break

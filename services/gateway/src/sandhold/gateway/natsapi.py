@@ -28,6 +28,7 @@ from urllib.parse import unquote
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names, tenant_of_token
 from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
 from sandhold.gateway.web import TENANT_SCOPE_KEY
@@ -87,6 +88,9 @@ class NatsApi:
         await asyncio.gather(*self._calls, return_exceptions=True)
 
     async def _on_msg(self, msg: Msg) -> None:
+        if reflected(msg.headers):
+            log.error("a bounced stored message on %s: not a call, dropped", msg.subject)
+            return
         if not msg.reply:
             log.warning("a call on %s without a reply subject: nobody to answer", msg.subject)
             return

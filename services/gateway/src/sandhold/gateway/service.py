@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import uvicorn
 from nats.aio.msg import Msg
+from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names
 from sandhold.bus.service import Shell
 from sandhold.gateway.app import create_app
@@ -81,6 +82,9 @@ class Gateway:
             shell.spawn(read_model.follow(js), "read model")
 
             async def on_rebuild(msg: Msg) -> None:
+                if reflected(msg.headers):
+                    log.error("a bounced stored message on %s: dropped", msg.subject)
+                    return
                 try:
                     counts = await read_model.rebuild(js)
                     body: dict[str, object] = {"ok": True, **counts}

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from nats.js.errors import NotFoundError
 from sandhold.bus import leases
-from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
+from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, reflected
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.bus.service import Shell
@@ -320,6 +320,11 @@ class HostAgent:
     # --- work -----------------------------------------------------------------
 
     async def _handle(self, msg: Msg) -> None:
+        if reflected(msg.headers):
+            # Another host had the server bounce bytes of its own here (decision 034).
+            log.error("a bounced stored message on %s: not work, dropped", msg.subject)
+            await msg.term()
+            return
         try:
             work = _work_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:

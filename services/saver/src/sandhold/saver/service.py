@@ -15,6 +15,7 @@ import logging
 import time
 
 import msgspec
+from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import Shell
@@ -198,6 +199,9 @@ class Saver:
 
     async def _on_gc_request(self, msg) -> None:
         """`<prefix>.admin.gc` (core request/reply): collect now, answer with the counts."""
+        if reflected(msg.headers):
+            log.error("a bounced stored message on %s: not a request, dropped", msg.subject)
+            return
         try:
             body = msgspec.json.decode(msg.data) if msg.data else {}
             result = {"ok": True, **await self.collect_garbage(body.get("grace_s"))}

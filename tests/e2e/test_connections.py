@@ -12,15 +12,14 @@ import uuid
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
-from sandhold.bus.permissions import inbox_prefix
 from sandhold.client import Client
 from sandhold.domain.errors import Rejected
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
 from tests.e2e.test_secrets import files_holding
+from tests.support.bus import assert_refused_as_malformed
 
 
 async def _read(client: Client, sandbox_id: str, name: str, **kwargs) -> bytes:
@@ -165,22 +164,7 @@ async def test_malformed_connection_requests_get_a_clear_error_and_change_nothin
         ({"extra": 1}, "extra"),
         ({"sandbox_id": "sb-nope"}, "sandbox_id"),
     ]
-    nc = await nats.connect(up.url, inbox_prefix=inbox_prefix("operator"))
-    try:
-        for fields, says in cases:
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox, max_msgs=1)
-            body = {**base, **fields, "key": uuid.uuid4().hex}
-            await nc.jetstream().publish(
-                "sh.req.connection.set.default",
-                msgspec.json.encode(body),
-                headers={"Sh-Reply": inbox},
-            )
-            reply = msgspec.json.decode((await sub.next_msg(timeout=20)).data)
-            assert reply["ok"] is False and reply["error"]["code"] == "malformed_request", fields
-            assert says in reply["error"]["message"], reply
-    finally:
-        await nc.close()
+    await assert_refused_as_malformed(up.url, "sh.req.connection.set.default", base, cases)
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.connections == {} and state.connections_revision == 0
 

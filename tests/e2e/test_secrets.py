@@ -14,15 +14,13 @@ import uuid
 from pathlib import Path
 
 import httpx
-import msgspec
-import nats
 from sandhold.bus.names import Names
-from sandhold.bus.permissions import inbox_prefix
 from sandhold.client import Client, connect
 from sandhold.domain import requests as rq
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Host, Up
+from tests.support.bus import assert_refused_as_malformed
 from tests.support.waiting import wait_until
 
 
@@ -96,20 +94,7 @@ async def test_a_malformed_secret_gets_a_clear_error_and_runs_nothing(up: Up, cl
         ({"secrets": ["T=x"]}, "secrets"),
         ({"env": {"T": "a"}, "secrets": {"T": "b"}}, "both in `env` and in `secrets`"),
     ]
-    nc = await nats.connect(up.url, inbox_prefix=inbox_prefix("operator"))
-    try:
-        for fields, says in cases:
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox, max_msgs=1)
-            body = {**base, **fields, "key": uuid.uuid4().hex}
-            await nc.jetstream().publish(
-                "sh.req.command.run.default", msgspec.json.encode(body), headers={"Sh-Reply": inbox}
-            )
-            reply = msgspec.json.decode((await sub.next_msg(timeout=20)).data)
-            assert reply["ok"] is False and reply["error"]["code"] == "malformed_request", fields
-            assert says in reply["error"]["message"], reply
-    finally:
-        await nc.close()
+    await assert_refused_as_malformed(up.url, "sh.req.command.run.default", base, cases)
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.commands == {}
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
+import msgspec
 import nats
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
+from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.server import NatsServer
 from sandhold.bus.streams import ensure_streams
 
@@ -47,3 +50,25 @@ async def hello(url: str, connect: dict[str, object]) -> bytes:
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+async def assert_refused_as_malformed(
+    url: str, subject: str, base: dict, cases: list[tuple[dict, str]]
+) -> None:
+    """Each of `base` with a case's fields over it, published raw to `subject`
+    as the operator, is answered `malformed_request` with a message naming the
+    case's words."""
+    nc = await nats.connect(url, inbox_prefix=inbox_prefix("operator"))
+    try:
+        for fields, says in cases:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox, max_msgs=1)
+            body = {**base, **fields, "key": uuid.uuid4().hex}
+            await nc.jetstream().publish(
+                subject, msgspec.json.encode(body), headers={"Sh-Reply": inbox}
+            )
+            reply = msgspec.json.decode((await sub.next_msg(timeout=20)).data)
+            assert reply["ok"] is False and reply["error"]["code"] == "malformed_request", fields
+            assert says in reply["error"]["message"], reply
+    finally:
+        await nc.close()

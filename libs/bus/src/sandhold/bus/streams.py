@@ -31,6 +31,21 @@ def stream_configs(
     duplicate_window_s: float = 120.0,
 ) -> list[StreamConfig]:
     p = names.prefix
+
+    def _kept(name: str, subjects: str, max_age_s: float) -> StreamConfig:
+        """Values kept one per subject, the newest only, read by direct get."""
+        return StreamConfig(
+            name=name,
+            subjects=[subjects],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=1,
+            max_age=max_age_s or None,
+            allow_direct=True,
+            duplicate_window=duplicate_window_s,
+        )
+
     return [
         # The audit trail: kept forever, one subject per aggregate.
         StreamConfig(
@@ -86,30 +101,11 @@ def stream_configs(
         # A command's secrets between its request and its launch: one subject per
         # command, removed once it started (or after a week unlaunched). Only the
         # scheduler reads or writes it; the store is encrypted at rest.
-        StreamConfig(
-            name=names.secrets_stream,
-            subjects=[f"{p}.secret.*.*"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=replicas,
-            max_msgs_per_subject=1,
-            max_age=SECRETS_MAX_AGE_S,
-            allow_direct=True,
-            duplicate_window=duplicate_window_s,
-        ),
+        _kept(names.secrets_stream, f"{p}.secret.*.*", SECRETS_MAX_AGE_S),
         # Connections' values (decision 031): one subject per set request, kept
         # while the sandbox refers to it (no age limit), removed when replaced,
         # removed or the sandbox deleted. Only the scheduler reads or writes it.
-        StreamConfig(
-            name=names.connections_stream,
-            subjects=[f"{p}.conn.*.*"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=replicas,
-            max_msgs_per_subject=1,
-            allow_direct=True,
-            duplicate_window=duplicate_window_s,
-        ),
+        _kept(names.connections_stream, f"{p}.conn.*.*", 0.0),
     ]
 
 

@@ -21,7 +21,7 @@ from sandhold.domain.requests import command_id_for
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
-from tests.support.bus import credential_file, hello, make_streams
+from tests.support.bus import credential_file, hello, make_streams, ready_announcements
 from tests.support.net import host_address
 from tests.support.waiting import wait_until
 
@@ -201,13 +201,7 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
     procs: list[subprocess.Popen[bytes]] = []
     nc = await nats.connect(server.admin_url)
     try:
-        ready: list[bytes] = []
-
-        async def on_ready(msg) -> None:
-            ready.append(msg.data)
-
-        await nc.subscribe("sh.svc.ready", cb=on_ready)
-        await nc.flush()
+        ready = await ready_announcements(nc)
         for service, extra in (
             ("scheduler", ["--credentials", str(scheduler), "--metrics-port", "0"]),
             (
@@ -271,13 +265,7 @@ async def test_a_service_whose_server_is_gone_ends_on_sigterm(tmp_path: Path, se
     nc = await nats.connect(server.admin_url)
     proc: subprocess.Popen[bytes] | None = None
     try:
-        ready: list[bytes] = []
-
-        async def on_ready(msg) -> None:
-            ready.append(msg.data)
-
-        await nc.subscribe("sh.svc.ready", cb=on_ready)
-        await nc.flush()
+        ready = await ready_announcements(nc)
         extra = {
             "orchestrator": ["--work-dir", str(tmp_path / "work")],
             "gateway": ["--data-dir", str(tmp_path / "gateway")],

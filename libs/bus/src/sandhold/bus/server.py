@@ -21,7 +21,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
+import msgspec
 from sandhold.bus import credentials, permissions
 from sandhold.bus.credentials import Credentials
 from sandhold.bus.names import Names
@@ -51,6 +53,63 @@ def free_port() -> int:
         return port
 
 
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's part in a JetStream cluster: where it listens for routes, where
+    the other nodes listen, and the one route user every node knows (routes are
+    authenticated: no process that merely reaches the port joins the cluster)."""
+
+    name: str
+    listen: str  # host:port for routes
+    routes: list[str]  # host:port of every other node
+    user: Credentials
+
+
+def render_config(
+    *,
+    name: str,
+    listen: str,
+    store_dir: str,
+    key: str,
+    authorization: str,
+    log_file: str | None = None,
+    cluster: ClusterConfig | None = None,
+) -> str:
+    """One nats-server's configuration: the only place it is written, for
+    `sandhold up` (one node or `--nodes 3` on loopback) and for the deployment
+    files (`sandhold deploy render`), so what the tests run is what a cluster runs."""
+    lines = [f'server_name: "{name}"', f"listen: {listen}"]
+    if log_file is not None:
+        lines.append(f'log_file: "{log_file}"')
+    lines += [
+        "jetstream {",
+        f'  store_dir: "{store_dir}"',
+        "  sync_interval: always",
+        # Encrypted at rest (a store made before is encrypted at the next
+        # start): what passes through it in transit, a secret on its way to
+        # a command, is never plaintext on disk (docs/security.md).
+        "  cipher: chachapoly",
+        f'  key: "{key}"',
+        "}",
+        authorization,
+    ]
+    if cluster is not None:
+        user = quote(cluster.user.user, safe="")
+        password = quote(cluster.user.password, safe="")
+        routes = ", ".join(f"nats-route://{user}:{password}@{r}" for r in cluster.routes)
+        lines += [
+            "cluster {",
+            f'  name: "{cluster.name}"',
+            f"  listen: {cluster.listen}",
+            "  authorization {",
+            f'    user: "{cluster.user.user}"',
+            f'    password: "{cluster.user.password}"',
+            "  }",
+            f"  routes: [{routes}]",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 class NatsServer:
     """One nats-server process with JetStream, its store and log in `data_dir`."""
 
@@ -60,9 +119,7 @@ class NatsServer:
         *,
         port: int = -1,
         name: str = "sandhold",
-        cluster_port: int | None = None,
-        routes: list[int] | None = None,
-        cluster_name: str = "sandhold",
+        cluster: ClusterConfig | None = None,
         credentials_dir: Path | None = None,
         names: Names | None = None,
         die_with_parent: bool = False,
@@ -75,9 +132,7 @@ class NatsServer:
         self.names = names or Names()
         self.name = name
         self._port = port
-        self._cluster_port = cluster_port
-        self._routes = routes or []
-        self._cluster_name = cluster_name
+        self._cluster = cluster
         self.process: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
@@ -115,51 +170,22 @@ class NatsServer:
         return self.process.pid if self.process else None
 
     def _config(self) -> str:
-        store = self.data_dir / "jetstream"
-        lines = [
-            f'server_name: "{self.name}"',
-            f"listen: 127.0.0.1:{self._port}",
-            f'log_file: "{self.log_path}"',
-            "jetstream {",
-            f'  store_dir: "{store}"',
-            "  sync_interval: always",
-            # Encrypted at rest (a store made before is encrypted at the next
-            # start): what passes through it in transit, a secret on its way to
-            # a command, is never plaintext on disk (docs/security.md).
-            "  cipher: chachapoly",
-            f'  key: "{self._store_key()}"',
-            "}",
-        ]
         self.admin  # noqa: B018 - made on first use: the server never runs without it
         users = credentials.every(self.credentials_dir)
-        lines.append(permissions.authorization(self.names, users))
-        if self._cluster_port is not None:
-            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self._routes)
-            lines += [
-                "cluster {",
-                f'  name: "{self._cluster_name}"',
-                f"  listen: 127.0.0.1:{self._cluster_port}",
-                f"  routes: [{routes}]",
-                "}",
-            ]
-        return "\n".join(lines) + "\n"
+        return render_config(
+            name=self.name,
+            listen=f"127.0.0.1:{self._port}",
+            log_file=str(self.log_path),
+            store_dir=str(self.data_dir / "jetstream"),
+            key=self._store_key(),
+            authorization=permissions.authorization(self.names, users),
+            cluster=self._cluster,
+        )
 
     def _store_key(self) -> str:
         """The store's encryption key, made once (0600) beside the store: without
         it the store cannot be read, so it is backed up with the data dir."""
-        path = self.data_dir / "jetstream.key"
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            pass
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_hex(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        return key
+        return store_key(self.data_dir / "jetstream.key")
 
     def write_config(self) -> Path:
         config = self.data_dir / "nats-server.conf"
@@ -226,6 +252,22 @@ class NatsServer:
             self.process.wait()
 
 
+def store_key(path: Path) -> str:
+    """A JetStream store's encryption key, read from `path` or made there once (0600)."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return key
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -244,31 +286,66 @@ def die_with(parent: int) -> Callable[[], None]:
 
 
 class NatsCluster:
-    """Three (or n) nodes on loopback that form one JetStream cluster."""
+    """Three (or n) nodes on loopback that form one JetStream cluster, with one
+    set of users and an authenticated route user (`<data_dir>/routes/`)."""
 
-    def __init__(self, data_dir: Path, *, size: int = 3, name: str = "sandhold") -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        size: int = 3,
+        name: str = "sandhold",
+        credentials_dir: Path | None = None,
+        names: Names | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
+        data_dir = Path(data_dir)
         client_ports = [free_port() for _ in range(size)]
         cluster_ports = [free_port() for _ in range(size)]
+        route_user = credentials.issue(data_dir / "routes", "route")
         self.nodes = [
             NatsServer(
-                Path(data_dir) / f"n{i}",
+                data_dir / f"n{i + 1}",
                 port=client_ports[i],
-                name=f"{name}-n{i}",
-                cluster_port=cluster_ports[i],
-                routes=[p for j, p in enumerate(cluster_ports) if j != i],
-                cluster_name=name,
-                credentials_dir=Path(data_dir) / "credentials",  # one set of users for all
+                name=f"{name}-n{i + 1}",
+                cluster=ClusterConfig(
+                    name=name,
+                    listen=f"127.0.0.1:{cluster_ports[i]}",
+                    routes=[f"127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i],
+                    user=route_user,
+                ),
+                # one set of users for all
+                credentials_dir=Path(credentials_dir or data_dir / "credentials"),
+                names=names,
+                die_with_parent=die_with_parent,
             )
             for i in range(size)
         ]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma separated (as `--nats` and `connect` take them)."""
+        return ",".join(self.urls)
 
     @property
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
 
     @property
+    def admin(self) -> Credentials:
+        return self.nodes[0].admin
+
+    @property
     def admin_urls(self) -> list[str]:
         return [n.admin_url for n in self.nodes]
+
+    @property
+    def pid(self) -> int | None:
+        return self.nodes[0].pid
+
+    def reload(self) -> None:
+        for node in self.nodes:
+            node.reload()
 
     def start(self, *, timeout: float = 30.0) -> None:
         for node in self.nodes:

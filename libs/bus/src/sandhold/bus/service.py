@@ -77,7 +77,7 @@ class Shell:
         self.name = name
         self.names = names
         self._url = nats_url
-        self._connection_name = connection_name or f"sandhold-{name}"
+        self._connection_name = connection_name or f"sandhold-{instance_name(name)}"
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._stores: list[AggregateStore[Any]] = []
@@ -248,6 +248,9 @@ async def connect(
         reconnect_time_wait=0.5,
         connect_timeout=5,
         allow_reconnect=True,
+        # Several servers are a cluster's nodes, in the order this process
+        # prefers them (`sandhold up --nodes 3` spreads instances over nodes).
+        dont_randomize=True,
         error_cb=quiet.error,
         disconnected_cb=quiet.disconnected,
         reconnected_cb=quiet.reconnected,
@@ -290,12 +293,24 @@ class _QuietErrors:
 
 
 async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) -> None:
-    """Tell `sandhold up` (or anyone listening) that this service is serving."""
+    """Tell `sandhold up` (or anyone listening) that this service is serving
+    (as `instance`, where it runs more than once)."""
+    instance = instance_name(service)
+    if instance != service:
+        extra = {"instance": instance, **extra}
     if metrics.port is not None:
         extra = {"metrics_port": metrics.port, **extra}
     body = msgspec.json.encode({"service": service, "pid": os.getpid(), **extra})
     await nc.publish(names.ready, body)
     await nc.flush()
+
+
+def instance_name(service: str) -> str:
+    """This process's instance of `service`: `--instance` (`scheduler-2`) where a
+    service runs more than once, else the service's own name. Instances of one
+    service share its credential and its durable consumers; the name tells them
+    apart in leases, readiness, connections and logs (decision 035)."""
+    return os.environ.get("SANDHOLD_INSTANCE") or service
 
 
 def common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -309,6 +324,12 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix",
         default=os.environ.get("SANDHOLD_PREFIX", "sh"),
         help="subject and stream prefix (default sh)",
+    )
+    parser.add_argument(
+        "--instance",
+        default=os.environ.get("SANDHOLD_INSTANCE"),
+        help="this instance's name where a service runs more than once (`scheduler-2`); "
+        "default: the service's own name",
     )
     parser.add_argument(
         "--credentials",
@@ -348,6 +369,8 @@ def run_service(
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
     if args.credentials:  # every connection of this process is this service's user
         os.environ[creds.ENV] = args.credentials
+    if args.instance:  # announced as ready, named in its connections and logs
+        os.environ["SANDHOLD_INSTANCE"] = args.instance
     # Logs, traces and metrics, named after the service (`sandhold run <service>`).
     setup(parser.prog.rsplit(" ", 1)[-1], metrics_port=args.metrics_port)
     import uvloop

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import nats.errors
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -13,7 +15,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 from sandhold.bus.names import Names
 
 log = logging.getLogger(__name__)
@@ -109,18 +111,41 @@ def stream_configs(
     ]
 
 
-async def ensure_streams(js: JetStreamContext, names: Names, *, replicas: int = 1) -> None:
-    """Create every stream and bucket; update one whose settings changed."""
+async def ensure_streams(
+    js: JetStreamContext, names: Names, *, replicas: int = 1, timeout_s: float = 60.0
+) -> None:
+    """Create every stream and bucket; update one whose settings changed.
+
+    A cluster that has just started answers only once its nodes elected a meta
+    leader, and a replicated stream is made once its peers agreed: until the
+    deadline, a request that times out or finds JetStream not ready is asked again."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+
+    async def patiently(call):  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                return await call()
+            except (nats.errors.TimeoutError, ServiceUnavailableError, NoRespondersError):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
     for config in stream_configs(names, replicas=replicas):
-        try:
-            await js.add_stream(config)
-        except BadRequestError as err:
-            if err.err_code != _STREAM_EXISTS_DIFFERENT:
-                raise
-            await js.update_stream(config)
-    await js.create_key_value(
-        KeyValueConfig(
-            bucket=names.lease_bucket, history=1, replicas=replicas, storage=StorageType.FILE
+
+        async def add(config: StreamConfig = config) -> None:
+            try:
+                await js.add_stream(config)
+            except BadRequestError as err:
+                if err.err_code != _STREAM_EXISTS_DIFFERENT:
+                    raise
+                await js.update_stream(config)
+
+        await patiently(add)
+    await patiently(
+        lambda: js.create_key_value(
+            KeyValueConfig(
+                bucket=names.lease_bucket, history=1, replicas=replicas, storage=StorageType.FILE
+            )
         )
     )
 

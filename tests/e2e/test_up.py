@@ -23,26 +23,8 @@ from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
 from tests.support.bus import credential_file, hello, make_streams, ready_announcements
 from tests.support.net import host_address
+from tests.support.procs import alive, process_tree
 from tests.support.waiting import wait_until
-
-
-def _pids_of_tree(root_pids: list[int]) -> list[int]:
-    """Every live process whose parent chain reaches one of `root_pids` or that
-    started a supervisor from this data dir."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    found, todo = [], list(root_pids)
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 async def _running(client, sandbox_id: str, command_id: str) -> bool:
@@ -72,14 +54,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: Path):
     up = Up(tmp_path / "data").start()
     try:
@@ -105,7 +79,7 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
         sleeper = asyncio.create_task(client.exec(sandbox_id, ["sleep", "600"], key="sleeper"))
         command_id = command_id_for(sandbox_id, "sleeper")
         await wait_until(lambda: _running(client, sandbox_id, command_id), what="sleep running")
-        tree = _pids_of_tree(pids) + _pids_in(sandbox_id) + _pids_in(idle)
+        tree = process_tree(pids) + _pids_in(sandbox_id) + _pids_in(idle)
         assert _pids_in(idle), "the idle sandbox's box runs"
         assert any(_cmdline(p) == "sleep 600" for p in tree)
         sleeper.cancel()
@@ -115,7 +89,7 @@ async def test_up_writes_runtime_json_and_stops_everything_on_sigterm(tmp_path: 
     finally:
         code = up.stop()
     assert code == 0
-    assert not [p for p in tree if _alive(p)], "processes left after sandhold up stopped"
+    assert not [p for p in tree if alive(p)], "processes left after sandhold up stopped"
     assert not (tmp_path / "data" / "runtime.json").exists()
 
 
@@ -131,11 +105,11 @@ async def test_kill_9_of_up_leaves_no_process_behind_and_the_next_up_opens_the_s
         pids = [runtime["nats_pid"], *runtime["services"].values()]
         async with await connect(first.url) as client:
             sandbox_id = await running_sandbox(client)
-        tree = _pids_of_tree(pids) + _pids_in(sandbox_id)
+        tree = process_tree(pids) + _pids_in(sandbox_id)
         assert first.process is not None
         os.kill(first.process.pid, signal.SIGKILL)
         await wait_until(
-            lambda: not [p for p in tree if _alive(p)],
+            lambda: not [p for p in tree if alive(p)],
             timeout=60,
             interval=0.2,
             what="every process of the killed up to end",

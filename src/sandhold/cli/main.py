@@ -22,7 +22,7 @@ from sandhold.bus.permissions import ROLES
 from sandhold.client import Client, CommandResult, connect
 from sandhold.domain.errors import InfraError, Rejected
 
-from sandhold.cli import audit, tasks
+from sandhold.cli import audit, cluster, tasks
 from sandhold.cli.progress import progress
 from sandhold.cli.secret_args import add_secret_option, secrets_of
 from sandhold.cli.status import status_block
@@ -594,6 +594,13 @@ def _build_parser() -> argparse.ArgumentParser:
     host_ls = host_actions.add_parser("ls")
     host_ls.add_argument("--json", action="store_true")
 
+    cluster = sub.add_parser(
+        "cluster", help="nodes, stream leaders and replicas, service instances, leases"
+    )
+    cluster_actions = cluster.add_subparsers(dest="action", required=True)
+    cluster_status = cluster_actions.add_parser("status")
+    cluster_status.add_argument("--json", action="store_true")
+
     admin = sub.add_parser("admin", help="operator tasks")
     admin_actions = admin.add_subparsers(dest="action", required=True)
     gc = admin_actions.add_parser("gc", help="collect save-store chunks no retained save needs")
@@ -769,6 +776,7 @@ def main(argv: list[str] | None = None) -> None:
         "connection": _connection,
         "admin": _admin,
         "host": _host,
+        "cluster": lambda a, c: cluster.status(c, _runtime(Path(a.data_dir)), as_json=a.json),
         "replay": lambda a, c: audit.replay(
             c, a.id, a.at, a.json, kind=a.kind, verify=a.verify, read_model=_read_model(a)
         ),

@@ -321,8 +321,23 @@ class Runtime:
         finally:
             await nc.close()
 
+    def _restart_nodes(self) -> None:
+        """A nats-server node that died is started again on its port and store (a
+        cluster's other nodes carried on meanwhile; it catches up as it joins)."""
+        for node in self.nodes:
+            if node.process is not None and node.process.poll() is not None:
+                print(
+                    f"sandhold: nats-server {node.name} exited ({node.process.returncode}); "
+                    "restarting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                node.start(wait=False)
+                self._write_runtime()
+
     async def _supervise(self) -> None:
         while not self._stop.is_set():
+            self._restart_nodes()
             for child in self.children:
                 if child.alive() or time.monotonic() < child.next_start:
                     continue

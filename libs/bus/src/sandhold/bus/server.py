@@ -223,7 +223,9 @@ class NatsServer:
             text = self._new_log()
             match = _LISTENING.search(text)
             if match and _READY in text:
-                self.port = int(match.group(1))
+                # Pinned: started again (after a crash), it listens where its
+                # clients left it.
+                self.port = self._port = int(match.group(1))
                 return
             time.sleep(0.02)
         raise TimeoutError(f"nats-server not ready after {timeout}s; see {self.log_path}")

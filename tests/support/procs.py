@@ -1,0 +1,32 @@
+"""Processes as the kernel sees them: a tree of descendants, alive or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def process_tree(root_pids: list[int]) -> list[int]:
+    """Every live process whose parent chain reaches one of `root_pids` or that
+    started a supervisor from this data dir."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], list(root_pids)
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going as we read
+        return False

@@ -59,6 +59,28 @@ def _container_url() -> Iterator[str]:
         yield f"nats://{host}:{container.get_exposed_port(4222)}"
 
 
+# How `sandhold up` runs: as one node (every test), or as a three-node JetStream
+# cluster with two instances of every service (the tests marked `cluster`).
+TOPOLOGIES: dict[str, tuple[str, ...]] = {"one-node": (), "three-nodes": ("--nodes", "3")}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "topology" in metafunc.fixturenames:
+        on_cluster = metafunc.definition.get_closest_marker("cluster") is not None
+        metafunc.parametrize(
+            "topology",
+            list(TOPOLOGIES) if on_cluster else ["one-node"],
+            indirect=True,
+            scope="module",
+        )
+
+
+@pytest.fixture(scope="module")
+def topology(request: pytest.FixtureRequest) -> tuple[str, ...]:
+    """`sandhold up`'s arguments for the topology this test runs on."""
+    return TOPOLOGIES[request.param]
+
+
 @pytest.fixture
 def names() -> Names:
     """A prefix of this test's own: streams and subjects no other test sees."""

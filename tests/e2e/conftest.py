@@ -9,9 +9,9 @@ from tests.e2e.harness import Up
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def up(tmp_path_factory: pytest.TempPathFactory, topology: tuple[str, ...]) -> Iterator[Up]:
     """One `sandhold up` for a module's tests (each test makes its own sandboxes)."""
-    running = Up(tmp_path_factory.mktemp("up") / "data").start()
+    running = Up(tmp_path_factory.mktemp("up") / "data", *topology).start()
     try:
         yield running
     finally:
@@ -19,9 +19,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
 
 
 @pytest.fixture
-def own_up(tmp_path) -> Iterator[Up]:
+def own_up(tmp_path, topology: tuple[str, ...]) -> Iterator[Up]:
     """A `sandhold up` of this test alone, for tests that kill or pause parts of it."""
-    running = Up(tmp_path / "data").start()
+    running = Up(tmp_path / "data", *topology).start()
     try:
         yield running
     finally:

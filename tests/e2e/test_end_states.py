@@ -7,12 +7,16 @@ import time
 
 import msgspec
 import nats
+import pytest
 from sandhold.client import Client
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
 from tests.support.forging import publish_refused
 from tests.support.waiting import wait_until
+
+# Every end state, on one node and on a three-node cluster with two of every service.
+pytestmark = pytest.mark.cluster
 
 
 def test_the_readme_flow_create_then_exec_prints_hello_and_exits_3(up: Up):
@@ -109,7 +113,7 @@ async def test_exec_answers_only_with_an_end_the_log_stored(up: Up, client: Clie
     run = asyncio.create_task(client.exec(sandbox_id, ["sleep", "60"], key="forged-end"))
     command_id = command_id_for(sandbox_id, "forged-end")
     await wait_until(lambda: _state(client, sandbox_id, command_id, "running"), what="running")
-    admin = await nats.connect(up.admin_url)  # no service's user may even try
+    admin = await nats.connect(up.admin_url.split(","))  # no service's user may even try
     try:
         await publish_refused(
             admin.jetstream(),

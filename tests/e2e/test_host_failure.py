@@ -25,7 +25,9 @@ LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Up, Host, Host]]:
+def cluster(
+    tmp_path: Path, request: pytest.FixtureRequest, topology: tuple[str, ...]
+) -> Iterator[tuple[Up, Host, Host]]:
     up = Up(
         tmp_path / "data",
         "--hosts",
@@ -38,6 +40,7 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Up
         str(FENCE_MARGIN),
         "--save-timeout",
         "10",
+        *topology,
     ).start()
     marker = request.node.get_closest_marker("h1_args")
     hosts = [
@@ -92,6 +95,7 @@ async def _events(client: Client, sandbox_id: str) -> list:
     )
 
 
+@pytest.mark.cluster
 async def test_host_killed_during_a_long_command(cluster, client: Client):
     up, h1, h2 = cluster
     sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
@@ -213,6 +217,7 @@ async def test_a_command_dispatched_to_a_host_that_dies_before_confirming_ends_u
 @pytest.mark.parametrize(
     "own_ttl", [pytest.param(None, id="same-ttl"), pytest.param("30", id="agent-configured-longer")]
 )
+@pytest.mark.cluster
 async def test_a_paused_host_resuming_after_recovery_changes_nothing(
     cluster, client: Client, own_ttl: str | None
 ):

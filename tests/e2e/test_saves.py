@@ -42,9 +42,14 @@ while True:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def up(tmp_path_factory: pytest.TempPathFactory, topology: tuple[str, ...]) -> Iterator[Up]:
     running = Up(
-        tmp_path_factory.mktemp("saves") / "data", "--save-interval", "1", "--save-timeout", "8"
+        tmp_path_factory.mktemp("saves") / "data",
+        "--save-interval",
+        "1",
+        "--save-timeout",
+        "8",
+        *topology,
     ).start()
     try:
         yield running
@@ -69,6 +74,7 @@ async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
     return b"".join([await store.get_chunk(d) for d in entry.chunks])
 
 
+@pytest.mark.cluster
 async def test_every_completed_save_is_crash_consistent(client: Client):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
     writer = asyncio.create_task(client.exec(sandbox_id, ["python3", "-c", WRITER], key="writer"))
@@ -97,6 +103,7 @@ async def test_every_completed_save_is_crash_consistent(client: Client):
     await client.stop_sandbox(sandbox_id)
 
 
+@pytest.mark.cluster
 async def test_unchanged_files_are_not_uploaded_again(client: Client, up: Up):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     script = "for i in 1 2 3 4 5 6 7 8; do head -c 4194304 /dev/urandom > f$i; done"
@@ -231,6 +238,7 @@ async def test_a_manifest_written_over_before_verification_fails_the_save(
     await client.stop_sandbox(sandbox_id)
 
 
+@pytest.mark.cluster
 async def test_a_failing_final_save_is_reported_apart_from_the_stop(
     up: Up, client: Client, admin: Client
 ):
@@ -272,6 +280,7 @@ async def test_a_failing_final_save_is_reported_apart_from_the_stop(
     await client.stop_sandbox(sandbox_id)
 
 
+@pytest.mark.cluster
 async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, tmp_path: Path):
     source = await running_sandbox(client, save_interval_s=3600)
     script = (

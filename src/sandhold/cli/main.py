@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -916,23 +915,20 @@ def _option(argv: list[str], name: str) -> str | None:
 
 
 def _reload_server(data_dir: Path, made: Credentials | None) -> None:
-    """Make the data dir's nats-server take its credentials as they are now."""
-    from sandhold.bus.server import NatsServer
-
+    """Make the data dir's running nats-server (every node of a cluster) take its
+    credentials as they are now: `sandhold up` rewrites each node's config and has
+    it reread on SIGHUP. Not running, it writes them when it starts."""
     runtime = _runtime(data_dir)
-    server = NatsServer(
-        data_dir / "nats",
-        credentials_dir=data_dir / "credentials",
-        names=Names(runtime.get("prefix", "sh")),
-    )
-    server.write_config()
-    pid, url = runtime.get("nats_pid"), runtime.get("nats_url")
-    if not pid or not url:
-        return  # not running: it reads the config when it starts
-    with contextlib.suppress(ProcessLookupError):
+    pid = runtime.get("pid")
+    if not pid:
+        return
+    try:
         os.kill(int(pid), signal.SIGHUP)
+    except ProcessLookupError:
+        return
     if made is not None:
-        asyncio.run(_until_accepted(url, made))
+        for node in runtime.get("nats_nodes") or [{"url": runtime.get("nats_url")}]:
+            asyncio.run(_until_accepted(node["url"], made))
 
 
 async def _until_accepted(url: str, user: Credentials, timeout: float = 10.0) -> None:

@@ -264,6 +264,9 @@ class Runtime:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        # `sandhold run`/`credentials create` beside us issued a credential: every
+        # node rereads the users (the config is ours to write: it has the cluster's).
+        loop.add_signal_handler(signal.SIGHUP, self.server.reload)
         # Every service serves its own /metrics on a free local port (listed in
         # runtime.json); the metrics service's port is `--metrics-port`.
         os.environ["SANDHOLD_METRICS_PORT"] = "0"

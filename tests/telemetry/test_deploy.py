@@ -50,14 +50,15 @@ def test_prometheus_scrapes_every_service_compose_runs() -> None:
         job["job_name"]: {t for c in job["static_configs"] for t in c["targets"]}
         for job in config["scrape_configs"]
     }
-    assert targets["sandhold-log"] == {"metrics:9464"}
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    services = {
-        name
+    runs = {
+        name: spec["command"][2]
         for name, spec in compose["services"].items()
-        if spec.get("command", [None])[:2] == ["sandhold", "run"] and name != "metrics"
+        if spec.get("command", [None])[:2] == ["sandhold", "run"]
     }
-    assert targets["sandhold-services"] == {f"{s}:9464" for s in services}
+    folded = {name for name, service in runs.items() if service == "metrics"}
+    assert folded == {"metrics-1", "metrics-2"}
+    assert targets["sandhold-log"] == {f"{s}:9464" for s in folded}
+    assert targets["sandhold-services"] == {f"{s}:9464" for s in set(runs) - folded}
     mounted = " ".join(compose["services"]["prometheus"]["volumes"])
     assert "./deploy/prometheus/prometheus.yml" in mounted
-    assert compose["services"]["metrics"]["command"][:3] == ["sandhold", "run", "metrics"]

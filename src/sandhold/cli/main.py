@@ -593,6 +593,18 @@ def _build_parser() -> argparse.ArgumentParser:
     host_ls = host_actions.add_parser("ls")
     host_ls.add_argument("--json", action="store_true")
 
+    deploy = sub.add_parser(
+        "deploy", help="the distributed deployment's files (compose.yaml, node configs)"
+    )
+    deploy_actions = deploy.add_subparsers(dest="action", required=True)
+    render = deploy_actions.add_parser(
+        "render", help="credentials and every nats-server node's config, for compose.yaml"
+    )
+    render.add_argument("--out", type=Path, default=Path("deploy/cluster"))
+    render.add_argument("--nodes", type=int, default=3)
+    render.add_argument("--host", action="append", dest="hosts", help="a host-agent's id")
+    deploy_actions.add_parser("compose", help="print compose.yaml (what `up --nodes 3` runs)")
+
     cluster = sub.add_parser(
         "cluster", help="nodes, stream leaders and replicas, service instances, leases"
     )
@@ -752,6 +764,16 @@ def main(argv: list[str] | None = None) -> None:
                 instances=args.instances,
             )
         )
+    if args.group == "deploy":
+        from sandhold.cli import deploy
+
+        if args.action == "compose":
+            sys.stdout.write(deploy.compose())
+        else:
+            prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or "sh"
+            deploy.render(args.out, nodes=args.nodes, hosts=args.hosts, prefix=prefix)
+            print(f"rendered {args.nodes} node configs and the credentials in {args.out}")
+        return
     if args.group == "completion":
         import shtab
 

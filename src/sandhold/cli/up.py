@@ -32,6 +32,8 @@ from sandhold.bus.server import NatsCluster, NatsServer, die_with
 from sandhold.bus.service import connect
 from sandhold.bus.streams import ensure_streams
 
+from sandhold.cli.topology import CONTROL_PLANE, instance_names, servers_for
+
 
 class Child:
     def __init__(
@@ -152,18 +154,7 @@ class Runtime:
         return ["--credentials", str(path)]
 
     def _servers(self, index: int) -> str:
-        """Every node's URL, starting with the one the `index`-th process prefers:
-        instances of one service (and host-agents) spread over the nodes, and each
-        still reaches the others when its own node is gone."""
-        urls = [node.url for node in self.nodes]
-        first = index % len(urls)
-        return ",".join(urls[first:] + urls[:first])
-
-    def _instance_names(self, service: str) -> list[str]:
-        """`scheduler` when it runs once, `scheduler-1`, `scheduler-2`, … otherwise."""
-        if self.instances == 1:
-            return [service]
-        return [f"{service}-{i + 1}" for i in range(self.instances)]
+        return ",".join(servers_for([node.url for node in self.nodes], index))
 
     def _children(self) -> list[Child]:
         logs = self.data_dir / "logs"
@@ -178,8 +169,8 @@ class Runtime:
             ],
         }
         children = []
-        for service in ("scheduler", "saver", "recovery", "metrics", "orchestrator", "gateway"):
-            for index, instance in enumerate(self._instance_names(service)):
+        for service in CONTROL_PLANE:
+            for index, instance in enumerate(instance_names(service, self.instances)):
                 args = extra.get(service, [])
                 if index > 0 and "--metrics-port" in args:
                     args = _without_option(args, "--metrics-port")  # one port, one process

@@ -21,6 +21,8 @@ from sandhold.hostagent.driver.connections import default_root
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.rootfs import SandboxFs
 
+from tests.support.netns import HostNet
+
 SANDHOLD = str(Path(sys.executable).parent / "sandhold")
 
 
@@ -258,31 +260,41 @@ class _gone:
 class Host:
     """One host-agent process with its own workspace root, stopped by PID."""
 
-    def __init__(self, up: Up, host_id: str, *extra: str, lease_ttl: float = 2.0) -> None:
+    def __init__(
+        self, up: Up, host_id: str, *extra: str, lease_ttl: float = 2.0, net: HostNet | None = None
+    ) -> None:
+        """`net`: the host runs in its own network namespace (a partition is real)."""
         self.up, self.host_id, self.extra = up, host_id, list(extra)
         self.lease_ttl = lease_ttl
+        self.net = net
         self.root = up.data_dir.parent / "hosts" / host_id
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Host:
+        if self.net is not None:  # issued from here: inside, the server is not on loopback
+            made = self.up.cli(
+                "credentials", "create", "--role", "host-agent", "--host", self.host_id
+            )
+            assert made.returncode == 0, made.stderr
         with (self.up.data_dir.parent / f"{self.host_id}.log").open("ab") as log:
+            argv = [
+                SANDHOLD,
+                "--data-dir",  # where `sandhold run` finds (or makes) this host's credential
+                str(self.up.data_dir),
+                "run",
+                "host-agent",
+                "--nats",
+                self.net.nats_url if self.net else self.up.nats_url,
+                "--host-id",
+                self.host_id,
+                "--root",
+                str(self.root),
+                "--lease-ttl",
+                str(self.lease_ttl),
+                *self.extra,
+            ]
             self.process = subprocess.Popen(
-                [
-                    SANDHOLD,
-                    "--data-dir",  # where `sandhold run` finds (or makes) this host's credential
-                    str(self.up.data_dir),
-                    "run",
-                    "host-agent",
-                    "--nats",
-                    self.up.nats_url,
-                    "--host-id",
-                    self.host_id,
-                    "--root",
-                    str(self.root),
-                    "--lease-ttl",
-                    str(self.lease_ttl),
-                    *self.extra,
-                ],
+                self.net.enter(argv) if self.net else argv,
                 stdout=log,
                 stderr=log,
                 process_group=0,

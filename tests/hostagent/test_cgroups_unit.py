@@ -135,3 +135,14 @@ def test_pids_events_max_count_is_read() -> None:
     assert parse_pids_max_events("max 3\n") == 3
     assert parse_pids_max_events("max 0\n") == 0
     assert parse_pids_max_events("") == 0
+
+
+def test_detect_passes_over_mounts_that_are_files(tmp_path: Path) -> None:
+    """A network namespace kept by `ip netns add` is a file mounted on a file: a
+    machine with one still finds its cgroups (it once made the agent crash)."""
+    netns = tmp_path / "netns-h1"
+    netns.write_text("")
+    mounts = f"nsfs {netns} nsfs rw 0 0\n" + _fake_mounts(
+        tmp_path, v2_controllers="cpu memory pids", v1=()
+    )
+    assert isinstance(detect_cgroups("h1", mounts_text=mounts), V2Cgroups)

@@ -519,8 +519,10 @@ def detect_cgroups(
         mounts_text = Path("/proc/self/mounts").read_text()
     mounts = parse_mounts(mounts_text)
     for mount in mounts:
+        if mount.fstype != "cgroup2":  # not a directory at all, some (a netns's nsfs file)
+            continue
         controllers = _read(mount.target / "cgroup.controllers").split()
-        if mount.fstype == "cgroup2" and "memory" in controllers and _writable(mount):
+        if "memory" in controllers and _writable(mount):
             return V2Cgroups(mount.target, host_id, parent)
     v1 = {
         name: mount.target

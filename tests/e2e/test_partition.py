@@ -31,7 +31,7 @@ def partitioned(tmp_path: Path) -> Iterator[tuple[Up, Host, Host, HostNet]]:
     net = HostNet("h1", 1)
     hosts: list[Host] = []
     try:
-        net.create(up.nats_url)
+        net.create(HostNet.ports_of(up.nats_url))
         hosts = [Host(up, "h1", lease_ttl=LEASE_TTL, net=net), Host(up, "h2", lease_ttl=LEASE_TTL)]
         hosts[0].start()
         yield up, hosts[0], hosts[1], net

@@ -32,8 +32,9 @@ class HostNet:
         self.address = f"10.231.{index}.2"
         self._forwarder: subprocess.Popen[bytes] | None = None
 
-    def create(self, nats_url: str) -> HostNet:
-        """Make the namespace and its link; forward its NATS URLs' ports."""
+    def create(self, ports: list[int]) -> HostNet:
+        """Make the namespace and its link; forward `ports` on this side's address
+        to the same ports on this machine's loopback (NATS's)."""
         self.destroy()  # a namespace a crashed run left behind
         _ip("netns", "add", self.namespace)
         _ip("link", "add", self.outside, "type", "veth", "peer", "name", self.inside)
@@ -44,7 +45,7 @@ class HostNet:
         _ip(*inside, "addr", "add", f"{self.address}/30", "dev", self.inside)
         _ip(*inside, "link", "set", self.inside, "up")
         _ip(*inside, "link", "set", "lo", "up")
-        self._ports = [urlsplit(u).port for u in nats_url.split(",")]
+        self._ports = ports
         self._forwarder = subprocess.Popen(
             [sys.executable, "-m", "tests.support.forward", self.gateway,
              *(str(p) for p in self._ports)],
@@ -54,6 +55,10 @@ class HostNet:
         assert self._forwarder.stdout is not None
         assert self._forwarder.stdout.readline() == b"forwarding\n"
         return self
+
+    @staticmethod
+    def ports_of(nats_url: str) -> list[int]:
+        return [urlsplit(u).port or 4222 for u in nats_url.split(",")]
 
     @property
     def nats_url(self) -> str:

@@ -39,7 +39,7 @@ def _nodes(runtime: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def _streams(client: Client) -> list[dict[str, Any]]:
-    found = []
+    found: list[dict[str, Any]] = []
     for name in client.names.all_streams:
         try:
             info = await client.js.stream_info(name)

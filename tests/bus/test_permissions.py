@@ -22,7 +22,13 @@ from sandhold.bus.service import connect
 from tests.support.bus import hello, make_streams
 
 NAMES = Names("sh")
-ROLES = [("scheduler", None), ("saver", None), ("gateway", None), ("operator", None)]
+ROLES = [
+    ("scheduler", None),
+    ("saver", None),
+    ("gateway", None),
+    ("operator", None),
+    ("orchestrator", None),
+]
 HOSTS = ["h1", "h2"]
 TENANTS = ["acme", "globex"]
 
@@ -139,6 +145,45 @@ async def test_a_host_agent_writes_its_own_lease_and_host_events_only(server: Na
         await h1.refused(h1.js.publish("$KV.SH_leases.h2", b"lease"), "$KV.SH_leases.h2")
         await h1.refused(h1.js.publish("sh.ev.host.h2", b"{}"), "sh.ev.host.h2")
         await h1.refused(h1.js.publish("sh.ev.task.tk-1", b"{}"), "sh.ev.task.tk-1")
+
+
+@pytest.mark.parametrize(
+    ("user", "other"), [("orchestrator", "scheduler"), ("scheduler", "orchestrator")]
+)
+async def test_a_service_renews_its_own_instances_leases_and_no_other_roles(
+    server: NatsServer, user: str, other: str
+):
+    """Two orchestrators take tasks from each other when one's lease lapses: no
+    other role may keep an orchestrator's lease alive, or let one lapse (decision 036)."""
+    async with as_user(server, user) as service:
+        kv = await service.js.key_value(NAMES.instance_bucket)
+        await kv.put(f"{user}.{user}-1", b"{}")  # its own role's key: allowed
+        assert (await kv.get(f"{user}.{user}-1")).value == b"{}"  # and it reads the bucket
+        await service.refused(
+            kv.put(f"{other}.{other}-1", b"{}"), f"$KV.SH_instances.{other}.{other}-1"
+        )
+        await service.refused(kv.put(f"{other}-1", b"{}"), f"$KV.SH_instances.{other}-1")
+
+
+@pytest.mark.parametrize("user", ["operator", "host-h1"])
+async def test_no_one_else_writes_an_instances_lease(server: NatsServer, user: str):
+    async with as_user(server, user) as someone:
+        subject = "$KV.SH_instances.orchestrator.orchestrator-1"
+        await someone.refused(someone.js.publish(subject, b"{}"), subject)
+
+
+async def test_the_operator_reads_the_instances_leases(server: NatsServer):
+    async with as_user(server, "orchestrator") as orchestrator:
+        kv = await orchestrator.js.key_value(NAMES.instance_bucket)
+        await kv.put("orchestrator.orchestrator-2", b'{"instance": "orchestrator-2"}')
+    async with as_user(server, "operator") as operator:
+        kv = await operator.js.key_value(NAMES.instance_bucket)
+        entry = await kv.get("orchestrator.orchestrator-2")
+        assert entry.value == b'{"instance": "orchestrator-2"}'
+        watcher = await kv.watchall()
+        assert (await watcher.updates(timeout=10)) is not None
+        await watcher.stop()
+        assert operator.errors.empty()
 
 
 @pytest.mark.parametrize("user", ["host-h1", "scheduler", "saver", "gateway", "operator"])
@@ -297,5 +342,8 @@ def test_the_stream_list_permissions_name_is_every_stream_made():
     a stream added to `stream_configs` but not there would be unreachable."""
     from sandhold.bus.streams import stream_configs
 
-    made = {str(c.name) for c in stream_configs(NAMES)} | {f"KV_{NAMES.lease_bucket}"}
+    made = {str(c.name) for c in stream_configs(NAMES)} | {
+        f"KV_{NAMES.lease_bucket}",
+        f"KV_{NAMES.instance_bucket}",
+    }
     assert set(NAMES.all_streams) == made

@@ -1,8 +1,10 @@
-"""Replay the checked-in task log, so a change that breaks old task logs fails loudly.
+"""Replay the checked-in task logs, so a change that breaks old task logs fails loudly.
 
 `golden/task_v1.jsonl` was written once by driving the task deciders (four
 tasks: completed with a retried clone and a retried tool step, cancelled after
-a hang warning, timed out, failed on a bad ref) and is never regenerated.
+a hang warning, timed out, failed on a bad ref) and is never regenerated; it
+predates driver claims. `golden/task_v2.jsonl` adds them: one task claimed by
+`orchestrator-1`, taken over by `orchestrator-2` mid-step, completed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from sandhold.domain.fold import fold
 from sandhold.domain.task_manifest import TaskManifest
 
 GOLDEN = Path(__file__).parent / "golden" / "task_v1.jsonl"
+GOLDEN_V2 = GOLDEN.with_name("task_v2.jsonl")
+E = "tk-c0e50b8effcff29f"
 A, B, C, D = (
     "tk-8bd4c5c6bcb98df5",
     "tk-a934a780c39c950c",
@@ -87,3 +91,24 @@ def test_a_recorded_manifest_outside_todays_rules_still_replays() -> None:
     assert state.manifest.retry.network == 99
     with pytest.raises(msgspec.ValidationError):  # a new request is still held to the rules
         msgspec.convert(manifest, TaskManifest)
+
+
+def test_a_log_from_before_driver_claims_has_no_driver(tasks: dict[str, tk.Task]) -> None:
+    assert all((t.driver, t.driver_epoch) == (None, 0) for t in tasks.values())
+
+
+def test_a_task_handed_over_between_instances_replays() -> None:
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in GOLDEN_V2.read_bytes().splitlines()]
+    assert tk.task_id_for("acme", "golden-e") == E
+    e = fold(tk.evolve, envelopes, None)
+    assert e is not None
+    assert (e.state, e.driver, e.driver_epoch) == ("completed", "orchestrator-2", 2)
+    assert tk.outputs(e) == {"build": "built\n", "notify": "ok"}
+    assert e.final_save_id == "sv-00000000000000e2"
+    # Each epoch's events were written by the instance whose claim opened it.
+    driver = None
+    for envelope in envelopes:
+        if envelope.type == "task.driver_claimed":
+            driver = envelope.actor
+        elif envelope.type != "task.submitted":
+            assert envelope.actor == driver

@@ -125,6 +125,7 @@ def served_repo(git_repo: GitRepo, name: str, files: dict[str, str]) -> str:
 
 LIFECYCLE = [
     "task.submitted",
+    "task.driver_claimed",  # by the orchestrator that took the submit (decision 036)
     "task.stage_entered:staging",
     "task.staged",
     "task.stage_entered:provisioning",

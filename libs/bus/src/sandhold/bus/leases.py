@@ -1,4 +1,7 @@
-"""Host leases in a KV bucket: a host-agent renews its key, others watch it."""
+"""Host leases in a KV bucket: a host-agent renews its key, others watch it.
+
+`RenewalWatcher` is the watching, for any lease bucket: service instances'
+leases (`instances.py`) are watched the same way."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Generic, TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
@@ -43,22 +47,46 @@ async def renew(kv: KeyValue, lease: Lease) -> None:
     await kv.put(lease.host, _encode(lease))
 
 
-class LeaseWatcher:
-    """Follows every lease and says which hosts renewed within `ttl` seconds."""
+L = TypeVar("L")
 
-    def __init__(self, kv: KeyValue, *, ttl: float) -> None:
+
+class RenewalWatcher(Generic[L]):
+    """Follows the keys of a lease bucket (those under `keys`) and says which were
+    renewed within `ttl` seconds, by this process's own monotonic clock: a key
+    counts from when a renewal of it arrived here, less the age it had on arrival.
+
+    A writer may write its own key only (permissions.py), so a value speaks for
+    its own key alone: one whose `key_of` is not the key it was written under is
+    refused.
+    """
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        *,
+        ttl: float,
+        decode: Callable[[bytes], L],
+        key_of: Callable[[L], str],
+        keys: str = ">",
+    ) -> None:
         self._kv = kv
         self._ttl = ttl
-        self._seen: dict[str, tuple[float, Lease]] = {}  # host -> (monotonic time, lease)
+        self._decode = decode
+        self._key_of = key_of
+        self._keys = keys
+        self._seen: dict[str, tuple[float, L]] = {}  # key -> (monotonic time, value)
         self._task: asyncio.Task[None] | None = None
         self._on_renewal: list[Callable[[str, bool], None]] = []
+        # The bucket's stream sequence of the last entry delivered here: everything
+        # stored before it has been seen.
+        self.revision = 0
 
     def on_renewal(self, callback: Callable[[str, bool], None]) -> None:
-        """`callback(host, was_live)` on every renewal seen."""
+        """`callback(key, was_live)` on every renewal seen."""
         self._on_renewal.append(callback)
 
     async def start(self) -> None:
-        watcher = await self._kv.watchall()
+        watcher = await self._kv.watch(self._keys)
         self._task = asyncio.create_task(self._follow(watcher))
 
     async def stop(self) -> None:
@@ -69,38 +97,52 @@ class LeaseWatcher:
 
     async def _follow(self, watcher: KeyValue.KeyWatcher) -> None:
         async for entry in watcher:
-            if entry is None or entry.value is None or entry.operation is not None:
+            if entry is None:
+                continue
+            self.revision = max(self.revision, entry.revision or 0)
+            if entry.value is None or entry.operation is not None:
                 continue
             try:
-                lease = _decode(entry.value)
+                value = self._decode(entry.value)
             except msgspec.DecodeError:
                 continue
-            if lease.host != entry.key:
-                continue  # a host may write its own key only: its value speaks for it alone
+            if self._key_of(value) != entry.key:
+                continue
             age = 0.0
             if entry.created is not None:
                 created = (
                     entry.created if entry.created.tzinfo else entry.created.replace(tzinfo=UTC)
                 )
                 age = max(0.0, (datetime.now(UTC) - created).total_seconds())
-            was_live = self.is_live(lease.host)
-            self._seen[lease.host] = (time.monotonic() - age, lease)
+            was_live = self.is_live(entry.key)
+            self._seen[entry.key] = (time.monotonic() - age, value)
             for callback in self._on_renewal:
-                callback(lease.host, was_live)
+                callback(entry.key, was_live)
 
-    def is_live(self, host: str) -> bool:
-        seen = self._seen.get(host)
+    def is_live(self, key: str) -> bool:
+        seen = self._seen.get(key)
         return seen is not None and time.monotonic() - seen[0] < self._ttl
+
+    def seen(self, key: str) -> tuple[float, L] | None:
+        """(monotonic time of the key's last renewal seen here, its value)."""
+        return self._seen.get(key)
+
+
+class LeaseWatcher(RenewalWatcher[Lease]):
+    """Follows every host's lease and says which hosts renewed within `ttl` seconds."""
+
+    def __init__(self, kv: KeyValue, *, ttl: float) -> None:
+        super().__init__(kv, ttl=ttl, decode=_decode, key_of=lambda lease: lease.host)
 
     def last_renewal(self, host: str, *, epoch: int | None = None) -> float | None:
         """The wall time of the host's last renewal seen (of `epoch`, if given)."""
-        seen = self._seen.get(host)
+        seen = self.seen(host)
         if seen is None or (epoch is not None and seen[1].epoch != epoch):
             return None
         return time.time() - (time.monotonic() - seen[0])
 
     def lease(self, host: str) -> Lease | None:
-        seen = self._seen.get(host)
+        seen = self.seen(host)
         return seen[1] if seen is not None else None
 
 

@@ -72,7 +72,7 @@ class Names(msgspec.Struct, frozen=True):
 
     @property
     def all_streams(self) -> tuple[str, ...]:
-        """Every stream sandhold keeps, the lease bucket's included."""
+        """Every stream sandhold keeps, the lease and instance buckets' included."""
         return (
             self.events_stream,
             self.output_stream,
@@ -82,6 +82,7 @@ class Names(msgspec.Struct, frozen=True):
             self.secrets_stream,
             self.connections_stream,
             f"KV_{self.lease_bucket}",
+            f"KV_{self.instance_bucket}",
         )
 
     def chunk(self, digest: str) -> str:
@@ -93,6 +94,11 @@ class Names(msgspec.Struct, frozen=True):
     @property
     def lease_bucket(self) -> str:
         return f"{self._stream_prefix}_leases"
+
+    @property
+    def instance_bucket(self) -> str:
+        """Service instances' leases (`<role>.<instance>`), for services that run twice."""
+        return f"{self._stream_prefix}_instances"
 
     def events(self, kind: str, aggregate_id: str = "*") -> str:
         return f"{self.prefix}.ev.{kind}.{aggregate_id}"

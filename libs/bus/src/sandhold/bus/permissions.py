@@ -34,6 +34,11 @@ ROLES = (
 )
 
 
+# The control-plane services: each may run as several instances, which renew
+# leases of their own in the instance bucket.
+SERVICE_ROLES = ("scheduler", "saver", "recovery", "orchestrator", "gateway", "metrics")
+
+
 class Permissions(msgspec.Struct, frozen=True, kw_only=True):
     publish: list[str]
     subscribe: list[str]
@@ -100,6 +105,12 @@ def _advisory(stream: str, durable: str) -> str:
     return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
 
 
+def _instances(names: Names, role: str) -> list[str]:
+    """A service's instances' leases (decision 036): its own role's keys to renew,
+    the whole bucket to watch."""
+    return [f"$KV.{names.instance_bucket}.{role}.>", *_read(f"KV_{names.instance_bucket}")]
+
+
 def row(
     names: Names, role: str, user: str, *, host: str | None = None, tenant: str | None = None
 ) -> Permissions | None:
@@ -130,6 +141,7 @@ def row(
                 *_read(out),
                 *_read(saves),
                 *_read(leases),
+                *_read(f"KV_{names.instance_bucket}"),
             ]
             sub = [f"{p}.ev.>", f"{p}.out.>", f"{p}.progress.>", names.ready]
         case "scheduler":
@@ -234,6 +246,8 @@ def row(
             sub = [_advisory(work, durable)]
         case _:
             raise ValueError(f"no role {role!r}; roles: {', '.join(ROLES)}")
+    if role in SERVICE_ROLES:
+        pub += _instances(names, role)
     return Permissions(
         publish=sorted({*base_pub, *pub}),
         subscribe=sorted({*base_sub, *sub}),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats.errors
 from nats.errors import NoRespondersError
@@ -121,7 +124,7 @@ async def ensure_streams(
     deadline, a request that times out or finds JetStream not ready is asked again."""
     deadline = asyncio.get_running_loop().time() + timeout_s
 
-    async def patiently(call):  # type: ignore[no-untyped-def]
+    async def patiently(call: Callable[[], Awaitable[Any]]) -> Any:
         while True:
             try:
                 return await call()
@@ -141,13 +144,10 @@ async def ensure_streams(
                 await js.update_stream(config)
 
         await patiently(add)
-    await patiently(
-        lambda: js.create_key_value(
-            KeyValueConfig(
-                bucket=names.lease_bucket, history=1, replicas=replicas, storage=StorageType.FILE
-            )
-        )
-    )
+    # Hosts' leases, and service instances' (decision 036).
+    for bucket in (names.lease_bucket, names.instance_bucket):
+        kv = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, storage=StorageType.FILE)
+        await patiently(functools.partial(js.create_key_value, kv))
 
 
 async def await_streams(js: JetStreamContext, names: Names, *, poll_s: float = 0.5) -> None:

@@ -340,6 +340,15 @@ class TaskSubmitted(TaskEvent, tag="task.submitted", frozen=True):
     tenant: str = "default"
 
 
+class TaskDriverClaimed(TaskEvent, tag="task.driver_claimed", frozen=True):
+    """An orchestrator instance drives the task from here on, in `epoch` (one more
+    than the last claim's). A runner appends only while the task's latest claim
+    is its own: a former driver's next append is refused (decision 036)."""
+
+    driver: str  # the instance, e.g. "orchestrator-2"
+    epoch: int
+
+
 class TaskStageEntered(TaskEvent, tag="task.stage_entered", frozen=True):
     stage: Literal["staging", "provisioning", "running", "completing"]
 
@@ -490,6 +499,7 @@ AnyEvent = (
     | HostFenced
     | HostRegistered
     | TaskSubmitted
+    | TaskDriverClaimed
     | TaskStageEntered
     | TaskOperationFailed
     | TaskStaged

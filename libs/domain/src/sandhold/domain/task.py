@@ -191,6 +191,10 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     final_save_id: str | None = None
     hang_warnings: int = 0
     requests: dict[str, str] = {}  # idempotency key -> digest
+    # The orchestrator instance that drives it, and the epoch of its claim
+    # (`task.driver_claimed`; none yet: 0). Only that epoch's runner may write.
+    driver: str | None = None
+    driver_epoch: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -231,6 +235,8 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
         return state
     state = replace(state, updated_at=at)
     match event:
+        case ev.TaskDriverClaimed():
+            return replace(state, driver=event.driver, driver_epoch=event.epoch)
         case ev.TaskStageEntered(stage=stage):
             return replace(state, state=stage, stage_entered_at=at)
         case ev.TaskOperationFailed():

@@ -1,4 +1,5 @@
-"""`python -m sandhold.orchestrator --nats URL --work-dir DIR [--prefix P]`"""
+"""`python -m sandhold.orchestrator --nats URL --work-dir DIR [--prefix P] [--instance NAME]
+[--lease-ttl S] [--fence-margin S]`"""
 
 from __future__ import annotations
 
@@ -36,6 +37,20 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("SANDHOLD_HTTP_EGRESS", "public"),
         help="where http tool steps may go: public addresses only (default), or any",
     )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=float(os.environ.get("SANDHOLD_ORCHESTRATOR_LEASE_TTL", "5")),
+        help="seconds this instance holds its lease without a renewal: past it, its "
+        "runners stop until it renews (default 5; renewed every min(1, ttl/4) s)",
+    )
+    p.add_argument(
+        "--fence-margin",
+        type=float,
+        default=float(os.environ.get("SANDHOLD_ORCHESTRATOR_FENCE_MARGIN", "2")),
+        help="extra seconds, past --lease-ttl, without a renewal seen before a twin "
+        "instance's tasks are taken over (default 2)",
+    )
     return p
 
 
@@ -48,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             proof_window_s=a.proof_window,
             decision_wait_s=a.decision_wait,
             http_egress=a.http_egress,
+            lease_ttl_s=a.lease_ttl,
+            fence_margin_s=a.fence_margin,
         ),
         parser(),
         argv,

@@ -25,6 +25,8 @@ import math
 import random
 import shutil
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sandhold.bus.ports import SYSTEM_CLOCK, Aggregates, Clock, OutputReader
@@ -34,6 +36,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain import task_policy as policy
 from sandhold.domain.errors import Rejected
+from sandhold.domain.task_driver import SUPERSEDED, check_driver
 from sandhold.orchestrator.faults import fault
 from sandhold.orchestrator.git import CloneFailed, clone
 from sandhold.orchestrator.http_tool import HttpTool
@@ -60,6 +63,21 @@ class StageOver(Exception):
     """The current stage's work appended the event that ends it (or the task)."""
 
 
+class Superseded(Exception):
+    """This runner's claim is no longer the task's latest (another instance took
+    the task over), or its instance's lease lapsed: it stops, writing nothing."""
+
+
+@dataclass(frozen=True)
+class DriverClaim:
+    """What a runner drives its task under: `instance`'s claim of `epoch`, good
+    while `held()` (the instance's lease, in the term the claim was made in)."""
+
+    instance: str
+    epoch: int
+    held: Callable[[], bool]
+
+
 class Runner:
     def __init__(
         self,
@@ -73,9 +91,11 @@ class Runner:
         proof_window_s: float,
         decision_wait_s: float,
         http: HttpTool,
+        driver: DriverClaim,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.task_id = task_id
+        self.driver = driver
         self._tasks = tasks
         self.sandboxes = sandboxes
         self._store = save_store
@@ -108,16 +128,37 @@ class Runner:
         """Append on the state the decision was made on. On a conflict (a cancel
         request came first) the same events are appended on the newer state,
         unless the task has ended meanwhile (another writer ended it): then
-        nothing is appended and this stage's work stops."""
+        nothing is appended and this stage's work stops. Every append of a runner
+        passes here, so this is where one whose claim was superseded is stopped."""
 
         def decide(state: tk.Task | None) -> list[ev.AnyEvent]:
-            return [] if state is None or state.terminal else list(events)
+            if state is None or state.terminal:
+                return []
+            check_driver(state, self.driver.epoch)
+            return list(events)
 
-        executed = await self._tasks.follow_up(self.task_id, decide, why=why)
+        try:
+            executed = await self._tasks.follow_up(self.task_id, decide, why=why)
+        except Rejected as err:
+            if err.code == SUPERSEDED:
+                raise Superseded(err.message) from err
+            raise
         assert executed.state is not None
         if not executed.appended:
             raise StageOver
         return executed.state
+
+    def ensure_driving(self) -> None:
+        """Before acting outside the log (a tool's call, a command's request): this
+        instance still holds its lease and the task's latest claim is still ours.
+        The log refuses a superseded runner's next append; this keeps one that
+        woke up after its lease lapsed from acting before it gets there."""
+        if not self.driver.held():
+            raise Superseded(f"{self.driver.instance}'s lease lapsed")
+        try:
+            check_driver(self.state, self.driver.epoch)
+        except Rejected as err:
+            raise Superseded(err.message) from err
 
     async def run(self) -> None:
         while True:
@@ -147,6 +188,9 @@ class Runner:
                 timeout=None if math.isinf(seconds) else max(0.0, seconds),
                 return_when=asyncio.FIRST_COMPLETED,
             )
+        except asyncio.CancelledError:
+            work.cancel()  # the runner is stopped (taken over, fenced): its work too
+            raise
         finally:
             cancelled.cancel()
         if work in done:

@@ -1,10 +1,12 @@
-"""The orchestrator: takes task requests and drives every unfinished task.
+"""The orchestrator: takes task requests and drives unfinished tasks.
 
 Requests (`<prefix>.req.task.<verb>.<tenant>`) come off the REQUESTS work queue: decode
 strictly → decide on the task's folded state → append behind the fence →
-reply → ack. Every task not yet ended has one runner; at start-up the
-orchestrator replays every task and starts a runner for each unfinished one,
-which resumes from the task's ledger.
+reply → ack. Any instance decides any request. Every task not yet ended has one
+runner, in the one instance that drives it (decision 036): the instance that
+took its submit claims it (`task.driver_claimed`), and a task whose driver's
+lease lapsed — or that was left unclaimed — is claimed by whichever instance
+gets there first. A runner resumes from the task's ledger.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -20,17 +23,19 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import secret_store
 from sandhold.bus.answering import RequestKinds, answer
+from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
-from sandhold.bus.service import Shell
+from sandhold.bus.service import Shell, instance_name
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_views import TaskReply, task_view
 from sandhold.domain.views import ErrorBody
+from sandhold.orchestrator.driving import Driving
 from sandhold.orchestrator.faults import check_configuration
 from sandhold.orchestrator.http_tool import Egress, HttpTool
-from sandhold.orchestrator.runner import Runner, task_sandbox_id
+from sandhold.orchestrator.runner import Runner, Superseded, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -52,9 +57,14 @@ class Orchestrator:
         proof_window_s: float = 100.0,
         decision_wait_s: float = 60.0,
         http_egress: Egress = "public",
+        lease_ttl_s: float = 5.0,
+        fence_margin_s: float = 2.0,
     ) -> None:
         self._names = names
         self._shell = Shell(self.name, nats_url, names)
+        self._instance = instance_name(self.name)
+        self._lease_ttl_s = lease_ttl_s
+        self._fence_margin_s = fence_margin_s
         self._work_dir = work_dir
         # JetStream remembers message ids for 120 s (the streams' duplicate window):
         # inside this margin a re-send shows whether a request had left.
@@ -62,7 +72,10 @@ class Orchestrator:
         self._decision_wait_s = decision_wait_s
         self._http = HttpTool(egress=http_egress)
         self._runners: dict[str, asyncio.Task[None]] = {}
+        self._runner_terms: dict[str, int] = {}  # the lease term each runner started in
         self._live: dict[str, Runner] = {}
+        # Tasks that may need a runner: unfinished, or ended with their sandbox up.
+        self._pending: set[str] = set()
         # Each task's sandbox id (it follows from the task), and the last phase
         # seen of it here: a sandbox that comes up after its task ended is released.
         self._task_of_sandbox: dict[str, str] = {}
@@ -76,10 +89,22 @@ class Orchestrator:
             shell.on_close(self._close_http)
             self._output = OutputLog(shell.js, self._names)
             sandbox_store = shell.store("sandbox", sb.evolve)
-            self.tasks = shell.store("task", tk.evolve)
+            # Each instance appends as itself: the log says which one drove what.
+            self.tasks = shell.store("task", tk.evolve, actor=self._instance)
             self._sandbox_store = sandbox_store
             self._sandboxes = Sandboxes(shell.nc, self._names, sandbox_store)
             self._save_store = SaveStore(shell.nc, self._names)
+            self._driving = Driving(
+                self.tasks,
+                await instance_bucket(shell.js, self._names),
+                self.name,
+                self._instance,
+                lease_ttl_s=self._lease_ttl_s,
+                fence_margin_s=self._fence_margin_s,
+            )
+            await self._driving.start()
+            shell.on_close(self._driving.twins.stop)
+            shell.spawn(self._driving.lease.run(), "lease renewal")
             self.tasks.listen(self._task_changed)
             await shell.start_stores()
             consumer = ConsumerConfig(
@@ -91,13 +116,12 @@ class Orchestrator:
                 max_deliver=10,
                 filter_subject=self._names.requests("task"),
             )
-            for task_id in self.tasks.ids():
-                self._ensure_runner(task_id)
             sandbox_store.listen(self._sandbox_changed)
+            shell.spawn(self._watch_tasks(), "task claims")
             await shell.work_queue(
                 self._names.requests_stream, consumer, self._handle, batch=16, what="task requests"
             )
-            log.info("orchestrator ready: %d unfinished task(s) resumed", len(self._runners))
+            log.info("%s ready: %d task(s) may need a runner", self._instance, len(self._pending))
             await shell.serve()
 
     async def shutdown(self) -> None:
@@ -118,7 +142,9 @@ class Orchestrator:
     async def _handle(self, msg: Msg) -> None:
         request = await answer(self._nc, self._names, msg, _REQUESTS, self._decide)
         if request is not None:
-            self._ensure_runner(tk.aggregate_of(request))
+            # A submit is driven where it was taken (tasks spread as requests do);
+            # a cancel is acted on by the task's driver, or here if it has none live.
+            self._ensure_runner(tk.aggregate_of(request), asked=True)
 
     async def _decide(self, request: tk.AnyTaskRequest) -> bytes:
         task_id = tk.aggregate_of(request)
@@ -146,17 +172,67 @@ class Orchestrator:
         reply = TaskReply(ok=True, task=task_view(executed.state))
         return _fitting(reply, self._nc.max_payload)
 
+    # --- which tasks this instance drives -------------------------------------------
+
+    async def _watch_tasks(self) -> None:
+        """While the lease has lapsed, no runner runs here (the self-fence); once it
+        is held again, every task that wants a driver and has no live one is claimed."""
+        lease, fenced = self._driving.lease, False
+        while True:
+            if not lease.held():
+                if not fenced:
+                    log.error(
+                        "%s could not renew its lease for %.1fs: its runners stop until it does",
+                        self._instance,
+                        lease.ttl,
+                    )
+                    fenced = True
+                self._stop_runners(lambda term: True, why="the lease lapsed")
+            else:
+                if fenced:
+                    log.warning("%s renewed its lease again: claiming anew", self._instance)
+                    fenced = False
+                self._stop_runners(lambda term: term != lease.term, why="the lease lapsed")
+                if self._driving.may_claim():
+                    for task_id in list(self._pending):
+                        self._ensure_runner(task_id)
+            await asyncio.sleep(lease.interval / 2)
+
+    def _stop_runners(self, started_in: Callable[[int], bool], *, why: str) -> None:
+        for task_id, runner in self._runners.items():
+            if not runner.done() and started_in(self._runner_terms.get(task_id, 0)):
+                log.warning("%s: %s's runner stops: %s", task_id, self._instance, why)
+                runner.cancel()
+
     # --- runners ------------------------------------------------------------------
 
     def _task_changed(self, task_id: str) -> None:
+        state, _ = self.tasks.get(task_id)
+        if state is None:
+            return
         runner = self._live.get(task_id)
         if runner is not None:
             runner.changed.set()
+            if state.driver_epoch != runner.driver.epoch:
+                # Taken over: whatever it does next would be refused (and a tool's
+                # call is no append): it stops now.
+                log.warning(
+                    "%s: taken over by %s (epoch %d); %s's runner stops",
+                    task_id,
+                    state.driver,
+                    state.driver_epoch,
+                    self._instance,
+                )
+                drive = self._runners.get(task_id)
+                if drive is not None:
+                    drive.cancel()
+        if not state.terminal:
+            self._pending.add(task_id)
+        elif not self._holds_a_sandbox(state):
+            self._pending.discard(task_id)  # nothing left to do for it, here or anywhere
         if task_id not in self._sandbox_up:
-            state, _ = self.tasks.get(task_id)
-            if state is not None:
-                self._task_of_sandbox[task_sandbox_id(state)] = task_id
-                self._sandbox_up[task_id] = False
+            self._task_of_sandbox[task_sandbox_id(state)] = task_id
+            self._sandbox_up[task_id] = False
 
     def _sandbox_changed(self, sandbox_id: str) -> None:
         """A task's sandbox that comes up after the task ended (its create was
@@ -169,9 +245,10 @@ class Orchestrator:
         up = sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
         came_up, self._sandbox_up[task_id] = up and not self._sandbox_up[task_id], up
         if came_up and state is not None and state.terminal:
+            self._pending.add(task_id)
             self._ensure_runner(task_id)
 
-    def _ensure_runner(self, task_id: str) -> None:
+    def _ensure_runner(self, task_id: str, *, asked: bool = False) -> None:
         state, _ = self.tasks.get(task_id)
         if state is None:
             return
@@ -180,8 +257,15 @@ class Orchestrator:
             return
         if state.terminal and not self._holds_a_sandbox(state):
             self._runners.pop(task_id, None)  # a finished runner is not kept forever
+            self._runner_terms.pop(task_id, None)
+            self._pending.discard(task_id)
+            self._driving.forget(task_id)
             return
-        self._runners[task_id] = asyncio.create_task(self._drive(task_id))
+        if not self._driving.may_claim() or not self._driving.wants(state, asked=asked):
+            return
+        term = self._driving.lease.term
+        self._runners[task_id] = asyncio.create_task(self._drive(task_id, term))
+        self._runner_terms[task_id] = term
 
     async def _forget_secrets(self, task_id: str) -> None:
         """A task that ended needs its secrets no more."""
@@ -199,9 +283,26 @@ class Orchestrator:
         sandbox = self._sandboxes.state(sandbox_id)
         return sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
 
-    async def _drive(self, task_id: str) -> None:
-        """One runner at a time per task; one that fails is replaced by a new one,
-        which treats whatever it finds claimed as interrupted (it was)."""
+    async def _drive(self, task_id: str, term: int) -> None:
+        """One runner at a time per task, once this instance's claim of it is in the
+        log (an ended task's sandbox is released without one); a runner that fails
+        is replaced by a new one, which treats whatever it finds claimed as
+        interrupted (it was)."""
+        state, _ = self.tasks.get(task_id)
+        if state is None:
+            return
+        epoch = state.driver_epoch
+        if not state.terminal:
+            try:
+                with context.carry(self.tasks.trace_of(task_id)):  # the task's, as its runner
+                    claimed = await self._driving.claim(task_id, term)
+            except Exception as err:  # NATS away: the next look claims it again
+                log.warning("%s: %s could not claim it: %r", task_id, self._instance, err)
+                return
+            if claimed is None:
+                return
+            epoch = claimed
+        driver = self._driving.runner_claim(epoch, term)
         delay = 0.5
         while not self._shell.stopping:
             runner = Runner(
@@ -214,6 +315,7 @@ class Orchestrator:
                 proof_window_s=self._proof_window_s,
                 decision_wait_s=self._decision_wait_s,
                 http=self._http,
+                driver=driver,
             )
             self._live[task_id] = runner
             try:
@@ -226,9 +328,14 @@ class Orchestrator:
                 await self._forget_secrets(task_id)
                 if self._runners.get(task_id) is asyncio.current_task():
                     del self._runners[task_id]
+                    self._runner_terms.pop(task_id, None)
+                    self._driving.forget(task_id)
                 return
             except asyncio.CancelledError:
                 raise
+            except Superseded as err:
+                log.warning("%s: %s's runner stops: %s", task_id, self._instance, err)
+                return
             except Exception:
                 log.exception("runner of %s failed; a new one resumes from the ledger", task_id)
                 await asyncio.sleep(delay * (1 + random.random()))

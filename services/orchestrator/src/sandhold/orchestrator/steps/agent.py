@@ -71,6 +71,7 @@ class AgentStep:
             request = await _with_secrets(runner, record, instance)
             if request is None:
                 return
+            runner.ensure_driving()
             sent = await runner.sandboxes.send(request)
             fault("after_send", instance.id)
             await runner.append(
@@ -123,6 +124,7 @@ class AgentStep:
         request = await _with_secrets(runner, record, instance)
         if request is None:
             return False
+        runner.ensure_driving()
         sent = await runner.sandboxes.send(request)
         if not sent.duplicate:
             # Provably stillborn: the request had never been stored. This is its first send.

@@ -46,6 +46,7 @@ class HttpStep:
             record = await runner.claim(instance, runner.next_attempt(record))
         assert step.http is not None
         call = policy.render_call(step.http, instance, tk.outputs(runner.state))
+        runner.ensure_driving()
         unsendable = False
         try:
             status, body = await runner.http.perform(call, record.idempotency_key)

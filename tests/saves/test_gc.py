@@ -56,3 +56,24 @@ async def test_gc_aborts_when_a_retained_manifest_is_missing(store: SaveStore) -
     with pytest.raises(GcAborted, match="sv-gone"):
         await collect_garbage(store, ["sv-a", "sv-gone"], now=time.time() + 1e6)
     assert set(await store.stored_chunks()) == {sha(old)}  # nothing deleted
+
+
+async def test_gc_that_may_no_longer_delete_deletes_nothing(store: SaveStore) -> None:
+    # A saver whose store claim lapsed while it loaded manifests: the twin that
+    # took it over may be verifying a save that needs these very chunks.
+    old = os.urandom(100)
+    await store.put_chunk(sha(old), old)
+    asked: list[bool] = []
+
+    def may_delete() -> bool:
+        asked.append(True)
+        return False
+
+    with pytest.raises(GcAborted, match="no longer allowed"):
+        await collect_garbage(store, [], now=time.time() + 1e6, grace_s=0, may_delete=may_delete)
+    assert asked == [True]
+    assert set(await store.stored_chunks()) == {sha(old)}
+    stats = await collect_garbage(
+        store, [], now=time.time() + 1e6, grace_s=0, may_delete=lambda: True
+    )
+    assert stats.deleted_chunks == 1

@@ -7,6 +7,10 @@ JetStream announces it on `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<
 the consumer's owner takes it from there: the sender of a request gets an
 error reply (the `Sh-Reply` inbox is in the message), the failure is logged
 and counted, and the message is deleted from the stream.
+
+Every instance of a service watches its consumer's advisories in one queue
+group, so each advisory is handled (answered, counted) once, however many
+instances share the consumer.
 """
 
 from __future__ import annotations
@@ -72,4 +76,4 @@ async def watch(nc: NATS, stream: str, consumer: str, *, what: str) -> Subscript
         with contextlib.suppress(NotFoundError):
             await js.delete_msg(stream, advisory.stream_seq)
 
-    return await nc.subscribe(advisory_subject(stream, consumer), cb=on_advisory)
+    return await nc.subscribe(advisory_subject(stream, consumer), queue=consumer, cb=on_advisory)

@@ -109,6 +109,7 @@ class Follower(Generic[T]):
         self._require_fence = fence_required(stream)
         self.caught_up = asyncio.Event()
         self._target = 0
+        self._moved = asyncio.Event()  # set whenever the position moves on
         self._sub: JetStreamContext.PushSubscription | None = None
 
     async def start(self, *, timeout: float | None = 60.0, target: int | None = None) -> None:
@@ -169,6 +170,15 @@ class Follower(Generic[T]):
         self.position = seq
         if seq >= self._target:
             self.caught_up.set()
+        self._moved.set()
+
+    async def reach(self, seq: int, *, timeout: float) -> None:
+        """Wait until every message up to sequence `seq` is handled (or passed
+        over); `TimeoutError` after `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            while self.position < seq:
+                self._moved.clear()
+                await self._moved.wait()
 
 
 async def read_range(

@@ -95,6 +95,17 @@ class AggregateStore(Generic[S]):
         if self._follower is not None:
             await self._follower.stop()
 
+    async def catch_up(self, *, timeout: float = 30.0) -> None:
+        """Wait until every event of this kind the log holds now is folded here: a
+        barrier before judging all aggregates at once (what garbage collection may
+        delete, where a sandbox fits), since another instance of this service may
+        have appended a moment ago. `TimeoutError` when the follower cannot get
+        there in `timeout` seconds; nothing to wait for without a follower."""
+        if self._follower is None:
+            return
+        last = await last_sequence(self._js, self._stream, self._names.events(self._kind, ">"))
+        await self._follower.reach(last, timeout=timeout)
+
     def listen(self, callback: Callable[[str], None]) -> None:
         """`callback(aggregate_id)` after every change to an aggregate."""
         self._listeners.append(callback)

@@ -5,14 +5,15 @@ is never collected, so chunks uploaded for a save whose manifest is not yet
 stored (or not yet retained) survive until it is. What the age cannot
 protect: a save in flight that *reuses* an old chunk no retained save names.
 Run GC and "verify, then append SaveCompleted" mutually exclusive (the saver
-does both) and read the retained ids inside that exclusion: a chunk GC
+does both, in the one instance holding its store claim) and read the retained
+ids inside that exclusion: a chunk GC
 deleted is then seen missing by the verification, and that save fails
 instead of completing broken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 from sandhold.saves._bounded import for_each
@@ -49,12 +50,17 @@ async def collect_garbage(
     *,
     now: float,
     grace_s: float = 3600.0,
+    may_delete: Callable[[], bool] | None = None,
 ) -> GcStats:
     """Delete unreferenced chunks older than `grace_s`.
 
+    `may_delete` is asked once what to delete is known, right before deleting:
+    where the exclusion with verification is a claim held across processes
+    (the saver's), a collector that lost it while loading manifests stops there.
+
     Raises:
-        GcAborted: a retained save's manifest could not be loaded; nothing was
-            deleted (never delete on incomplete knowledge).
+        GcAborted: a retained save's manifest could not be loaded, or `may_delete`
+            said no; nothing was deleted (never delete on incomplete knowledge).
     """
     if grace_s < 0:
         raise ValueError(f"grace_s must not be negative, not {grace_s}")
@@ -70,6 +76,8 @@ async def collect_garbage(
 
     await for_each(save_ids, load, concurrency=8)
     doomed = collectable(stored, retained, now=now, grace_s=grace_s)
+    if doomed and may_delete is not None and not may_delete():
+        raise GcAborted("garbage collection aborted, nothing deleted: no longer allowed to")
     deleted = await store.delete_chunks(doomed) if doomed else 0
     referenced: set[str] = set()
     for manifest in retained:

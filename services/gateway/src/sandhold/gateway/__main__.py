@@ -26,7 +26,11 @@ def parser() -> argparse.ArgumentParser:
         default=".sandhold",
         help="where the read model and the token file live (default .sandhold)",
     )
-    p.add_argument("--read-model", help="the read model's SQLite file (default DATA/gateway/...)")
+    p.add_argument(
+        "--read-model",
+        help="the read model's SQLite file (default DATA/gateway/read-model.sqlite, "
+        "DATA/gateway/INSTANCE/read-model.sqlite for an --instance): one per gateway",
+    )
     p.add_argument("--tokens", help="the token file (default DATA/tokens.json)")
     p.add_argument(
         "--keepalive",
@@ -46,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
             host=a.host,
             port=a.port,
             fd=a.fd,
-            read_model_path=Path(a.read_model) if a.read_model else read_model_path(data),
+            read_model_path=(
+                Path(a.read_model) if a.read_model else read_model_path(data, a.instance)
+            ),
             tokens_path=Path(a.tokens) if a.tokens else tokens_path(data),
             keepalive_s=a.keepalive,
         )
@@ -54,8 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     run_service(make, parser(), argv)
 
 
-def read_model_path(data_dir: Path) -> Path:
-    return data_dir / "gateway" / "read-model.sqlite"
+def read_model_path(data_dir: Path, instance: str | None = None) -> Path:
+    """Each gateway's own read model: `gateway/read-model.sqlite` for the one
+    called `gateway`, `gateway/<instance>/read-model.sqlite` for any other
+    (`gateway-2`), so gateways sharing a data dir never share the file."""
+    if instance is None or instance == "gateway":
+        return data_dir / "gateway" / "read-model.sqlite"
+    if not instance or instance.startswith(".") or "/" in instance:
+        raise ValueError(f"{instance!r} is not an instance name")
+    return data_dir / "gateway" / instance / "read-model.sqlite"
 
 
 def tokens_path(data_dir: Path) -> Path:

@@ -10,13 +10,20 @@ and `sandhold replay --verify` can compare it with a fresh fold of the log.
 
 Dropping the file loses nothing: `rebuild()` replays the log from the start
 (`sandhold admin rebuild-read-model`).
+
+One gateway writes a read model: each instance has its own file (its default
+path names the instance), and a second writer opening one is refused (a lock
+on `<file>.lock`) instead of interleaving positions with the first. Readers
+(`sandhold replay --verify`) need no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -124,6 +131,28 @@ async def connect(path: Path) -> aiosqlite.Connection:
     return db
 
 
+class ReadModelInUse(RuntimeError):
+    """Another gateway writes this read model."""
+
+
+def lock_writer(path: Path) -> int:
+    """Hold `<path>.lock` for this process's writer (a descriptor to close to let
+    go; the lock also goes with the process). `ReadModelInUse` when another holds it."""
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ReadModelInUse(
+            f"{path} is the read model of another gateway (pid {holder}): give each gateway "
+            "its own (--read-model, or --instance: the default path names the instance)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class ReadModel:
     """The projection, its writer (one connection) and its reader (another).
 
@@ -143,9 +172,11 @@ class ReadModel:
         self._cache_size = cache_size
         self._write_lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
+        self._lock_fd: int | None = None
 
     async def open(self) -> ReadModel:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_writer(self.path)
         self._writer = await connect(self.path)
         await self._writer.executescript(SCHEMA)
         if await self._meta("schema") != SCHEMA_VERSION:
@@ -171,6 +202,9 @@ class ReadModel:
                 with contextlib.suppress(Exception):
                     await db.close()
         self._reader = self._writer = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # and with it the lock
+            self._lock_fd = None
 
     async def _meta(self, key: str) -> str | None:
         assert self._writer is not None

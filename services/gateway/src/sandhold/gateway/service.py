@@ -3,7 +3,9 @@
 `run()` connects, opens (or rebuilds) the read model, starts following the
 log, serves HTTP, and announces itself on `<prefix>.svc.ready` with its port.
 `<prefix>.admin.rebuild-read-model` (core request/reply) rebuilds the read
-model from the log; `sandhold admin rebuild-read-model` sends it.
+model from the log; `sandhold admin rebuild-read-model` sends it. Every gateway
+hears it and rebuilds its own read model (one each), answering with its
+instance's name: a caller that wants them all collects every answer.
 `<prefix>.api.<tenant>` is the same API over NATS, for tenants' own clients
 (natsapi.py).
 """
@@ -22,7 +24,7 @@ import uvicorn
 from nats.aio.msg import Msg
 from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names
-from sandhold.bus.service import Shell
+from sandhold.bus.service import Shell, instance_name
 from sandhold.gateway.app import create_app
 from sandhold.gateway.natsapi import NatsApi
 from sandhold.gateway.readmodel import ReadModel
@@ -85,12 +87,13 @@ class Gateway:
                 if reflected(msg.headers):
                     log.error("a bounced stored message on %s: dropped", msg.subject)
                     return
+                instance = instance_name(self.name)
                 try:
                     counts = await read_model.rebuild(js)
-                    body: dict[str, object] = {"ok": True, **counts}
+                    body: dict[str, object] = {"ok": True, "instance": instance, **counts}
                 except Exception as err:  # noqa: BLE001 - reported to the caller
                     log.exception("read model rebuild failed")
-                    body = {"ok": False, "error": str(err)}
+                    body = {"ok": False, "instance": instance, "error": str(err)}
                 await msg.respond(msgspec.json.encode(body))
 
             await shell.nc.subscribe(rebuild_subject(self._names), cb=on_rebuild)

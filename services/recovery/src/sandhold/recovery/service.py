@@ -7,6 +7,13 @@ unfinished saves fail. Only once `lease_ttl + fence_margin` have passed since
 the last renewal it saw does it declare the host `fenced` (and each sandbox):
 by then a host-agent that cannot renew has killed its processes and stopped
 writing. Nothing is restarted here: the next start or command does that.
+
+Two recovery services at once (docs/deploy.md): both watch the leases and
+decide on the same log; each declaration is appended once (the fence; a
+sandbox's with the same id from both). The first to see a host's lease run
+out declares it, so before declaring, one reads the lease itself: a watcher
+that fell behind (its own connection slow, its node lagging) must not declare
+a host lost that its twin sees renewing.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ class Recovery:
 
     async def run(self) -> None:
         async with self._shell as shell:
-            kv = await leases.lease_bucket(shell.js, self._names)
+            kv = self._kv = await leases.lease_bucket(shell.js, self._names)
             settings = leases.RecoverySettings(lease_ttl_s=self._ttl, fence_margin_s=self._margin)
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
             self.hosts = shell.store("host", host_domain.evolve)
@@ -87,7 +94,7 @@ class Recovery:
                 # Never renewed since this recovery service started: count from then.
                 last = self.leases.last_renewal(host_id, epoch=host.epoch)
                 last = last if last is not None else max(host.registered_at, self._started_at)
-                if now - last > self._ttl:
+                if now - last > self._ttl and not await self._renewed_unseen(host_id):
                     fence_at = last + self._ttl + self._margin
                     log.warning(
                         "host %s lost (epoch %d): no renewal for %.1fs",
@@ -107,6 +114,25 @@ class Recovery:
                 await self._host_follow_up(
                     host_id, lambda h, e=host.epoch: host_domain.decide_fenced(h, epoch=e), "fenced"
                 )
+
+    async def _renewed_unseen(self, host_id: str) -> bool:
+        """Whether the lease bucket holds a renewal of `host_id` newer than the last
+        one the watcher delivered here (then the watcher is behind, not the host)."""
+        try:
+            entry = await self._kv.get(host_id)
+            stored = msgspec.json.decode(entry.value or b"", type=leases.Lease)
+        except Exception:  # no lease, or none readable: nothing newer to go by
+            return False
+        if stored.host != host_id:
+            return False  # a value speaks for its own key only
+        seen = self.leases.lease(host_id)
+        if seen is not None and (stored.epoch, stored.renewed_at) <= (seen.epoch, seen.renewed_at):
+            return False
+        log.warning(
+            "host %s renewed its lease after the last renewal seen here: not declared lost",
+            host_id,
+        )
+        return True
 
     async def _check_sandboxes(self) -> None:
         now = time.time()

@@ -26,6 +26,13 @@ def parser() -> argparse.ArgumentParser:
         default=3600.0,
         help="never collect a chunk younger than this (saves in flight)",
     )
+    p.add_argument(
+        "--claim-ttl",
+        type=float,
+        default=5.0,
+        help="where savers run twice: seconds before one takes verification and "
+        "garbage collection over from a twin that stopped renewing its claim (default 5)",
+    )
     return p
 
 
@@ -38,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             keep_last=a.keep_last,
             gc_interval_s=a.gc_interval,
             gc_grace_s=a.gc_grace,
+            claim_ttl=a.claim_ttl,
         ),
         parser(),
         argv,

@@ -5,6 +5,14 @@ due; whenever a sandbox changes it sends the save work its state calls for,
 verifies uploaded saves against the save store (manifest and every chunk it
 names) before appending `SaveCompleted`, fails saves that took too long, and
 applies retention. Now and then it collects chunks no retained save needs.
+
+Two savers at once (docs/deploy.md): scheduling, timeouts, retention and save
+instructions are decided by both, on the same state, with the same ids, so the
+fence lets one append and the other's is the same event (one save per
+schedule slot: its id is `scheduled@<seq>`). Verification and garbage
+collection judge the save store together and must take turns, across
+processes too: only the instance holding the claim `saver.claim.store` does
+them (claims.py), and `<prefix>.admin.gc` is answered by that one.
 """
 
 from __future__ import annotations
@@ -13,18 +21,25 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 
 import msgspec
+from sandhold.bus.claims import Claim, claim_bucket
 from sandhold.bus.codec import reflected
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
-from sandhold.bus.service import Shell
+from sandhold.bus.service import Shell, instance_name
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
-from sandhold.domain.errors import SandholdError
-from sandhold.saves import SaveStore, collect_garbage
+from sandhold.domain.errors import InfraError, SandholdError
+from sandhold.domain.saves import SaveRecord
+from sandhold.saves import CorruptManifest, MissingManifest, SaveStore, collect_garbage
 
 log = logging.getLogger("sandhold.saver")
+
+# How long a verification that found something missing waits before it looks
+# again (a replica behind the leader), the last time failing the save.
+LAGGING_REPLICA_RETRIES_S = (0.2, 0.5, 1.0)
 
 
 class Saver:
@@ -40,9 +55,13 @@ class Saver:
         keep_last: int = 5,
         gc_interval_s: float = 600.0,
         gc_grace_s: float = 3600.0,
+        instance: str | None = None,
+        claim_ttl: float = 5.0,
     ) -> None:
         self._names = names
         self._shell = Shell(self.name, nats_url, names)
+        self.instance = instance or instance_name(self.name)
+        self._claim_ttl = claim_ttl
         self._tick_s = tick_s
         self._save_timeout_s = save_timeout_s
         self._keep_last = keep_last
@@ -54,8 +73,10 @@ class Saver:
             trace_of=lambda sid: self.sandboxes.trace_of(sid),
         )
         # Verification and garbage collection take turns, so GC never judges the
-        # store while a save is between "all chunks present" and SaveCompleted.
+        # store while a save is between "all chunks present" and SaveCompleted;
+        # across processes, only the holder of the store claim does either.
         self._store_lock = asyncio.Lock()
+        self._duty_taken = asyncio.Event()
 
     async def run(self) -> None:
         async with self._shell as shell:
@@ -64,6 +85,17 @@ class Saver:
             self.sandboxes = shell.store("sandbox", sb.evolve)
             self.sandboxes.listen(self._mark_dirty)
             await shell.start_stores()
+            self.duty = Claim(
+                await claim_bucket(shell.js, self._names),
+                self.name,
+                "store",
+                self.instance,
+                ttl=self._claim_ttl,
+                on_change=self._duty_changed,
+            )
+            await self.duty.look()  # free (the first saver, or one given up): verify at once
+            shell.spawn(self.duty.run(), "store claim")
+            shell.on_close(self.duty.release)
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
             shell.spawn(self._schedule(), "schedule")
@@ -78,6 +110,15 @@ class Saver:
 
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)
+
+    def _duty_changed(self, held: bool) -> None:
+        if not held:
+            self._duty_taken.clear()
+            return
+        self._duty_taken.set()
+        # Saves a former holder left unverified are this instance's to verify now.
+        for sandbox_id in self.sandboxes.ids():
+            self._mark_dirty(sandbox_id)
 
     # --- the schedule -----------------------------------------------------------
 
@@ -119,9 +160,10 @@ class Saver:
             return
         for host, work in policy.save_work(state):
             await send_work(self._js, self._names, host, work)
-        for save in policy.awaiting_verification(state):
-            async with self._store_lock:
-                await self._verify(sandbox_id, save.id)
+        if self.duty.held():  # else the twin holding the store claim verifies
+            for save in policy.awaiting_verification(state):
+                async with self._store_lock:
+                    await self._verify(sandbox_id, save.id)
         if policy.expired(state, keep_last=self._keep_last):
             await self._follow_up(
                 sandbox_id,
@@ -130,24 +172,22 @@ class Saver:
             )
 
     async def _verify(self, sandbox_id: str, save_id: str) -> None:
+        if not self.duty.held():
+            return  # lapsed while garbage collection had the lock: the new holder verifies
         state, _ = self.sandboxes.get(sandbox_id)
         assert state is not None
         save = state.saves[save_id]
-        problems: list[str] = []
-        total_bytes = files = 0
-        try:
-            manifest = await self.store.get_manifest(save_id, digest=save.manifest_digest)
-        except SandholdError as err:
-            problems.append(f"manifest: {err}")
-        else:
-            total_bytes, files = manifest.total_bytes, manifest.files
-            # Chunks new in this save are read back and re-hashed; the rest were
-            # verified with the parent and only need to be present.
-            known: set[str] = set()
-            if save.parent_id:
-                with contextlib.suppress(SandholdError):
-                    known = (await self.store.get_manifest(save.parent_id)).digests
-            problems += await self.store.verify(manifest, recheck=manifest.digests - known)
+        # On a replicated stream any replica answers a direct get, and one a moment
+        # behind the leader has not got what the host stored just before it said
+        # so: what is missing is looked for again, briefly, before the save fails.
+        for delay in (*LAGGING_REPLICA_RETRIES_S, None):
+            problems, total_bytes, files = await self._check(save)
+            if not problems or delay is None or not self.duty.held():
+                break
+            log.info("save %s: %s; looking again in %.2fs", save_id, problems[0], delay)
+            await asyncio.sleep(delay)
+        if not self.duty.held():
+            return  # lapsed meanwhile: whoever holds the claim now verifies it afresh
         await self._follow_up(
             sandbox_id,
             lambda s: (
@@ -164,11 +204,33 @@ class Saver:
             "failed verification: " + "; ".join(problems) if problems else "completed",
         )
 
+    async def _check(self, save: SaveRecord) -> tuple[list[str], int, int]:
+        """What stops `save` from counting (nothing: verified), its bytes and files.
+        A store that cannot be reached raises: "could not check" fails nothing."""
+        try:
+            manifest = await self.store.get_manifest(save.id, digest=save.manifest_digest)
+        except (MissingManifest, CorruptManifest) as err:
+            return [f"manifest: {err}"], 0, 0
+        except InfraError as err:
+            if err.retryable:
+                raise
+            return [f"manifest: {err}"], 0, 0
+        # Chunks new in this save are read back and re-hashed; the rest were
+        # verified with the parent and only need to be present.
+        known: set[str] = set()
+        if save.parent_id:
+            with contextlib.suppress(SandholdError):
+                known = (await self.store.get_manifest(save.parent_id)).digests
+        problems = await self.store.verify(manifest, recheck=manifest.digests - known)
+        return problems, manifest.total_bytes, manifest.files
+
     # --- garbage collection -----------------------------------------------------
 
     async def _collector(self) -> None:
         while True:
             await asyncio.sleep(self._gc_interval_s)
+            if not self.duty.held():
+                continue  # the twin holding the store claim collects
             try:
                 await self.collect_garbage()
             except Exception:
@@ -176,38 +238,79 @@ class Saver:
 
     async def collect_garbage(self, grace_s: float | None = None) -> dict[str, object]:
         async with self._store_lock:
+            if not self.duty.held():
+                raise NotHolding(
+                    f"{self.instance} does not hold the store claim "
+                    f"(held by {self.duty.seen_holder}): it neither verifies nor collects"
+                )
             return await self._collect(self._gc_grace_s if grace_s is None else grace_s)
 
     async def _collect(self, grace_s: float) -> dict[str, object]:
-        retained: list[str] = []
-        dropped: list[str] = []
-        for sandbox_id in self.sandboxes.ids():
-            state, _ = self.sandboxes.get(sandbox_id)
-            if state is not None:
-                retained += policy.retained(state)
-                dropped += policy.dropped(state)
+        # What the log says now, including what a former holder appended a moment ago.
+        await self.sandboxes.catch_up()
+        states = (self.sandboxes.get(sandbox_id)[0] for sandbox_id in self.sandboxes.ids())
+        retained, dropped = retained_and_dropped(s for s in states if s is not None)
         # Manifests of expired and failed saves go first; then every chunk that
         # no retained manifest names (and that is older than the grace) goes too.
         manifests = 0
         for save_id in sorted(set(dropped) - set(retained)):
             if await self.store.delete_manifest(save_id):
                 manifests += 1
-        stats = await collect_garbage(self.store, retained, now=time.time(), grace_s=grace_s)
+        stats = await collect_garbage(
+            self.store, retained, now=time.time(), grace_s=grace_s, may_delete=self.duty.held
+        )
         result = {**msgspec.structs.asdict(stats), "deleted_manifests": manifests}
         log.info("garbage collection: %s", result)
         return result
 
     async def _on_gc_request(self, msg) -> None:
-        """`<prefix>.admin.gc` (core request/reply): collect now, answer with the counts."""
+        """`<prefix>.admin.gc` (core request/reply): collect now, answer with the counts.
+
+        Every saver hears it; the one holding the store claim answers. Another
+        answers only if the claim comes to it while the caller still waits (its
+        holder is gone), so a request is answered once, however many savers run."""
         if reflected(msg.headers):
             log.error("a bounced stored message on %s: not a request, dropped", msg.subject)
             return
+        if not self.duty.held():
+            handover = self.duty.ttl + self.duty.margin + 2 * self.duty.interval
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._duty_taken.wait(), handover)
+            if not self.duty.held():
+                log.info(
+                    "%s: %s left to %s, which holds the store claim",
+                    self.instance,
+                    msg.subject,
+                    self.duty.seen_holder,
+                )
+                return
         try:
             body = msgspec.json.decode(msg.data) if msg.data else {}
             result = {"ok": True, **await self.collect_garbage(body.get("grace_s"))}
         except Exception as err:  # the caller gets the reason; the saver carries on
             result = {"ok": False, "error": str(err)}
-        await msg.respond(msgspec.json.encode(result))
+        await msg.respond(msgspec.json.encode({**result, "instance": self.instance}))
 
     async def _follow_up(self, sandbox_id: str, decide, why: str) -> None:
         await self.sandboxes.follow_up(sandbox_id, decide, why=why)
+
+
+class NotHolding(SandholdError):
+    """This saver does not hold the store claim: its twin verifies and collects."""
+
+
+def retained_and_dropped(states: Iterable[sb.Sandbox]) -> tuple[list[str], list[str]]:
+    """The saves garbage collection keeps (with every chunk they name), and those
+    whose manifests it removes.
+
+    Kept: what retention keeps, and saves uploaded and awaiting verification. A
+    verification by a former holder of the store claim (paused past its claim)
+    may still append `SaveCompleted` for one; its chunks stay until it ends one
+    way or the other, as the log will say at the next collection."""
+    retained: set[str] = set()
+    dropped: set[str] = set()
+    for state in states:
+        retained.update(policy.retained(state))
+        retained.update(s.id for s in policy.awaiting_verification(state))
+        dropped.update(policy.dropped(state))
+    return sorted(retained), sorted(dropped)

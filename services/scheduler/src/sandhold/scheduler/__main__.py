@@ -26,6 +26,13 @@ def parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a stop may take, final save included, unless a sandbox sets one",
     )
+    p.add_argument(
+        "--claim-ttl",
+        type=float,
+        default=5.0,
+        help="where schedulers run twice: seconds before one takes placement over from "
+        "a twin that stopped renewing its claim (default 5)",
+    )
     return p
 
 
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
             Names(a.prefix),
             lease_ttl=a.lease_ttl,
             defaults=Defaults(save_interval_s=a.save_interval, stop_deadline_s=a.stop_deadline),
+            claim_ttl=a.claim_ttl,
         ),
         parser(),
         argv,

@@ -5,6 +5,15 @@ on the sandbox's folded state → append behind the fence → reply → ack. A
 second loop reconciles: after any change to a sandbox it runs the domain's
 level-triggered `plan` (place, dispatch, not_launched, stop, destroy) until
 nothing is left to do, and sends the host work that state calls for.
+
+Two schedulers at once (docs/deploy.md): they share the request queue (one
+durable consumer: each request goes to one of them, and a redelivered one is
+answered again from its key), and both reconcile every sandbox; the fence lets
+one append each decision and their host work carries the same message ids,
+which JetStream de-duplicates. Placement alone counts across sandboxes (a
+host's free slots), so only the scheduler holding the claim
+`scheduler.claim.placement` places (claims.py), from a fold caught up with
+the log when it took the claim: two never fill one host's last slot twice.
 """
 
 from __future__ import annotations
@@ -18,9 +27,10 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import leases, secret_store
 from sandhold.bus.answering import RequestKinds, answer
+from sandhold.bus.claims import Claim, claim_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
-from sandhold.bus.service import Shell
+from sandhold.bus.service import Shell, instance_name
 from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
@@ -34,6 +44,10 @@ from sandhold.saves.errors import CorruptManifest, MissingManifest
 from sandhold.saves.store import SaveStore
 
 log = logging.getLogger("sandhold.scheduler")
+
+# How long a seed not found waits before it is looked for again (a replica behind
+# the leader), the last time refusing the request.
+LAGGING_REPLICA_RETRIES_S = (0.1, 0.3, 0.6)
 
 _reply_encoder = msgspec.json.Encoder()
 
@@ -49,9 +63,14 @@ class Scheduler:
         lease_ttl: float = 5.0,
         defaults: sb.Defaults = sb.Defaults(),  # noqa: B008 - frozen
         durable: str = "scheduler",
+        instance: str | None = None,
+        claim_ttl: float = 5.0,
     ) -> None:
         self._names = names
         self._shell = Shell(self.name, nats_url, names)
+        self.instance = instance or instance_name(self.name)
+        self._claim_ttl = claim_ttl
+        self._placing_term: int | None = None  # the claim's term this one places in
         self._lease_ttl = lease_ttl
         self._defaults = defaults
         self._durable = durable
@@ -74,6 +93,17 @@ class Scheduler:
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
+            self.placement = Claim(
+                await claim_bucket(shell.js, self._names),
+                self.name,
+                "placement",
+                self.instance,
+                ttl=self._claim_ttl,
+                on_change=self._placement_changed,
+            )
+            await self.placement.look()  # free (the first scheduler, or one given up): place now
+            shell.spawn(self.placement.run(), "placement claim")
+            shell.on_close(self.placement.release)
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
             # Sandbox and command requests; task requests are the orchestrator's.
@@ -260,10 +290,20 @@ class Scheduler:
         state, _ = self.sandboxes.get(sandbox_id)
         if state is not None:
             return  # already created: the aggregate answers the retry
-        try:
-            manifest = await SaveStore(self._nc, self._names).get_manifest(save_id, digest=digest)
-        except (MissingManifest, CorruptManifest):
-            manifest = None
+        store = SaveStore(self._nc, self._names)
+        manifest = None
+        # Staged a moment ago: a replica behind the leader may answer the direct
+        # get without it (a replicated stream), so "missing" is asked again, briefly.
+        for delay in (*LAGGING_REPLICA_RETRIES_S, None):
+            try:
+                manifest = await store.get_manifest(save_id, digest=digest)
+            except CorruptManifest:
+                break
+            except MissingManifest:
+                if delay is not None:
+                    await asyncio.sleep(delay)
+                    continue
+            break
         if manifest is None or manifest.sandbox_id != sandbox_id:
             raise Rejected("seed_not_found", f"no save {save_id} staged for sandbox {sandbox_id}")
 
@@ -278,6 +318,37 @@ class Scheduler:
 
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)
+
+    # --- placement: one scheduler at a time ------------------------------------
+
+    def _placement_changed(self, held: bool) -> None:
+        self._placing_term = None
+        if held:
+            term = self.placement.term
+            self._shell.spawn(self._ready_to_place(term), f"placement term {term}")
+
+    async def _ready_to_place(self, term: int) -> None:
+        """Place only from a fold that has every placement made so far, a former
+        holder's of a moment ago included: count each host's sandboxes right."""
+        while self.placement.held() and self.placement.term == term:
+            try:
+                await self.hosts.catch_up()
+                await self.sandboxes.catch_up()
+            except Exception as err:  # NATS away: placing waits, the rest goes on
+                log.warning("catching up before placing: %r; trying again", err)
+                await asyncio.sleep(1.0)
+                continue
+            if self.placement.held() and self.placement.term == term:
+                self._placing_term = term
+                log.info("%s places sandboxes (term %d)", self.instance, term)
+                for sandbox_id in self.sandboxes.ids():
+                    self._mark_dirty(sandbox_id)
+            return
+
+    def _places(self) -> bool:
+        return self._placing_term is not None and (
+            self.placement.held() and self.placement.term == self._placing_term
+        )
 
     def _host_renewed(self, host: str, was_live: bool) -> None:
         if was_live:
@@ -338,6 +409,8 @@ class Scheduler:
         )
 
     def _choose_host(self, state: sb.Sandbox) -> str | None:
+        if not self._places():
+            return None  # the scheduler holding the placement claim places it
         load: dict[str, int] = {}
         for sandbox_id in self.sandboxes.ids():
             other, _ = self.sandboxes.get(sandbox_id)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Sections of docs/benchmarks.md, in the order they appear.
-SECTIONS = ["append", "rebuild", "exec_roundtrip", "create_running"]
+SECTIONS = ["append", "rebuild", "exec_roundtrip", "create_running", "failover", "cluster"]
 
 # Used only when docs/benchmarks.md does not exist yet; its intro is kept by hand.
 DOC_HEAD = """# Benchmarks

@@ -23,6 +23,7 @@ SCRIPTS = [
     "recovery.py",
     "tracing_cost.py",
     "isolation.py",
+    "cluster.py",
 ]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 

@@ -49,7 +49,7 @@ class Up:
 
     def start(self, timeout: float | None = None) -> Up:
         if timeout is None:  # three nodes and two of every service take longer
-            timeout = 120.0 if "--nodes" in self.extra else 60.0
+            timeout = 150.0 if "--nodes" in self.extra else 70.0
         self.process = subprocess.Popen(
             [SANDHOLD, "--data-dir", str(self.data_dir), "up", *self.extra],
             stdout=subprocess.PIPE,

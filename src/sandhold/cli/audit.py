@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -199,18 +200,40 @@ def _position(db: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-async def rebuild_read_model(client: Client, *, timeout: float) -> int:
-    """Ask the gateway to drop its read model and rebuild it from the log."""
+async def rebuild_read_model(client: Client, *, timeout: float, gateways: int = 1) -> int:
+    """Ask every gateway to drop its read model and rebuild it from the log (each
+    keeps its own): one answer per gateway, `gateways` of them expected."""
     from sandhold.gateway.service import rebuild_subject
 
+    inbox = client.nc.new_inbox()
+    answers: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_answer(msg) -> None:
+        await answers.put(msg.data)
+
+    sub = await client.nc.subscribe(inbox, cb=on_answer)
+    results: list[dict[str, Any]] = []
     try:
-        reply = await client.nc.request(rebuild_subject(client.names), b"{}", timeout=timeout)
-    except Exception as err:  # noqa: BLE001 - no responders, timeout
-        print(f"sandhold: no gateway answered ({err!r}); is it running?", file=sys.stderr)
+        await client.nc.publish(rebuild_subject(client.names), b"{}", reply=inbox)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(results) < gateways:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                results.append(msgspec.json.decode(await asyncio.wait_for(answers.get(), left)))
+            except TimeoutError:
+                break
+    finally:
+        await sub.unsubscribe()
+    for result in results:
+        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+    if len(results) < gateways:
+        print(
+            f"sandhold: {len(results)} of {gateways} gateway(s) answered within {timeout}s; "
+            "is every one running?",
+            file=sys.stderr,
+        )
         return 1
-    result = msgspec.json.decode(reply.data)
-    sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
-    return 0 if result.get("ok") else 1
+    return 0 if all(r.get("ok") for r in results) else 1
 
 
 async def export(client: Client, sandbox_id: str | None, since: str | None) -> int:

@@ -20,6 +20,7 @@ async def status(client: Client, runtime: dict[str, Any], *, as_json: bool) -> i
         "streams": await _streams(client),
         "services": await _services(client, runtime),
         "hosts": await _hosts(client),
+        "leases": await _instance_leases(client),
     }
     if as_json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
@@ -84,6 +85,35 @@ async def _hosts(client: Client) -> list[dict[str, Any]]:
     return found
 
 
+async def _instance_leases(client: Client) -> list[dict[str, Any]]:
+    """Every key of the instance bucket: instances' leases (`orchestrator.orchestrator-2`)
+    and duties' claims (`saver.claim.store`), with who holds each and how long ago
+    it was renewed by the holder's clock (decisions 036, 037)."""
+    try:
+        kv = await client.js.key_value(client.names.instance_bucket)
+        keys = await kv.keys()
+    except Exception:  # noqa: BLE001 - no bucket (an older deployment) or no key yet
+        return []
+    now, found = time.time(), []
+    for key in sorted(keys):
+        try:
+            entry = await kv.get(key)
+            value = msgspec.json.decode(entry.value or b"{}")
+        except Exception:  # noqa: BLE001 - gone since listed, or not ours to read
+            continue
+        renewed = value.get("renewed_at")
+        found.append(
+            {
+                "key": key,
+                "holder": value.get("holder") or value.get("instance"),
+                "pid": value.get("pid"),
+                "renewed_s_ago": None if renewed is None else max(0.0, now - renewed),
+                "ttl_s": value.get("ttl_s"),
+            }
+        )
+    return found
+
+
 def _alive(pid: object) -> bool:
     if not isinstance(pid, int):
         return False
@@ -122,3 +152,11 @@ def _print(report: dict[str, Any]) -> None:
     for h in report["hosts"]:
         age = h["renewed_s_ago"]
         print(f"  {h['host']}  lease renewed {'-' if age is None else f'{age:.1f}s ago'}")
+    if report["leases"]:
+        print("leases and claims")
+    for lease in report["leases"]:
+        age = lease["renewed_s_ago"]
+        print(
+            f"  {lease['key']}  held by {lease['holder']} (pid {lease['pid']})  "
+            f"renewed {'-' if age is None else f'{age:.1f}s ago'}, ttl {lease['ttl_s']}s"
+        )

@@ -215,7 +215,9 @@ async def _host(args: argparse.Namespace, client: Client) -> int:
 
 async def _admin(args: argparse.Namespace, client: Client) -> int:
     if args.action == "rebuild-read-model":
-        return await audit.rebuild_read_model(client, timeout=args.timeout)
+        services = _runtime(Path(args.data_dir)).get("services", {})
+        gateways = sum(1 for name in services if name.split("-")[0] == "gateway") or 1
+        return await audit.rebuild_read_model(client, timeout=args.timeout, gateways=gateways)
     body = {} if args.grace is None else {"grace_s": args.grace}
     reply = await client.nc.request(
         f"{client.names.prefix}.admin.gc", msgspec.json.encode(body), timeout=300
@@ -750,7 +752,16 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "host-agent": ["--lease-ttl", str(args.lease_ttl), "--driver", args.driver],
             "metrics": ["--metrics-port", str(args.metrics_port)],
-            "orchestrator": ["--http-egress", args.http_egress],
+            # The same lease settings as hosts: a task's driver is taken over as
+            # a host is declared fenced (decision 036).
+            "orchestrator": [
+                "--http-egress",
+                args.http_egress,
+                "--lease-ttl",
+                str(args.lease_ttl),
+                "--fence-margin",
+                str(args.fence_margin),
+            ],
         }
         service_args["scheduler"] += ["--lease-ttl", str(args.lease_ttl)]
         raise SystemExit(

@@ -123,6 +123,8 @@ class Runtime:
             )
             self.nodes = self.server.nodes
         self.replicas = 1 if nodes == 1 else 3
+        # A cluster elects its leaders while the services start: longer to be ready.
+        self.ready_s = 60.0 if nodes == 1 else 120.0
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
         self._stop = asyncio.Event()
@@ -226,6 +228,10 @@ class Runtime:
         return children
 
     def _write_runtime(self) -> None:
+        from sandhold.gateway.__main__ import read_model_path
+
+        gateways = instance_names("gateway", self.instances)
+        read_models = [read_model_path(self.data_dir, name) for name in gateways]
         body = {
             "nats_url": self.server.url,
             "prefix": self.names.prefix,
@@ -243,7 +249,11 @@ class Runtime:
             "gateway": {
                 "url": self.gateway_url,
                 "port": self.gateway_port,
-                "read_model": str(self.data_dir / "gateway" / "read-model.sqlite"),
+                # The first gateway's; every gateway keeps its own (`read_models`).
+                "read_model": str(read_models[0]),
+                "read_models": {
+                    name: str(path) for name, path in zip(gateways, read_models, strict=True)
+                },
                 "tokens": str(self.data_dir / "tokens.json"),
             },
         }
@@ -296,7 +306,7 @@ class Runtime:
             for child in self.children:
                 child.start()
             self._write_runtime()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + self.ready_s
             while not all(c.ready_key in ready for c in self.children):
                 if time.monotonic() > deadline or self._stop.is_set():
                     missing = [c.name for c in self.children if c.ready_key not in ready]

@@ -35,6 +35,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
+from nats.js.errors import ServiceUnavailableError
 from sandhold.bus import credentials as creds
 from sandhold.bus import deadletters
 from sandhold.bus.credentials import Credentials
@@ -147,9 +148,21 @@ class Shell:
         durable = config.durable_name
         assert durable is not None
         # Named as well as durable: the create request's subject then carries
-        # its name and filter, which is what a permission can pin.
-        await self.js.add_consumer(stream, config.evolve(name=config.name or durable))
-        sub = await self.js.pull_subscribe_bind(durable, stream)
+        # its name and filter, which is what a permission can pin. A cluster
+        # electing a leader (just started, or a node gone) answers late or
+        # "unavailable": asked again until it answers.
+        said = False
+        while True:
+            try:
+                await self.js.add_consumer(stream, config.evolve(name=config.name or durable))
+                sub = await self.js.pull_subscribe_bind(durable, stream)
+                break
+            except (nats.errors.TimeoutError, ServiceUnavailableError) as err:
+                if not said:
+                    log.warning("%s: consumer %s not made yet (%r); asking again", self.name,
+                                durable, err)  # fmt: skip
+                    said = True
+                await asyncio.sleep(0.5)
         await deadletters.watch(self.nc, stream, durable, what=what)
         return self.spawn(consume(sub, handle, batch=batch, what=what), what)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 
-import nats
 from _common import (
     ROOT,
     arguments,
@@ -43,17 +43,12 @@ from sandhold.bus.server import NatsCluster
 from sandhold.client import connect
 from sandhold.domain.task_manifest import parse_manifest
 
+sys.path.insert(0, str(ROOT))  # the test harness `sandhold_up` runs, and its helpers
+from tests.support.procs import alive  # noqa: E402
+
 MANIFEST = parse_manifest(
     b"name: failover\nrepository: {url: 'git://127.0.0.1:9/none.git'}\nagent: {command: [true]}\n"
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def _until(predicate, timeout: float = 120.0) -> None:
@@ -66,8 +61,8 @@ async def _until(predicate, timeout: float = 120.0) -> None:
 
 async def _settled(up, client) -> None:
     """Every process `up` runs is alive again and every stream is led and current."""
-    await _until(lambda: all(_alive(p) for p in up.runtime["services"].values()))
-    await _until(lambda: all(_alive(n["pid"]) for n in up.runtime["nats_nodes"]))
+    await _until(lambda: all(alive(p) for p in up.runtime["services"].values()))
+    await _until(lambda: all(alive(n["pid"]) for n in up.runtime["nats_nodes"]))
 
     async def current() -> bool:
         for stream in client.names.all_streams:
@@ -159,9 +154,7 @@ async def appends(rounds: int) -> list[list[str]]:
         cluster = NatsCluster(data)
         cluster.start()
         try:
-            nc = await nats.connect(cluster.admin_urls)
-            await _leader_ready(nc)
-            await nc.close()
+            # (one_run makes the streams, which waits for the new cluster's leaders)
             await one_run(cluster.admin_urls, None, "sandhold", 91, plan[:100])  # warm
             for r in range(rounds):
                 for variant, key in (("sandhold", "three"), ("plain", "raw3")):
@@ -178,18 +171,6 @@ async def appends(rounds: int) -> list[list[str]]:
     return [
         [labels[k], rate(median(v)), f"{min(v):,.0f}–{max(v):,.0f}"] for k, v in results.items()
     ]
-
-
-async def _leader_ready(nc) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            await nc.jetstream().account_info()
-            return
-        except Exception:  # noqa: BLE001 - no meta leader yet
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
 
 
 async def exec_latency(count: int) -> list[list[str]]:

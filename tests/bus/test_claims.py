@@ -9,7 +9,8 @@ from pathlib import Path
 
 import nats
 from sandhold.bus import credentials
-from sandhold.bus.claims import Claim, claim_bucket
+from sandhold.bus.claims import Claim
+from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer
 from sandhold.bus.service import connect
@@ -21,7 +22,7 @@ TTL = 1.0
 
 
 async def _claims(nc: nats.NATS, names: Names, *holders: str, **kw) -> list[Claim]:
-    kv = await claim_bucket(nc.jetstream(), names)
+    kv = await instance_bucket(nc.jetstream(), names)
     return [Claim(kv, "saver", "store", holder, ttl=TTL, **kw) for holder in holders]
 
 
@@ -124,11 +125,11 @@ async def test_a_service_holds_its_own_roles_claims_and_no_other_roles(tmp_path:
             own = credentials.load(credentials.path_of(server.credentials_dir, role))
             conns[role] = await connect(server.url, name=role, credentials=own)
         try:
-            saver_kv = await claim_bucket(conns["saver"].jetstream(), names)
+            saver_kv = await instance_bucket(conns["saver"].jetstream(), names)
             mine = Claim(saver_kv, "saver", "store", "saver-1", ttl=TTL)
             await mine.look()
             assert mine.held()
-            scheduler_kv = await claim_bucket(conns["scheduler"].jetstream(), names)
+            scheduler_kv = await instance_bucket(conns["scheduler"].jetstream(), names)
             placement = Claim(scheduler_kv, "scheduler", "placement", "scheduler-1", ttl=TTL)
             await placement.look()
             assert placement.held()

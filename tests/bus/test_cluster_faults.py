@@ -27,8 +27,9 @@ from tests.support.netns import HostNet
 from tests.support.waiting import wait_until
 
 # nats-py leaves the socket of a refused reconnect (to the node just killed or
-# cut off) for the garbage collector: a warning about the library, not a fault
-# of what is tested here; any other warning still fails these tests.
+# cut off) for the garbage collector, which reports it as an unraisable
+# ResourceWarning: the library's, not a fault of what is tested here. Other
+# warnings still fail these tests; other unraisable exceptions do not.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning"),
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),

@@ -56,14 +56,33 @@ async def test_a_twin_that_stops_renewing_is_no_longer_live(nc: nats.NATS, names
     lease = OwnLease(kv, ROLE, "orchestrator-2", ttl=0.5)
     watcher = InstanceWatcher(kv, ROLE, ttl=0.8)
     await watcher.start()
+    sent = time.monotonic()  # the renewal cannot arrive before it was sent
     await lease.renew()
     await wait_until(lambda: watcher.has_seen(lease.term_revision), what="the renewal seen")
-    renewed = time.monotonic()
     assert watcher.is_live("orchestrator-2")
     await wait_until(
         lambda: not watcher.is_live("orchestrator-2"), timeout=5, what="the twin not live"
     )
-    assert time.monotonic() - renewed >= 0.7  # not before its ttl (less the seen age)
+    assert time.monotonic() - sent >= 0.75  # not before the watcher's ttl
+    await watcher.stop()
+
+
+async def test_a_twin_holding_a_longer_lease_is_live_for_as_long_as_it_holds(
+    nc: nats.NATS, names: Names
+):
+    """Each instance may be given its own --lease-ttl: a watcher with a shorter
+    one must not count a twin dead while that twin still holds its lease."""
+    kv = await instance_bucket(nc.jetstream(), names)
+    lease = OwnLease(kv, ROLE, "orchestrator-2", ttl=2.0)
+    watcher = InstanceWatcher(kv, ROLE, ttl=0.5, margin=0.2)
+    await watcher.start()
+    sent = time.monotonic()
+    await lease.renew()
+    await wait_until(lambda: watcher.has_seen(lease.term_revision), what="the renewal seen")
+    await wait_until(
+        lambda: not watcher.is_live("orchestrator-2"), timeout=10, what="the twin not live"
+    )
+    assert time.monotonic() - sent >= 2.1  # its own ttl (2 s) and the margin, not ours
     await watcher.stop()
 
 

@@ -28,6 +28,8 @@ ROLES = [
     ("gateway", None),
     ("operator", None),
     ("orchestrator", None),
+    ("recovery", None),
+    ("metrics", None),
 ]
 HOSTS = ["h1", "h2"]
 TENANTS = ["acme", "globex"]
@@ -165,8 +167,10 @@ async def test_a_service_renews_its_own_instances_leases_and_no_other_roles(
         await service.refused(kv.put(f"{other}-1", b"{}"), f"$KV.SH_instances.{other}-1")
 
 
-@pytest.mark.parametrize("user", ["operator", "host-h1"])
+@pytest.mark.parametrize("user", ["operator", "host-h1", "gateway", "recovery", "metrics"])
 async def test_no_one_else_writes_an_instances_lease(server: NatsServer, user: str):
+    """Only roles that hold leases or claims write the bucket: not the gateway,
+    which faces tenants, nor recovery or metrics, which hold none."""
     async with as_user(server, user) as someone:
         subject = "$KV.SH_instances.orchestrator.orchestrator-1"
         await someone.refused(someone.js.publish(subject, b"{}"), subject)

@@ -107,6 +107,17 @@ def test_nodes_3_runs_one_cluster_with_r3_streams_and_two_of_every_service(cup: 
     status = asyncio.run(wait_until(replicated, timeout=30, what="every stream R3, led, current"))
     assert {s["stream"] for s in status["streams"]} >= {"SH_EVENTS", "SH_REQUESTS"}
     assert {i["instance"] for i in status["services"] if i["alive"]} >= expected
+
+    def leases() -> dict | None:
+        held = {lease["key"]: lease["holder"] for lease in _status(cup)["leases"]}
+        wanted = {"orchestrator.orchestrator-1", "orchestrator.orchestrator-2"}
+        duties = {"saver.claim.store", "scheduler.claim.placement"}
+        return held if wanted | duties <= set(held) else None
+
+    # Each orchestrator's lease, and each duty held by one of its service's instances.
+    held = asyncio.run(wait_until(leases, timeout=30, what="leases and claims held"))
+    assert held["saver.claim.store"] in {"saver-1", "saver-2"}
+    assert held["scheduler.claim.placement"] in {"scheduler-1", "scheduler-2"}
     created = cup.cli_json("sandbox", "create", "--wait")
     ran = cup.cli("exec", created["id"], "--", "sh", "-c", "echo hello; exit 3")
     assert ran.returncode == 3 and ran.stdout == "hello\n", ran.stderr

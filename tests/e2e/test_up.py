@@ -336,3 +336,20 @@ async def test_up_started_with_a_strict_umask_runs_sandboxes_and_keeps_its_files
         strict.stop()
     read_model = tmp_path / "data" / "gateway" / "read-model.sqlite"
     assert read_model.stat().st_mode & 0o077 == 0
+
+
+async def test_a_killed_nats_server_is_started_again_on_its_port_and_store(own_up: Up):
+    """`up` supervises its server as it does its services: killed, it comes back
+    where the services left it, with the log it had."""
+    created = own_up.cli_json("sandbox", "create", "--wait")
+    old = own_up.runtime["nats_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def restarted() -> bool:
+        now = own_up.runtime["nats_pid"]
+        return now != old and alive(now)
+
+    await wait_until(restarted, timeout=30, what="the server started again")
+    assert own_up.runtime["nats_url"] == own_up.nats_url  # the same port
+    ran = own_up.cli("exec", created["id"], "--", "sh", "-c", "echo back")
+    assert ran.returncode == 0 and ran.stdout == "back\n", ran.stderr

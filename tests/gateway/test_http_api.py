@@ -255,10 +255,16 @@ async def test_without_the_bus_requests_are_503_problems(tmp_path):
     try:
         async with gw.http() as http:
             assert (await http.get("/api/v1/sandboxes")).status_code == 200
-            os.kill(gw.up.runtime["nats_pid"], signal.SIGKILL)
-            for method, path in (("POST", "/api/v1/sandboxes"), ("GET", "/api/v1/sandboxes")):
-                body = problem(await http.request(method, path, timeout=60), 503, "unavailable")
-                assert body["retryable"] is True
+            # `up` starts a dead server again: paused, it cannot, and the bus stays gone.
+            assert gw.up.process is not None
+            os.kill(gw.up.process.pid, signal.SIGSTOP)
+            try:
+                os.kill(gw.up.runtime["nats_pid"], signal.SIGKILL)
+                for method, path in (("POST", "/api/v1/sandboxes"), ("GET", "/api/v1/sandboxes")):
+                    answer = await http.request(method, path, timeout=60)
+                    assert problem(answer, 503, "unavailable")["retryable"] is True
+            finally:
+                os.kill(gw.up.process.pid, signal.SIGCONT)
     finally:
         gw.up.stop()
 

@@ -41,9 +41,9 @@ QUICK_RETRY = {"base_delay": "0.1s", "max_delay": "0.5s"}
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+def up(tmp_path_factory: pytest.TempPathFactory, topology: tuple[str, ...]) -> Iterator[Up]:
     # The http steps' receivers are on this machine's loopback: allowed when asked.
-    running = Up(tmp_path_factory.mktemp("up") / "data", "--http-egress", "any").start()
+    running = Up(tmp_path_factory.mktemp("up") / "data", "--http-egress", "any", *topology).start()
     try:
         yield running
     finally:
@@ -150,6 +150,7 @@ def lifecycle(records: list[Any]) -> list[str]:
     return out
 
 
+@pytest.mark.cluster
 async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_final_save(
     client: Client, git_repo: GitRepo, git_daemon: GitDaemon
 ):
@@ -337,6 +338,7 @@ def step_events(records: list[Any]) -> list[tuple[str, str]]:
     ]
 
 
+@pytest.mark.cluster
 async def test_a_pipeline_runs_its_steps_and_loop_items_in_order_rendering_from_the_ledger(
     client: Client, git_repo: GitRepo, git_daemon: GitDaemon
 ):
@@ -543,6 +545,7 @@ async def test_a_command_that_keeps_printing_is_never_warned(client: Client):
 # --- 8. cancel ------------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 async def test_cancelling_a_running_task_interrupts_its_command(client: Client, up: Up):
     task_id = await submit(client, agent=sh("echo started; exec sleep 60"))
 
@@ -670,6 +673,7 @@ def receiver() -> Iterator[Receiver]:
         running.thread.join(timeout=10)
 
 
+@pytest.mark.cluster
 async def test_an_http_step_sends_its_request_with_an_idempotency_key(
     client: Client, receiver: Receiver
 ):

@@ -36,11 +36,9 @@ from tests.orchestrator.test_task_faults import Receiver
 from tests.support.waiting import Readiness, wait_until
 
 LEASE_TTL, FENCE_MARGIN = 3.0, 1.0
-LEASES = {
-    # Every orchestrator `up` starts reads these (their flags' defaults).
-    "SANDHOLD_ORCHESTRATOR_LEASE_TTL": str(LEASE_TTL),
-    "SANDHOLD_ORCHESTRATOR_FENCE_MARGIN": str(FENCE_MARGIN),
-}
+# `up` gives its orchestrators (and hosts, and recovery) these; the test's own
+# twin gets the same flags.
+LEASES = ("--lease-ttl", str(LEASE_TTL), "--fence-margin", str(FENCE_MARGIN))
 # Request decisions are any instance's; everything else is its driver's.
 REQUESTED = {"task.submitted", "task.cancel_requested"}
 
@@ -56,7 +54,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """`sandhold up --instances 2`: orchestrator-1 and orchestrator-2 (and two of
     every other service), restarted by `up` if they die."""
     data_dir = tmp_path_factory.mktemp("pair") / "data"
-    running = Up(data_dir, "--instances", "2", "--http-egress", "any", env=LEASES)
+    running = Up(data_dir, "--instances", "2", "--http-egress", "any", *LEASES)
     running.start(timeout=120)
     try:
         yield running
@@ -126,7 +124,7 @@ class Twin:
 async def solo_and_twin(tmp_path: Path) -> AsyncIterator[tuple[Up, Twin, Client]]:
     """`up`'s one orchestrator (`orchestrator`) and a twin of the test's own
     (`orchestrator-2`), both serving."""
-    up = Up(tmp_path / "data", "--http-egress", "any", env=LEASES).start()
+    up = Up(tmp_path / "data", "--http-egress", "any", *LEASES).start()
     twin = Twin(up, "orchestrator-2")
     try:
         c = await connect(up.url)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import nats
 from sandhold.bus.names import Names
@@ -117,16 +118,22 @@ async def test_the_twin_of_a_placing_scheduler_that_died_places_after_the_claim_
             timeout=20,
             what="placed while both run",
         )
+        held_until = placer.placement.held_until  # by this process's clock, as the twin's
         await running.kill(placer)  # no release: its claim runs out
-        killed_at = asyncio.get_running_loop().time()
         after = await client.create_sandbox(key="after")  # answered by the twin
+        took_over = await wait_until(
+            lambda: twin.placement.held() and time.monotonic(),
+            timeout=CLAIM_TTL * 5 + 10,
+            interval=0.005,
+            what="the twin holding the claim",
+        )
+        # Not before the dead one's hold ran out: it might only have been paused.
+        assert took_over >= held_until
         await wait_until(
             lambda: (twin.sandboxes.get(after.id)[0] or sb_none).host == "h1",
             timeout=CLAIM_TTL * 5 + 10,
             what="placed by the twin",
         )
-        # Not before the claim ran out: the dead one might only have been paused.
-        assert asyncio.get_running_loop().time() - killed_at >= CLAIM_TTL
         assert twin.placement.held()
     finally:
         await client.close()

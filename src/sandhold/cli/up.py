@@ -125,6 +125,7 @@ class Runtime:
         self.replicas = 1 if nodes == 1 else 3
         # A cluster elects its leaders while the services start: longer to be ready.
         self.ready_s = 60.0 if nodes == 1 else 120.0
+        self._node_restarts: dict[str, tuple[int, float]] = {}  # name -> (restarts, when)
         self.children: list[Child] = []
         self.metrics_ports: dict[str, int] = {}  # service -> its /metrics port
         self._stop = asyncio.Event()
@@ -158,11 +159,18 @@ class Runtime:
     def _servers(self, index: int) -> str:
         return ",".join(servers_for([node.url for node in self.nodes], index))
 
+    def _work_dir(self, service: str, instance: str) -> list[str]:
+        """Each orchestrator its own checkouts: a runner superseded mid-clone
+        removes its own work, never its successor's (decision 036)."""
+        if service != "orchestrator":
+            return []
+        work = self.data_dir / "orchestrator"
+        return ["--work-dir", str(work if instance == service else work / instance)]
+
     def _children(self) -> list[Child]:
         logs = self.data_dir / "logs"
         extra = self.service_args
         own: dict[str, list[str]] = {
-            "orchestrator": ["--work-dir", str(self.data_dir / "orchestrator")],
             "gateway": [
                 "--data-dir",
                 str(self.data_dir),
@@ -190,6 +198,7 @@ class Runtime:
                             *(["--instance", instance] if instance != service else []),
                             *self._credentials(service),
                             *own.get(service, []),
+                            *self._work_dir(service, instance),
                             *args,
                         ],
                         logs / f"{instance}.log",
@@ -327,17 +336,28 @@ class Runtime:
 
     def _restart_nodes(self) -> None:
         """A nats-server node that died is started again on its port and store (a
-        cluster's other nodes carried on meanwhile; it catches up as it joins)."""
+        cluster's other nodes carried on meanwhile; it catches up as it joins),
+        after a delay that grows while it keeps dying."""
+        now = time.monotonic()
         for node in self.nodes:
-            if node.process is not None and node.process.poll() is not None:
+            if node.process is None or node.process.poll() is None:
+                continue
+            restarts, at = self._node_restarts.get(node.name, (0, 0.0))
+            if at == 0.0:
+                delay = min(10.0, 0.5 * 2**restarts) if restarts else 0.0
                 print(
                     f"sandhold: nats-server {node.name} exited ({node.process.returncode}); "
-                    "restarting",
+                    f"restarting in {delay:.1f}s",
                     file=sys.stderr,
                     flush=True,
                 )
-                node.start(wait=False)
-                self._write_runtime()
+                self._node_restarts[node.name] = (restarts, now + delay)
+                continue
+            if now < at:
+                continue
+            node.start(wait=False)
+            self._node_restarts[node.name] = (restarts + 1, 0.0)
+            self._write_runtime()
 
     async def _supervise(self) -> None:
         while not self._stop.is_set():

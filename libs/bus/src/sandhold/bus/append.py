@@ -101,10 +101,14 @@ async def own_last_message(
     return last.seq if headers.get(Header.MSG_ID) == msg_id else None
 
 
-async def last_sequence(js: JetStreamContext, stream: str, subject: str) -> int:
-    """The subject's last sequence, 0 when it has no message yet."""
+async def last_sequence(
+    js: JetStreamContext, stream: str, subject: str, *, from_leader: bool = False
+) -> int:
+    """The subject's last sequence, 0 when it has no message yet. A direct get may
+    be answered by a replica a moment behind; `from_leader` asks the stream's
+    leader, for a barrier that must cover every append acknowledged so far."""
     try:
-        last = await js.get_last_msg(stream, subject, direct=True)
+        last = await js.get_last_msg(stream, subject, direct=not from_leader)
     except NotFoundError:
         return 0
     return last.seq or 0

@@ -36,10 +36,8 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from sandhold.bus.names import Names
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +56,6 @@ _encode = msgspec.json.Encoder().encode
 
 def claim_key(role: str, duty: str) -> str:
     return f"{role}.claim.{duty}"
-
-
-async def claim_bucket(js: JetStreamContext, names: Names) -> KeyValue:
-    return await js.key_value(names.instance_bucket)
 
 
 class Claim:
@@ -99,6 +93,11 @@ class Claim:
 
     def held(self) -> bool:
         return time.monotonic() < self._held_until
+
+    @property
+    def held_until(self) -> float:
+        """The monotonic time this claim is held until, as it stands."""
+        return self._held_until
 
     async def run(self) -> None:
         """Look every `interval` seconds, for the service's lifetime."""
@@ -169,7 +168,9 @@ class Claim:
             self._observed = (revision, time.monotonic())  # renewed since the last look
             return
         still = time.monotonic() - self._observed[1]
-        if still < self.ttl + self.margin:
+        # The holder's own ttl when longer than ours: it acts until that runs out.
+        held_for = max(self.ttl, current.ttl_s if current is not None else 0.0)
+        if still < held_for + self.margin:
             return
         try:
             revision = await asyncio.wait_for(

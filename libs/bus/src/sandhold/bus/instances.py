@@ -3,8 +3,9 @@ renews its own key and watches its twins' (decision 036).
 
 Bucket `<PREFIX>_instances`, key `<role>.<instance>` (`orchestrator.orchestrator-2`),
 value `InstanceLease`. A service's user may write its own role's keys only
-(permissions.py), and a value names its own key, so no instance can renew
-another's lease.
+(permissions.py), and a value names its own key. Instances of one role share
+its credential: permissions keep other roles out; what keeps two instances of
+one role apart is their names, which must be unique (decision 036).
 
 Two clocks, both this process's own monotonic one: an instance *holds* its lease
 while its last renewal that succeeded was sent less than `ttl` ago; a twin counts
@@ -113,15 +114,19 @@ class OwnLease:
 
 class InstanceWatcher:
     """Every instance of one role as this process sees their leases: live while a
-    renewal arrived here within `ttl` seconds. An instance never seen is given
-    that long from when the watch began (its lease may just not have arrived)."""
+    renewal arrived here within `ttl + margin` seconds — or the twin's own `ttl_s`
+    plus the margin, when it holds a longer lease than ours (each instance may be
+    given its own `--lease-ttl`; a twin is live for as long as it holds). An
+    instance never seen is given `ttl + margin` from when the watch began (its
+    lease may just not have arrived)."""
 
-    def __init__(self, kv: KeyValue, role: str, *, ttl: float) -> None:
+    def __init__(self, kv: KeyValue, role: str, *, ttl: float, margin: float = 0.0) -> None:
         self._role = role
         self._ttl = ttl
+        self._margin = margin
         self._renewals = RenewalWatcher(
             kv,
-            ttl=ttl,
+            ttl=ttl + margin,
             decode=_decode,
             key_of=lambda lease: instance_key(role, lease.instance),
             keys=f"{role}.>",
@@ -129,17 +134,18 @@ class InstanceWatcher:
         self._started = math.inf
 
     async def start(self) -> None:
-        self._started = time.monotonic()
         await self._renewals.start()
+        self._started = time.monotonic()
 
     async def stop(self) -> None:
         await self._renewals.stop()
 
     def is_live(self, instance: str) -> bool:
-        key = instance_key(self._role, instance)
-        if self._renewals.seen(key) is None:
-            return time.monotonic() - self._started < self._ttl
-        return self._renewals.is_live(key)
+        seen = self._renewals.seen(instance_key(self._role, instance))
+        if seen is None:
+            return time.monotonic() - self._started < self._ttl + self._margin
+        arrived, lease = seen
+        return time.monotonic() - arrived < max(self._ttl, lease.ttl_s) + self._margin
 
     def has_seen(self, revision: int) -> bool:
         """Whether every renewal stored up to `revision` has arrived here."""

@@ -34,9 +34,10 @@ ROLES = (
 )
 
 
-# The control-plane services: each may run as several instances, which renew
-# leases of their own in the instance bucket.
-SERVICE_ROLES = ("scheduler", "saver", "recovery", "orchestrator", "gateway", "metrics")
+# The services whose instances hold leases or claims in the instance bucket
+# (decisions 036, 037); the others (the gateway, which faces tenants, among
+# them) need no write there.
+INSTANCE_WRITERS = ("scheduler", "saver", "orchestrator")
 
 
 class Permissions(msgspec.Struct, frozen=True, kw_only=True):
@@ -246,7 +247,7 @@ def row(
             sub = [_advisory(work, durable)]
         case _:
             raise ValueError(f"no role {role!r}; roles: {', '.join(ROLES)}")
-    if role in SERVICE_ROLES:
+    if role in INSTANCE_WRITERS:
         pub += _instances(names, role)
     return Permissions(
         publish=sorted({*base_pub, *pub}),

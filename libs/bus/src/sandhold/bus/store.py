@@ -103,7 +103,9 @@ class AggregateStore(Generic[S]):
         there in `timeout` seconds; nothing to wait for without a follower."""
         if self._follower is None:
             return
-        last = await last_sequence(self._js, self._stream, self._names.events(self._kind, ">"))
+        last = await last_sequence(
+            self._js, self._stream, self._names.events(self._kind, ">"), from_leader=True
+        )
         await self._follower.reach(last, timeout=timeout)
 
     def listen(self, callback: Callable[[str], None]) -> None:

@@ -11,6 +11,7 @@ two instances racing for one task.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -43,7 +44,7 @@ class Driving:
         self._tasks = tasks
         self.instance = instance
         self.lease = OwnLease(kv, role, instance, ttl=lease_ttl_s)
-        self.twins = InstanceWatcher(kv, role, ttl=lease_ttl_s + fence_margin_s)
+        self.twins = InstanceWatcher(kv, role, ttl=lease_ttl_s, margin=fence_margin_s)
         # task -> (lease term, epoch) of this process's latest claim of it
         self._claims: dict[str, tuple[int, int]] = {}
         # In a claim's message id: two processes that run under one name (which they
@@ -51,9 +52,16 @@ class Driving:
         self._process = uuid.uuid4().hex[:8]
 
     async def start(self) -> None:
-        """Watch the twins, then renew once: nothing is claimed before that."""
+        """Watch the twins, then renew once: nothing is claimed before that. A
+        cluster still electing its leaders may not answer yet: asked again."""
         await self.twins.start()
-        await self.lease.renew()
+        while True:
+            try:
+                await self.lease.renew()
+                return
+            except Exception as err:  # noqa: BLE001 - the lease is what matters, not why
+                log.warning("%s: first lease renewal failed (%r); again", self.instance, err)
+                await asyncio.sleep(self.lease.interval)
 
     def may_claim(self) -> bool:
         """The lease held, and every twin's renewal stored before this lease term

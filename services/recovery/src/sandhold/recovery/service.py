@@ -23,6 +23,7 @@ import logging
 import time
 
 import msgspec
+from nats.js.errors import KeyNotFoundError
 from sandhold.bus import leases
 from sandhold.bus.names import Names
 from sandhold.bus.service import Shell
@@ -121,8 +122,11 @@ class Recovery:
         try:
             entry = await self._kv.get(host_id)
             stored = msgspec.json.decode(entry.value or b"", type=leases.Lease)
-        except Exception:  # no lease, or none readable: nothing newer to go by
+        except (KeyNotFoundError, msgspec.DecodeError):  # no lease: nothing newer to go by
             return False
+        except Exception as err:  # noqa: BLE001 - the bucket did not answer: not now
+            log.warning("host %s: its lease could not be read (%r); judged later", host_id, err)
+            return True
         if stored.host != host_id:
             return False  # a value speaks for its own key only
         seen = self.leases.lease(host_id)

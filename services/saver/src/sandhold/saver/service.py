@@ -24,8 +24,9 @@ import time
 from collections.abc import Iterable
 
 import msgspec
-from sandhold.bus.claims import Claim, claim_bucket
+from sandhold.bus.claims import Claim
 from sandhold.bus.codec import reflected
+from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import Shell, instance_name
@@ -86,7 +87,7 @@ class Saver:
             self.sandboxes.listen(self._mark_dirty)
             await shell.start_stores()
             self.duty = Claim(
-                await claim_bucket(shell.js, self._names),
+                await instance_bucket(shell.js, self._names),
                 self.name,
                 "store",
                 self.instance,

@@ -27,7 +27,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from sandhold.bus import leases, secret_store
 from sandhold.bus.answering import RequestKinds, answer
-from sandhold.bus.claims import Claim, claim_bucket
+from sandhold.bus.claims import Claim
+from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import Shell, instance_name
@@ -94,7 +95,7 @@ class Scheduler:
             await self.leases.start()
             shell.on_close(self.leases.stop)
             self.placement = Claim(
-                await claim_bucket(shell.js, self._names),
+                await instance_bucket(shell.js, self._names),
                 self.name,
                 "placement",
                 self.instance,

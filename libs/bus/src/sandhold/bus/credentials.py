@@ -107,6 +107,11 @@ def user_in_url(url: str) -> str | None:
     return unquote(username) if username else None
 
 
+def password_in_url(url: str) -> str | None:
+    password = urlsplit(url).password
+    return unquote(password) if password else None
+
+
 def copy_private(source: Path, dest: Path) -> None:
     """A copy of a credential that only its owner can read."""
     _write_private(Path(dest), Path(source).read_bytes())

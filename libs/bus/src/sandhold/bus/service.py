@@ -250,6 +250,10 @@ async def connect(
     login: dict[str, Any] = {}
     if credentials is not None:
         login = {"user": credentials.user, "password": credentials.password}
+    elif user is not None:
+        # Given in the URL: also for the nodes a cluster announces, whose URLs
+        # carry none (else each reconnection tries them without, and is refused).
+        login = {"user": user, "password": creds.password_in_url(servers[0])}
     if user is not None:
         login["inbox_prefix"] = inbox_prefix(user)
     quiet = _QuietErrors(name)

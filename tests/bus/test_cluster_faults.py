@@ -6,7 +6,6 @@ and after a node cut off from the others by its network comes back."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from sandhold.bus.append import WrongSequence, append
 from sandhold.bus.names import Names
 from sandhold.bus.read import read_subjects
-from sandhold.bus.server import NatsCluster, free_port, nats_server_binary
+from sandhold.bus.server import NatsCluster, free_port
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain.envelope import wrap
 from sandhold.domain.errors import InfraError
@@ -24,6 +23,7 @@ from sandhold.domain.events import SandboxCreated, SandboxStopRequested
 
 from sandhold.cli import deploy
 from tests.support.netns import HostNet
+from tests.support.nodes import running_nodes
 from tests.support.waiting import wait_until
 
 # nats-py leaves the socket of a refused reconnect (to the node just killed or
@@ -171,22 +171,13 @@ def one_node_apart(tmp_path: Path) -> Iterator[tuple[list[str], HostNet, Path]]:
     ]  # fmt: skip
     deploy.issue_credentials(tmp_path / "credentials", [])
     configs = deploy.render_nodes(tmp_path, nodes, NAMES)
-    procs = []
     try:
-        for i, config in enumerate(configs):
-            argv = [str(nats_server_binary()), "-c", str(config)]
-            with (tmp_path / f"n{i + 1}.log").open("wb") as log:
-                procs.append(subprocess.Popen(net.enter(argv) if i == 2 else argv, stderr=log))
-        yield [f"nats://127.0.0.1:{p}" for p in client[:2]], net, tmp_path
+        # The third node inside its namespace, the others here.
+        with running_nodes(
+            configs, tmp_path, wrap=lambda i, argv: net.enter(argv) if i == 2 else argv
+        ):
+            yield [f"nats://127.0.0.1:{p}" for p in client[:2]], net, tmp_path
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         net.destroy()
 
 

@@ -4,7 +4,6 @@ compose.yaml is what `sandhold deploy compose` prints, and the node configs that
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,13 +12,14 @@ import pytest
 import yaml
 from sandhold.bus import credentials
 from sandhold.bus.names import Names
-from sandhold.bus.server import free_port, nats_server_binary
+from sandhold.bus.server import free_port
 from sandhold.bus.streams import ensure_streams
 
 from sandhold.cli import deploy
 from sandhold.cli.topology import CONTROL_PLANE, instance_names
 from tests.conftest import ROOT
 from tests.support.bus import hello
+from tests.support.nodes import running_nodes
 from tests.support.waiting import wait_until
 
 
@@ -63,24 +63,8 @@ def rendered(tmp_path: Path) -> Iterator[tuple[list[str], Path]]:
     ]
     deploy.issue_credentials(tmp_path / "credentials", ["host-1"])
     configs = deploy.render_nodes(tmp_path, nodes, Names())
-    logs = [tmp_path / f"{n.name}.log" for n in nodes]
-    procs = []
-    for config, log in zip(configs, logs, strict=True):
-        with log.open("wb") as out:
-            procs.append(
-                subprocess.Popen([str(nats_server_binary()), "-c", str(config)], stderr=out)
-            )
-    try:
+    with running_nodes(configs, tmp_path):
         yield [f"nats://127.0.0.1:{client}" for client, _ in ports], tmp_path
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 async def test_rendered_nodes_form_an_authenticated_cluster_with_r3_streams(rendered):

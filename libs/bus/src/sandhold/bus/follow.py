@@ -196,7 +196,9 @@ async def read_range(
     present when the read began (or `until_seq`), with its value: a follower
     that stops once caught up."""
     out: list[tuple[int, Msg, T]] = []
-    last = await last_sequence(js, stream, subject_filter)
+    # From the leader: a replica a moment behind would hide what the caller has
+    # just been told was stored (a `create` answered, then "no sandbox").
+    last = await last_sequence(js, stream, subject_filter, from_leader=True)
     if until_seq is not None:
         last = min(last, until_seq)
     if last < start_seq:

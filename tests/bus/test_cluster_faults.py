@@ -100,7 +100,10 @@ async def _leader(js) -> str | None:
 
 
 async def _all_current(js) -> bool:
-    info = await js.stream_info(STREAM)
+    try:
+        info = await js.stream_info(STREAM)
+    except nats.errors.TimeoutError:  # a leader still being elected: not yet
+        return False
     peers = (info.cluster.replicas or []) if info.cluster else []
     return len(peers) == 2 and all(p.current for p in peers)
 

@@ -7,6 +7,7 @@ stops every process it started by PID, also on error or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
 import importlib.metadata
@@ -20,10 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
+from nats.js import JetStreamContext
+from sandhold.bus.append import append
+from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer, nats_server_binary
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -33,7 +37,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Sections of docs/benchmarks.md, in the order they appear.
-SECTIONS = ["append", "rebuild", "exec_roundtrip", "create_running", "failover", "cluster"]
+SECTIONS = [
+    "append",
+    "rebuild",
+    "startup",
+    "exec_roundtrip",
+    "create_running",
+    "failover",
+    "cluster",
+    "cli",
+    "load",
+]
 
 # Used only when docs/benchmarks.md does not exist yet; its intro is kept by hand.
 DOC_HEAD = """# Benchmarks
@@ -46,12 +60,17 @@ with `uv run python bench/run_all.py`. Goals that are missed are reported as mis
 # --- arguments, signals ---------------------------------------------------------
 
 
-def arguments(description: str) -> argparse.Namespace:
+def arguments(
+    description: str, extra: Callable[[argparse.ArgumentParser], object] | None = None
+) -> argparse.Namespace:
+    """--quick and --write, and what `extra` adds to the parser."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a short run (smaller counts)")
     parser.add_argument(
         "--write", action="store_true", help="update this benchmark's section of docs/benchmarks.md"
     )
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     _exit_on_sigterm()
     return args
@@ -377,6 +396,30 @@ def envelopes_for(sid: str, count: int, t0: float | None = None) -> list[Envelop
             time=t0 + i * 0.01,
         )
     return out
+
+
+async def append_histories(
+    js: JetStreamContext, names: Names, sandbox_ids: Sequence[str], per_sandbox: int
+) -> tuple[int, str]:
+    """Each sandbox's history (`envelopes_for`) appended with the fenced `append`,
+    1,000 appends in flight, a few thousand sandboxes at a time (one task per
+    sandbox of ten million events would hold every history at once); the
+    highest sequence written and its envelope's id."""
+    sem = asyncio.Semaphore(1000)
+    last = (0, "")
+
+    async def writer(sid: str) -> None:
+        nonlocal last
+        expected = 0
+        subject = names.events("sandbox", sid)
+        for envelope in envelopes_for(sid, per_sandbox):
+            async with sem:
+                expected = (await append(js, names.events_stream, subject, [envelope], expected))[0]
+            last = max(last, (expected, envelope.id))
+
+    for start in range(0, len(sandbox_ids), 2000):
+        await asyncio.gather(*(writer(sid) for sid in sandbox_ids[start : start + 2000]))
+    return last
 
 
 def encoded_size(envelopes: Sequence[Envelope]) -> float:

@@ -25,6 +25,7 @@ import time
 import nats
 from _common import (
     CpuMeter,
+    append_histories,
     arguments,
     emit,
     encoded_size,
@@ -40,7 +41,6 @@ from _common import (
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
-from sandhold.bus.append import append
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
@@ -69,19 +69,9 @@ async def write_log(url: str, per_sandbox: int) -> int:
     try:
         js = nc.jetstream()
         await ensure_streams(js, NAMES)
-        sem = asyncio.Semaphore(1000)
-
-        async def writer(sid: str) -> None:
-            expected = 0
-            subject = NAMES.events("sandbox", sid)
-            for envelope in envelopes_for(sid, per_sandbox):
-                async with sem:
-                    expected = (
-                        await append(js, NAMES.events_stream, subject, [envelope], expected)
-                    )[0]
-
         started = time.perf_counter()
-        await asyncio.gather(*(writer(sandbox_id(i, "rebuild")) for i in range(SANDBOXES)))
+        ids = [sandbox_id(i, "rebuild") for i in range(SANDBOXES)]
+        await append_histories(js, NAMES, ids, per_sandbox)
         total = (await js.stream_info(NAMES.events_stream)).state.messages
         print(f"wrote {total:,} events in {time.perf_counter() - started:.1f}s", flush=True)
         return total
@@ -231,7 +221,7 @@ def _header_block(headers: dict[str, str]) -> bytes:
 def evolve_scaling() -> list[list[str]]:
     """µs per event to fold one sandbox whose history has C commands (4 events each)."""
     rows = []
-    for commands in (25, 250, 1000, 2500):
+    for commands in (25, 250, 1000, 2500, 10000):
         envelopes = envelopes_for(sandbox_id(commands, "scale"), 4 + 4 * commands)
         elapsed = float("inf")
         for _ in range(3):  # best of three: the machine is shared
@@ -374,33 +364,30 @@ inflates small calls; own time = time in the function itself):
 {top_functions(profile)}
 
 `sandbox.evolve` on one sandbox with a long history (pure CPU, no NATS, best of
-three folds): every
-command event copies the sandbox's `commands` dict (and `CommandQueued` the
-`requests` dict too), so the cost per event grows with the number of commands:
+three folds): its `commands` and `requests` are persistent maps (`domain/pmap.py`),
+so an event replaces one entry and the cost per event stays flat as commands
+accumulate (it grew linearly while they were dicts copied per event: 11.7 µs
+at 2,500 commands, 39 µs at 10,000):
 
 {table(["commands", "events", "µs/event", "fold ms"], scaling)}
 
-Reading: two costs, one on each side. (1) Server: the store's consumer filters
-`ev.sandbox.>` out of a stream whose subjects are `ev.>`, and nats-server then
-burns far more CPU per delivered message than for the unfiltered baseline
-({server_cpu["count_filtered"]:.0f}% vs {server_cpu["count"]:.0f}% of a core, same
-messages); on {nproc()} cores it competes with the Python client, so the filtered
-count-only replay is already {median(paired["count_filtered"]):.2f}× of the
-baseline. Switching the stream to sandbox subjects only (last row) takes the
-server back to {server_cpu["sandhold_per_kind"]:.0f}%. (2) Client: the store spends
-{client_us["sandhold"]:.0f} µs of client CPU per message against the baseline's
-{client_us["count"]:.0f} µs (last column). The split table shows where: nats-py's
-header parsing (paid by the baseline too; it grows with the four headers
-`append` stores: `Nats-Msg-Id`, `Nats-Expected-Last-Subject-Sequence`, `Sh-Type`,
-and `Nats-Expected-Stream`, which `js.publish(stream=...)` adds), then in the
-store `msg.metadata` (splits the reply subject and builds two frozen
-dataclasses and a datetime, when the store needs only the stream sequence),
-the JSON decode and `evolve`. With
-the server side fixed the client side still holds the store at
-{median(paired["sandhold_per_kind"]):.2f}×: the goal needs both the per-kind
-stream and a cheaper per-message path. The evolve table is a separate scaling
-risk: a sandbox that runs thousands of commands makes every further event — and
-its share of a rebuild — O(commands).
+Reading: (1) Server: with the store's filter (`ev.sandbox.>` on a stream of
+`ev.>`) nats-server used {server_cpu["count_filtered"]:.0f}% of a core against
+{server_cpu["count"]:.0f}% unfiltered, and the filtered count-only replay ran at
+{median(paired["count_filtered"]):.2f}× of the baseline (a run on 2026-11-29 measured
+108% against 25%, and 0.44×: the filter's cost differs between runs, not
+understood). (2) Client: the store spends {client_us["sandhold"]:.0f} µs of client
+CPU per message against the baseline's {client_us["count"]:.0f} µs (last column). The
+split table shows where: nats-py's header parsing (paid by the baseline too; it
+grows with the four headers `append` stores: `Nats-Msg-Id`,
+`Nats-Expected-Last-Subject-Sequence`, `Sh-Type`, and `Nats-Expected-Stream`,
+which `js.publish(stream=...)` adds), then in the store `msg.metadata` (splits
+the reply subject and builds two frozen dataclasses and a datetime, when the
+store needs only the stream sequence), the JSON decode and `evolve`. The
+client side holds the store at {median(paired["sandhold"]):.2f}× here: the goal needs a
+cheaper per-message path. The evolve table shows the fold of one long-lived
+sandbox linear in its events. A restart no longer folds the whole log at all
+where a checkpoint is kept (section (k)).
 """
     emit(args, "rebuild", "(b) Rebuilding sandbox state from the log", body)
 

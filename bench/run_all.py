@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parent
 SCRIPTS = [
     "append.py",
     "rebuild.py",
+    "startup.py",
     "exec_roundtrip.py",
     "create_running.py",
     "saves.py",
@@ -24,6 +25,9 @@ SCRIPTS = [
     "tracing_cost.py",
     "isolation.py",
     "cluster.py",
+    "cli.py",
+    "load.py",
+    "scale.py",
 ]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 

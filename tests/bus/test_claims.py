@@ -10,10 +10,10 @@ from pathlib import Path
 import nats
 from sandhold.bus import credentials
 from sandhold.bus.claims import Claim
+from sandhold.bus.connection import connect
 from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer
-from sandhold.bus.service import connect
 
 from tests.support.bus import make_streams
 from tests.support.waiting import wait_until

@@ -16,7 +16,7 @@ from sandhold.bus.append import WrongSequence, append
 from sandhold.bus.names import Names
 from sandhold.bus.read import read_subjects
 from sandhold.bus.server import NatsCluster, free_port
-from sandhold.bus.streams import ensure_streams
+from sandhold.bus.streams import await_streams, ensure_streams
 from sandhold.domain.envelope import wrap
 from sandhold.domain.errors import InfraError
 from sandhold.domain.events import SandboxCreated, SandboxStopRequested
@@ -230,5 +230,35 @@ async def test_a_node_cut_off_while_writes_go_on_rejoins_holding_every_acknowled
             await wait_until(led, timeout=30, what="a leader after stepping down")
         assert await _leader(js) == "n3"
         assert await writers.missing() == {}
+    finally:
+        await nc.close()
+
+
+@pytest.mark.timeout(180)
+async def test_a_service_started_while_the_cluster_has_no_quorum_waits_for_its_streams(
+    cluster: NatsCluster, caplog: pytest.LogCaptureFixture
+):
+    """A restarted cluster answers only once it has elected its leaders; a service
+    started meanwhile (`sandhold up` starts them at once) must wait, not die."""
+    admin = await nats.connect(cluster.admin_urls)
+    try:
+        await ensure_streams(admin.jetstream(), NAMES, replicas=3)
+    finally:
+        await admin.close()
+    first, *others = cluster.nodes
+    for node in others:
+        node.kill()
+    nc = await nats.connect(first.url, user=cluster.admin.user, password=cluster.admin.password)
+    try:
+        waiting = asyncio.create_task(await_streams(nc.jetstream(), NAMES, poll_s=0.1))
+        await wait_until(
+            lambda: "waiting for JetStream to answer" in caplog.text or waiting.done(),
+            timeout=60,
+            what="a stream lookup unanswered",
+        )
+        assert not waiting.done(), "it gave up (or was answered) with no quorum"
+        for node in others:
+            node.start()
+        await asyncio.wait_for(waiting, 90)  # raises if it died of the timeouts
     finally:
         await nc.close()

@@ -14,10 +14,10 @@ import pytest
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 from sandhold.bus import credentials
+from sandhold.bus.connection import connect
 from sandhold.bus.names import Names
 from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.server import NatsServer
-from sandhold.bus.service import connect
 
 from tests.support.bus import hello, make_streams
 

@@ -267,5 +267,7 @@ def test_every_live_state_keeps_the_invariants(memory_n: int, steps: list[Choice
             assert after.phase == "deleted", "deleted is final"
     for state in trace.states[1:]:
         assert state is not None
+        queued = tuple(c.id for c in state.commands.values() if c.state == "queued")
+        assert state.queued == queued, "the queued ids are the queued commands, in order"
         first = plan(state, choose(HOST_A))
         assert plan(apply(state, first.events), choose(HOST_A)).events == [], "plan settles"

@@ -312,3 +312,13 @@ def test_v4_connections_set_delivered_dropped_and_removed_replay() -> None:
     assert (sandbox.connections_revision, sandbox.connections_delivered) == (3, 3)
     assert {"v4-set-github", "v4-set-npm", "v4-rm-npm"} <= set(sandbox.requests)
     assert b"never-in-the-log" not in b"".join(lines)
+
+
+def test_v5_a_waiting_sandbox_says_why_until_it_is_placed() -> None:
+    lines = (GOLDEN.parent / "sandbox_v5.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    waiting = fold(evolve, envelopes[:3], None)
+    assert waiting is not None and waiting.phase == "pending"
+    assert waiting.reason == "no host is live (1 registered, none renewing its lease)"
+    placed = fold(evolve, envelopes, None)
+    assert placed is not None and (placed.phase, placed.reason) == ("placed", "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from sandhold.domain import events as ev
 from sandhold.domain import work as wk
+from sandhold.domain.placement import HostInfo, Waiting, why_waiting
 from sandhold.domain.reconcile import ChooseHost, Plan, plan
 from sandhold.domain.reports import decide_report
 from sandhold.domain.sandbox import Sandbox
@@ -66,6 +67,42 @@ def settle(state: Sandbox, choose_host: ChooseHost = no_host) -> Sandbox:
 
 
 # --- placement -------------------------------------------------------------------
+
+
+def test_a_sandbox_no_host_can_take_says_why_once_and_forgets_it_when_placed() -> None:
+    state = given_sandbox(create())
+    full = Waiting("no host has room: 64/64")
+    assert plan(state, lambda _: full).events == [ev.SandboxWaiting(reason=full.reason)]
+    state = apply(state, plan(state, lambda _: full).events)
+    assert (state.phase, state.reason) == ("pending", full.reason)
+    assert plan(state, lambda _: full).events == []  # said once, not on every pass
+    other = Waiting("no host is live (1 registered, none renewing its lease)")
+    assert plan(state, lambda _: other).events == [ev.SandboxWaiting(reason=other.reason)]
+    assert plan(state, no_host).events == []  # not this scheduler's to say
+    placed = apply(state, plan(state, host_b).events)
+    assert (placed.phase, placed.reason) == ("placed", "")
+    assert apply(placed, [ev.SandboxWaiting(reason=full.reason)]).reason == ""  # too late
+
+
+def test_why_no_host_names_what_rules_them_all_out() -> None:
+    def host(name: str, **kw: object) -> HostInfo:
+        return HostInfo(host=name, capacity_sandboxes=2, memory_bytes=4 * MiB, **kw)  # type: ignore[arg-type]
+
+    def why(hosts: list[HostInfo], **kw: object) -> str:
+        settings = {"memory_limit_bytes": None, **kw}
+        return why_waiting(hosts, {"a": 2, "b": 2}, **settings).reason  # type: ignore[arg-type]
+
+    assert why([]) == "no host is registered"
+    assert why([host("a", live=False)]).startswith("no host is live")
+    assert (
+        why([host("a")], memory_limit_bytes=8 * MiB)
+        == f"no live host has {8 * MiB} bytes of memory"
+    )
+    isolated = host("a", network_modes=frozenset({"none"}))
+    assert why([isolated], network="egress") == "no live host enforces network 'egress'"
+    assert why([host("a")], disk_limit_bytes=MiB) == "no live host gives a sandbox a disk quota"
+    assert why([host("a")]) == "no host has room: 2/2"
+    assert why([host("a"), host("b"), host("c", live=False)]) == "no host has room: 4/4 on 2 hosts"
 
 
 def test_a_pending_sandbox_is_placed_on_the_chosen_host_with_the_next_generation() -> None:

@@ -105,10 +105,13 @@ def test_verification_decides_completed_or_failed() -> None:
 def test_a_scheduled_save_is_due_after_the_interval_and_one_at_a_time() -> None:
     state = given_sandbox(*RUNNING)
     assert state.running_since is not None
-    assert policy.due_save(state, now=state.running_since + 29, cause="a") == []
-    [due] = policy.due_save(state, now=state.running_since + 31, cause="a")
+    # The first one a fraction of the interval in (spread by the id), never later.
+    first = 30 * policy.first_save_fraction(state.id)
+    assert 15 <= first < 30
+    assert policy.due_save(state, now=state.running_since + first - 0.01, cause="a") == []
+    [due] = policy.due_save(state, now=state.running_since + first, cause="a")
     assert isinstance(due, ev.SaveRequested) and due.kind == "scheduled"
-    state = apply(state, [due], time=state.running_since + 31)
+    state = apply(state, [due], time=state.running_since + first)
     assert policy.due_save(state, now=state.running_since + 1000, cause="b") == []
     assert policy.save_work(state) == [
         (HOST_A, wk.SaveSandboxWork(sandbox_id=SID, generation=1, save_id=due.save_id))
@@ -188,3 +191,9 @@ def test_status_says_what_is_recoverable_and_how_healthy_saving_is() -> None:
     assert failing.save_health is not None and failing.save_health.state == "failing"
     assert "store unavailable" in failing.save_health.reason
     assert TENANT == "default"
+
+
+def test_sandboxes_started_together_are_not_first_saved_together() -> None:
+    fractions = [policy.first_save_fraction(f"sb-{i:016x}") for i in range(64)]
+    assert all(0.5 <= f < 1.0 for f in fractions)
+    assert max(fractions) - min(fractions) > 0.4  # spread over most of the half interval

@@ -5,6 +5,7 @@ of its agent and of every process of its sandboxes, as a machine loss would."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -79,12 +80,35 @@ async def _live(client: Client, host: str) -> bool:
 
 
 async def _saved_after(client: Client, sandbox_id: str, at: float) -> sb.Sandbox:
+    """A completed save asked for after `at`, a moment after the writes returned.
+
+    A save asked for earlier can have frozen the files before the writes even when
+    it completes later (a loaded three-node cluster takes seconds), so the time
+    it was asked for is the one that says what it holds."""
     return await client.wait_for(
         sandbox_id,
-        lambda s: s if (c := s.last_completed_save) and (c.completed_at or 0) > at + 0.5 else None,
+        lambda s: s if (c := s.last_completed_save) and c.requested_at > at else None,
         timeout=30,
         what="a save completed after the write",
     )
+
+
+async def _a_command_running(
+    client: Client, argv: list[str], key: str
+) -> tuple[str, str, asyncio.Task]:
+    """A new running sandbox with `argv` running in it: its id, the command's id
+    and the exec that waits for the command's end."""
+    view = await client.create_sandbox()
+    sandbox_id = (await client.wait_for_phase(view.id, {"running"}, timeout=30)).id
+    run = asyncio.create_task(client.exec(sandbox_id, argv, key=key))
+    cid = command_id_for(sandbox_id, key)
+    await client.wait_for(
+        sandbox_id,
+        lambda s: s if cid in s.commands and s.commands[cid].state == "running" else None,
+        timeout=30,
+        what="running",
+    )
+    return sandbox_id, cid, run
 
 
 async def _events(client: Client, sandbox_id: str) -> list:
@@ -99,13 +123,13 @@ async def _events(client: Client, sandbox_id: str) -> list:
 async def test_host_killed_during_a_long_command(cluster, client: Client):
     up, h1, h2 = cluster
     sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
-    written = time.time()
     await client.exec(sandbox_id, ["sh", "-c", "echo v1 > note"])
     # Installed outside the workspace, as root: the whole root is what is saved.
     installed = await client.exec(
         sandbox_id, ["sh", "-c", "echo tool > /usr/local/bin/installed"], user="root"
     )
     assert installed.command.exit_code == 0
+    written = time.time()
     saved = await _saved_after(client, sandbox_id, written)
     long = asyncio.create_task(
         client.exec(
@@ -230,8 +254,8 @@ async def test_a_paused_host_resuming_after_recovery_changes_nothing(
         h1.start()
         await wait_until(lambda: _live(client, "h1"), timeout=30, what="h1 back")
     sandbox_id = await _running_on_h1_with_h2_waiting(client, cluster)
-    written = time.time()
     await client.exec(sandbox_id, ["sh", "-c", "echo 0 > counter"])
+    written = time.time()
     await _saved_after(client, sandbox_id, written)
     ticker = "while true; do n=$(cat counter); echo $((n+1)) > counter; sleep 0.05; done"
     asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", ticker], key="ticker"))
@@ -378,16 +402,7 @@ async def test_agent_killed_alone_with_its_supervisor_gone_ends_the_command_unkn
     agent cannot establish (its supervisor vanished without an exit record) ends
     `unknown`; nothing is declared lost."""
     up, h1, h2 = cluster
-    view = await client.create_sandbox()
-    sandbox_id = (await client.wait_for_phase(view.id, {"running"}, timeout=30)).id
-    run = asyncio.create_task(client.exec(sandbox_id, ["sleep", "60"], key="orphan"))
-    cid = command_id_for(sandbox_id, "orphan")
-    await client.wait_for(
-        sandbox_id,
-        lambda s: s if cid in s.commands and s.commands[cid].state == "running" else None,
-        timeout=30,
-        what="running",
-    )
+    sandbox_id, cid, run = await _a_command_running(client, ["sleep", "60"], "orphan")
     supervisor = json.loads(
         (h1.root / "sandboxes" / sandbox_id / "commands" / cid / "supervisor.json").read_text()
     )
@@ -399,6 +414,57 @@ async def test_agent_killed_alone_with_its_supervisor_gone_ends_the_command_unkn
     assert result.command.state == "unknown"
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.phase == "running" and state.generation == 1
+
+
+async def test_a_host_back_from_its_fence_before_recovery_judged_it_declares_the_loss(
+    cluster, client: Client
+):
+    """NATS away for everyone, then back for everyone at once: the host that fenced
+    itself (it killed its sandboxes' processes) can register a new epoch before
+    recovery judges the old one, and then the host's lease looks fine to it. The
+    host says the loss itself; nobody did, and the command it killed stayed
+    `running` for ever (a task waiting on it never ended: CI)."""
+    up, h1, h2 = cluster
+    sandbox_id, cid, run = await _a_command_running(client, ["sleep", "600"], "killed")
+    recovery_pid = up.service_pid("recovery")
+    os.kill(recovery_pid, signal.SIGSTOP)  # it judges nothing until the host is back
+    try:
+        os.kill(h1.pid, signal.SIGSTOP)
+        try:
+            await wait_until(
+                lambda: _status_of(client, "h1", {"down"}), timeout=30, what="h1's lease lapsed"
+            )
+        finally:
+            os.kill(h1.pid, signal.SIGCONT)  # it notices the gap: fences itself, comes back
+        await wait_until(
+            lambda: _epoch_of(client, "h1", at_least=2), timeout=30, what="h1 back, new epoch"
+        )
+    finally:
+        os.kill(recovery_pid, signal.SIGCONT)
+    state = await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.commands[cid].ended and s.lost and s.lost.fenced else None,
+        timeout=30,
+        what="the killed command ended and the sandbox lost",
+    )
+    assert state.commands[cid].state == "infrastructure_lost"
+    assert (state.phase, state.lost.host, state.lost.generation) == ("lost", "h1", 1)
+    await wait_until(lambda: not h1.sandbox_pids(), timeout=30, what="its processes gone")
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+
+
+async def _status_of(client: Client, host: str, statuses: set[str]) -> bool:
+    hosts = (await client.list_hosts())["hosts"]
+    return any(h["host"] == host and h["status"] in statuses for h in hosts)
+
+
+async def _epoch_of(client: Client, host: str, *, at_least: int) -> bool:
+    hosts = (await client.list_hosts())["hosts"]
+    return any(
+        h["host"] == host and isinstance(e := h["epoch"], int) and e >= at_least for h in hosts
+    )
 
 
 def sb_view(state: sb.Sandbox):
@@ -416,12 +482,15 @@ async def test_a_sandbox_waiting_for_room_is_placed_when_a_slot_frees(tmp_path: 
         first = await client.create_sandbox()
         await client.wait_for_phase(first.id, {"running"}, timeout=30)
         second = await client.create_sandbox()
-        await asyncio.sleep(0)  # (placement is attempted at once: no room)
-        assert (await client.show_sandbox(second.id)).phase == "pending"
+        # It says what it waits for, once the scheduler tried.
+        waiting = await client.wait_for(
+            second.id, lambda s: s if s.reason else None, timeout=30, what="a reason"
+        )
+        assert (waiting.phase, waiting.reason) == ("pending", "no host has room: 1/1")
         await client.stop_sandbox(first.id)
         await client.wait_for_phase(first.id, {"stopped"}, timeout=30)
         view = await client.wait_for_phase(second.id, {"running"}, timeout=30)
-        assert view.host == "small"
+        assert (view.host, view.reason) == ("small", "")
     finally:
         await client.close()
         host.stop()

@@ -48,9 +48,12 @@ async def test_a_request_bounced_onto_another_tenants_subject_is_never_run(up: U
         before = (await ajs.stream_info("SH_REQUESTS")).state.last_seq
         await _bounce(up, msgspec.json.encode(forged), "sh.req.command.run.default",
                       headers={"Sh-Reply": "_INBOX.host-local.x"})  # fmt: skip
-        # It was stored on the request subject (the server published it there)...
-        info = await ajs.stream_info("SH_REQUESTS")
-        assert info.state.last_seq == before + 1
+        # It was stored on the request subject (the server published it there,
+        # after answering the direct get: asynchronously to the asker's flush)...
+        await wait_until(
+            lambda: _stored_after(ajs, before), timeout=10, interval=0.05, what="the bounce stored"
+        )
+        assert (await ajs.stream_info("SH_REQUESTS")).state.last_seq == before + 1
         # ...and the scheduler took it off the queue without running it.
         await wait_until(
             lambda: _drained(ajs), timeout=30, interval=0.1, what="the scheduler to drop it"
@@ -61,6 +64,10 @@ async def test_a_request_bounced_onto_another_tenants_subject_is_never_run(up: U
     assert state is not None and command_id_for(sandbox_id, "bounced") not in state.commands
     check = await client.exec(sandbox_id, ["sh", "-c", "test ! -e /workspace/owned"])
     assert check.command.exit_code == 0
+
+
+async def _stored_after(js, before: int) -> bool:
+    return (await js.stream_info("SH_REQUESTS")).state.last_seq > before
 
 
 async def _drained(js) -> bool:

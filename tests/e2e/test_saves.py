@@ -68,10 +68,18 @@ def _completed(state: sb.Sandbox) -> list[str]:
     return [s.id for s in state.saves.values() if s.state == "completed"]
 
 
-async def _file_in_save(store: SaveStore, save_id: str, name: bytes) -> bytes:
+async def _counters_in_save(store: SaveStore, save_id: str) -> list[int]:
+    """The writer's counter in each of its files; 0 for a file it has not written
+    yet (a save may come before its first round ends: its first save is due
+    within half an interval of the start)."""
     manifest = await store.get_manifest(save_id)
-    [entry] = [e for e in manifest.workspace_entries() if e.path == name]
-    return b"".join([await store.get_chunk(d) for d in entry.chunks])
+    entries = {e.path: e for e in manifest.workspace_entries()}
+    values = []
+    for i in range(FILES):
+        entry = entries.get(f"f{i:03d}".encode())
+        content = b"".join([await store.get_chunk(d) for d in entry.chunks]) if entry else b"0"
+        values.append(int(content))
+    return values
 
 
 @pytest.mark.cluster
@@ -90,14 +98,12 @@ async def test_every_completed_save_is_crash_consistent(client: Client):
     store = SaveStore(client.nc, client.names)
     checked = 0
     for save_id in _completed(state):
-        values = [
-            int(await _file_in_save(store, save_id, f"f{i:03d}".encode())) for i in range(FILES)
-        ]
+        values = await _counters_in_save(store, save_id)
         newest = max(values)
         consistent = min(values) >= newest - 1 and values == sorted(values, reverse=True)
         assert consistent, f"save {save_id} is not crash-consistent: {values}"
-        checked += 1
-    assert checked >= 6
+        checked += newest > 0  # the writer had begun
+    assert checked >= 4  # the first save or two may come before it begins
     froze = [s.freeze_ms for s in state.saves.values() if s.state == "completed"]
     assert all(f is not None and f > 0 for f in froze)  # the freeze window is reported
     await client.stop_sandbox(sandbox_id)
@@ -290,7 +296,8 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     assert (await client.exec(source, ["sh", "-c", script])).command.exit_code == 0
     snap = await client.wait_for_save(source, (await client.snapshot(source, "m1")).id, timeout=60)
     assert snap.state == "completed"
-    copy = await client.create_sandbox(from_snapshot=snap.id)
+    # No scheduled save of its own before the last assertion: "only the snapshot".
+    copy = await client.create_sandbox(from_snapshot=snap.id, save_interval_s=3600)
     await client.wait_for_phase(copy.id, {"running"}, timeout=60)
     check = "cat dir/file && readlink link && stat -c %a dir && wc -c < zero && test -d dir/empty"
     result = await client.exec(copy.id, ["sh", "-c", check])

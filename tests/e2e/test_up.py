@@ -23,7 +23,7 @@ from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import SANDHOLD, Up, box_inits
 from tests.support.bus import credential_file, hello, make_streams, ready_announcements
 from tests.support.net import host_address
-from tests.support.procs import alive, process_tree
+from tests.support.procs import alive, process_tree, stop_all
 from tests.support.waiting import wait_until
 
 
@@ -142,12 +142,23 @@ async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
         assert first.process is not None and f"pid {first.process.pid}" in refused.stderr
     finally:
         first.stop()
+    # Each service kept its folded state as it stopped; the next folds from there.
+    checkpoints = tmp_path / "data" / "checkpoints"
+    for instance in ("scheduler", "recovery"):
+        for kind in ("sandbox", "host"):
+            assert (checkpoints / instance / f"{kind}.checkpoint").stat().st_size > 0
     second = Up(tmp_path / "data").start()
     try:
         shown = second.cli_json("sandbox", "show", created["id"])
         assert shown["id"] == created["id"] and shown["generation"] == 1
         listed = second.cli_json("sandbox", "ls")
         assert created["id"] in {s["id"] for s in listed}
+        started = (tmp_path / "data" / "logs" / "scheduler.log").read_text()
+        assert "sandbox: 1 aggregate(s) from the checkpoint at seq" in started
+        # and what a restart believed is what the log says
+        verified = second.cli("replay", "sandbox", created["id"], "--verify")
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+        assert "scheduler's checkpoint matches the log" in verified.stdout
     finally:
         second.stop()
 
@@ -209,14 +220,7 @@ async def test_services_run_alone_against_a_given_server(tmp_path: Path):
         await client.close()
     finally:
         await nc.close()
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs, grace_s=30)
         # A standalone agent keeps its sandboxes running when it exits (for the next one).
         for pid in box_inits(tmp_path / "h1"):
             with contextlib.suppress(ProcessLookupError):
@@ -353,3 +357,23 @@ async def test_a_killed_nats_server_is_started_again_on_its_port_and_store(own_u
     assert own_up.runtime["nats_url"] == own_up.nats_url  # the same port
     ran = own_up.cli("exec", created["id"], "--", "sh", "-c", "echo back")
     assert ran.returncode == 0 and ran.stdout == "back\n", ran.stderr
+
+
+async def test_up_gives_its_hosts_the_capacity_asked_for(tmp_path: Path):
+    up = Up(tmp_path / "data", "--host-capacity", "1").start()
+    try:
+        client = await connect(up.url)
+        try:
+            await running_sandbox(client, key="fits")
+            second = await client.create_sandbox(key="waits")
+            waiting = await client.wait_for(
+                second.id,
+                lambda s: s if s.phase == "pending" and s.reason else None,
+                timeout=30,
+                what="a reason to wait",
+            )
+            assert waiting.reason == "no host has room: 1/1"
+        finally:
+            await client.close()
+    finally:
+        assert up.stop() == 0

@@ -111,12 +111,24 @@ def test_the_schema_fuzzer_with_every_check_finds_no_mismatch(gw0: Gw, tmp_path:
     assert int(generated) > 1000 and generated == passed, done.stdout[-3000:]
 
 
+async def _waiting_for_a_host(http, sandbox_id: str) -> None:
+    """Here no host is registered: once the scheduler said so, nothing more comes."""
+
+    async def said() -> bool:
+        shown = (await http.get(f"/api/v1/sandboxes/{sandbox_id}")).json()
+        return shown["reason"] == "no host is registered"
+
+    await wait_until(said, timeout=30, what="the sandbox waiting for a host")
+
+
 async def test_an_idle_stream_gets_keep_alive_comments(gw0: Gw):
     async with gw0.http() as http:
         sandbox_id = (await http.post("/api/v1/sandboxes")).json()["id"]
+        await _waiting_for_a_host(http, sandbox_id)
         comments: list[str] = []
         stream = sse_events(http, sandbox_id, comments=comments)
         assert (await anext(stream))["type"] == "sandbox.created"
+        assert (await anext(stream))["type"] == "sandbox.waiting"
         reader = asyncio.ensure_future(anext(stream))  # nothing more will come
         await wait_until(lambda: ": keep-alive" in comments, timeout=10, what="a keep-alive")
         reader.cancel()
@@ -213,11 +225,12 @@ async def test_a_json_client_gets_the_events_as_pages_that_wait_for_the_next(gw0
     json_only = {"Accept": "application/json"}
     async with gw0.http() as http:
         sandbox_id = (await http.post("/api/v1/sandboxes")).json()["id"]
+        await _waiting_for_a_host(http, sandbox_id)
         path = f"/api/v1/sandboxes/{sandbox_id}/events"
         first = await http.get(path, headers=json_only)
         assert first.status_code == 200 and first.headers["content-type"] == "application/json"
         page = first.json()
-        assert [e["type"] for e in page["events"]] == ["sandbox.created"]
+        assert [e["type"] for e in page["events"]] == ["sandbox.created", "sandbox.waiting"]
         last = page["last_event_id"]
         assert last == page["events"][-1]["seq"]
         # Nothing after it: an empty page, the same point back.

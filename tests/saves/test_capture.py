@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import socket
 import stat
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 from sandhold.saves import CaptureError, capture, clear_spool
 from sandhold.saves.capture import RACY_WINDOW_S
+from sandhold.saves.manifest import FORMAT, chunk_lengths
 
 from tests.saves.conftest import write
 
@@ -53,7 +55,10 @@ def test_chunks_are_spooled_and_hashed(workspace: Path, spool: Path) -> None:
         chunk_size=CHUNK,
     )
     by_path = {e.path: e for e in result.manifest.entries}
-    pieces = [data[:CHUNK], data[CHUNK : 2 * CHUNK], data[2 * CHUNK :]]
+    lengths = chunk_lengths(by_path[b"f"], CHUNK)
+    assert sum(lengths) == len(data) and all(CHUNK // 4 <= n <= 3 * CHUNK for n in lengths[:-1])
+    ends = list(itertools.accumulate(lengths))
+    pieces = [data[end - n : end] for n, end in zip(lengths, ends, strict=True)]
     assert by_path[b"f"].chunks == [hashlib.sha256(p).hexdigest() for p in pieces]
     assert by_path[b"copy"].chunks == by_path[b"f"].chunks
     assert by_path[b"empty"].chunks == [] and by_path[b"empty"].size == 0
@@ -242,7 +247,7 @@ def test_a_reused_file_gets_this_captures_owners_and_an_old_saves_missing_xattrs
     first = capture(
         workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
     )
-    assert first.manifest.format == 2
+    assert first.manifest.format == FORMAT
     (f,) = first.manifest.entries
     # As a save from before xattrs (format 1) recorded the same file, host ids and all.
     old = msgspec.structs.replace(
@@ -325,3 +330,30 @@ def test_clear_spool_keeps_what_it_is_told(spool: Path) -> None:
         write(spool / name, b"x")
     assert clear_spool(spool, keep={"a" * 64}) == 2
     assert os.listdir(spool) == ["a" * 64]
+
+
+def test_an_insertion_changes_only_the_chunks_around_it(workspace: Path, spool: Path) -> None:
+    """Content-defined cuts: 100 bytes inserted in the middle of a 8 MiB file
+    leave every chunk before and after the edit as it was (fixed-size pieces
+    would all change from the insertion on)."""
+    data = os.urandom(8 * 1024 * 1024)
+    write(workspace / "big", data)
+    before = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    )
+    middle = len(data) // 2
+    write(workspace / "big", data[:middle] + os.urandom(100) + data[middle:])
+    after = capture(
+        workspace,
+        save_id="sv-2",
+        sandbox_id="sb",
+        previous=before.manifest,
+        spool=spool,
+        now=later(),
+    )
+    [old] = before.manifest.entries
+    [new] = after.manifest.entries
+    assert new.size == len(data) + 100 and after.changed_files == 1
+    changed = set(new.chunks) - set(old.chunks)
+    assert 1 <= len(changed) <= 3, (len(changed), len(new.chunks))
+    assert len(new.chunks) >= 16  # about 8 MiB / (256 KiB + 64 KiB): many chunks kept

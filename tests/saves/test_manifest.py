@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from sandhold.saves import CorruptManifest, Entry, Manifest, decode_manifest, encode_manifest
-from sandhold.saves.manifest import entry_problems
+from sandhold.saves.manifest import FORMAT, entry_problems
 
 D1 = "1" * 64
 D2 = "2" * 64
@@ -92,6 +92,24 @@ def test_garbage_is_a_corrupt_manifest() -> None:
             "named twice",
         ),
         ([Entry(path=b"f", kind="file", mode=0o644, size=9, chunks=[D1])], "need 3 chunks"),
+        # Content-defined cuts (format 3): chunk_size 4 is their average, 12 the longest.
+        (
+            [Entry(path=b"f", kind="file", mode=0o644, size=9, chunks=[D1, D2], lengths=[9])],
+            "2 chunks with 1 lengths",
+        ),
+        (
+            [Entry(path=b"f", kind="file", mode=0o644, size=9, chunks=[D1, D2], lengths=[4, 4])],
+            "add up to 8, not 9",
+        ),
+        (
+            [Entry(path=b"f", kind="file", mode=0o644, size=13, chunks=[D1], lengths=[13])],
+            "outside 1..12",
+        ),
+        (
+            [Entry(path=b"f", kind="file", mode=0o644, size=9, chunks=[D1, D2], lengths=[0, 9])],
+            "outside 1..12",
+        ),
+        ([Entry(path=b"d", kind="dir", mode=0o755, lengths=[4])], "with content"),
     ],
 )
 def test_unsafe_or_impossible_trees_are_reported(entries: list[Entry], problem: str) -> None:
@@ -104,8 +122,17 @@ def test_a_sound_tree_has_no_problems() -> None:
         Entry(path=b"d", kind="dir", mode=0o755),
         Entry(path=b"d/f", kind="file", mode=0o644, size=8, chunks=[D1, D2]),
         Entry(path=b"d/empty", kind="file", mode=0o644),
+        Entry(path=b"d/cut", kind="file", mode=0o644, size=13, chunks=[D1, D2], lengths=[11, 2]),
     ]
     assert entry_problems(manifest(entries)) == []
+
+
+def test_a_manifest_of_a_newer_format_is_refused_not_guessed_at() -> None:
+    entries = [Entry(path=b"f", kind="file", mode=0o644, size=8, chunks=[D1, D2])]
+    newer = msgspec.structs.replace(manifest(entries), format=FORMAT + 1)
+    assert entry_problems(newer) == [
+        f"format {FORMAT + 1} is newer than this sandhold knows ({FORMAT})"
+    ]
 
 
 def test_an_old_manifest_decodes_and_encodes_to_the_same_bytes() -> None:

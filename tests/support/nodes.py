@@ -10,6 +10,8 @@ from pathlib import Path
 
 from sandhold.bus.server import nats_server_binary
 
+from tests.support.procs import stop_all
+
 
 @contextlib.contextmanager
 def running_nodes(
@@ -25,11 +27,4 @@ def running_nodes(
                 procs.append(subprocess.Popen(wrap(i, argv) if wrap else argv, stderr=log))
         yield procs
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs, grace_s=10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -30,3 +32,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone, or going as we read
         return False
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], *, grace_s: float) -> None:
+    """SIGTERM to every process at once, then each gets `grace_s` to exit before
+    SIGKILL: stopped by PID, whatever state the test left them in."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
 import nats
+from nats.aio.msg import Msg
 from sandhold.bus import leases
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
@@ -114,3 +116,16 @@ class _KeepsItsKey:
 
     async def delete(self, *args: Any, **kwargs: Any) -> bool:
         return False
+
+
+async def readiness(nc: nats.NATS, names: Names) -> list[str]:
+    """The services that announced they are ready (what `sandhold up` waits for),
+    filled in as announcements arrive: by then a service listens to all it serves."""
+    announced: list[str] = []
+
+    async def on_ready(msg: Msg) -> None:
+        announced.append(msgspec.json.decode(msg.data)["service"])
+
+    await nc.subscribe(names.ready, cb=on_ready)
+    await nc.flush()
+    return announced

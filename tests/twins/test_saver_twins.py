@@ -4,9 +4,7 @@ collection by the one holding the store claim, `admin gc` answered once."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import os
 import time
 
 import msgspec
@@ -19,13 +17,14 @@ from sandhold.domain import events as ev
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.saver.service import Saver, retained_and_dropped
-from sandhold.saves import Entry, Manifest, SaveStore, encode_manifest
 
 from tests.domain.history import RUNNING, given_sandbox
 from tests.support.waiting import wait_until
-from tests.twins.support import Running, append, running_sandbox
+from tests.twins.support import Running, readiness, running_sandbox
 
-CLAIM_TTL = 1.0
+# Long enough that a renewal slowed by a loaded disk (every KV write is fsynced)
+# does not hand the claim over mid-test; the twin still takes over within seconds.
+CLAIM_TTL = 3.0
 
 
 async def test_two_savers_deciding_a_due_save_at_once_request_one(
@@ -68,20 +67,21 @@ async def test_two_savers_deciding_a_due_save_at_once_request_one(
 async def test_one_saver_holds_the_store_claim_and_answers_admin_gc_then_its_twin(
     nc: nats.NATS, nats_url: str, names: Names, caplog: pytest.LogCaptureFixture
 ):
-    caplog.set_level(logging.INFO, logger="sandhold.saver")
+    caplog.set_level(logging.INFO, logger="sandhold")
+    announced = await readiness(nc, names)
     running = Running()
     try:
         twins = [
             running.start(Saver(nats_url, names, instance=f"saver-{i}", claim_ttl=CLAIM_TTL))
             for i in (1, 2)
         ]
+        # Ready as `up` knows it (announced): listening for `admin.gc` by then.
         await wait_until(
             lambda: (
-                all(hasattr(s, "duty") for s in twins)
-                and [s.duty.held() for s in twins].count(True) == 1
+                announced.count("saver") == 2 and [s.duty.held() for s in twins].count(True) == 1
             ),
             timeout=30,
-            what="both savers up, one holding the store claim",
+            what="both savers ready, one holding the store claim",
         )
         holder = next(s for s in twins if s.duty.held())
         twin = next(s for s in twins if s is not holder)
@@ -118,41 +118,3 @@ def test_garbage_collection_keeps_saves_uploaded_and_awaiting_verification():
     assert "sv-1" not in policy.retained(uploaded)
     retained, dropped = retained_and_dropped([uploaded])
     assert retained == ["sv-1"] and dropped == []
-
-
-async def test_an_uploaded_save_whose_manifest_a_replica_has_not_got_yet_still_completes(
-    nc: nats.NATS, nats_url: str, names: Names, caplog: pytest.LogCaptureFixture
-):
-    # On a replicated stream a direct get may be answered by a replica a moment
-    # behind the leader: the verification looks again before failing the save.
-    caplog.set_level(logging.INFO, logger="sandhold.saver")
-    sandbox_id = await running_sandbox(nc, names, "sb", "h1")
-    data = os.urandom(1000)
-    digest = hashlib.sha256(data).hexdigest()
-    manifest = Manifest(
-        save_id="sv-late", sandbox_id=sandbox_id, parent_id=None, created_at=time.time(),
-        chunk_size=4096,
-        entries=[Entry(path=b"f", kind="file", mode=0o644, size=len(data), chunks=[digest])],
-    )  # fmt: skip
-    uploaded = ev.SaveUploaded(
-        save_id="sv-late", host="h1", generation=1, total_bytes=len(data), files=1,
-        uploaded_bytes=len(data), uploaded_chunks=1, manifest_bytes=1, duration_ms=1.0,
-        manifest_digest=hashlib.sha256(encode_manifest(manifest)).hexdigest(),
-    )  # fmt: skip
-    requested = ev.SaveRequested(save_id="sv-late", kind="scheduled", host="h1", generation=1)
-    await append(nc, names, "sandbox", sandbox_id, [requested, uploaded])
-    running = Running()
-    try:
-        saver = running.start(Saver(nats_url, names, claim_ttl=CLAIM_TTL))
-        await wait_until(lambda: "looking again" in caplog.text, timeout=30, what="a miss")
-        store = SaveStore(nc, names)  # what the leader had all along, here a moment late
-        await store.put_chunk(digest, data)
-        await store.put_manifest(manifest)
-
-        def completed() -> bool:
-            state, _ = saver.sandboxes.get(sandbox_id)
-            return state is not None and state.saves["sv-late"].state == "completed"
-
-        await wait_until(completed, timeout=30, what="the save completed")
-    finally:
-        await running.close()

@@ -16,7 +16,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.scheduler.service import Scheduler
 
 from tests.support.waiting import wait_until
-from tests.twins.support import Running, append, keep_renewing, register_host
+from tests.twins.support import Running, append, keep_renewing, readiness, register_host
 
 CLAIM_TTL = 1.0
 
@@ -31,7 +31,8 @@ class _AnyOrder(set):
         return item
 
 
-async def _twins(nats_url: str, names: Names, running: Running) -> list[Scheduler]:
+async def _twins(nc: nats.NATS, nats_url: str, names: Names, running: Running) -> list[Scheduler]:
+    announced = await readiness(nc, names)
     twins = [
         Scheduler(nats_url, names, instance=f"scheduler-{i}", claim_ttl=CLAIM_TTL) for i in (1, 2)
     ]
@@ -40,11 +41,11 @@ async def _twins(nats_url: str, names: Names, running: Running) -> list[Schedule
         running.start(scheduler)
     await wait_until(
         lambda: (
-            all(hasattr(s, "placement") for s in twins)
+            announced.count("scheduler") == 2  # both take requests off the queue
             and [s.placement.held() for s in twins].count(True) == 1
         ),
         timeout=30,
-        what="both schedulers up, one of them placing",
+        what="both schedulers ready, one of them placing",
     )
     return twins
 
@@ -74,7 +75,7 @@ async def test_two_schedulers_answer_each_request_and_fill_a_host_only_to_its_ca
             backlog.append(rq.sandbox_id_for("default", request.key))
             await append(nc, names, "sandbox", backlog[-1], sb.decide(None, request))
         await register_host(nc, names, "h1", capacity=3)
-        twins = await _twins(nats_url, names, running)
+        twins = await _twins(nc, nats_url, names, running)
         views = await asyncio.gather(*(client.create_sandbox(key=f"burst-{i}") for i in range(4)))
         ids = [*backlog, *(v.id for v in views)]
         assert len(set(ids)) == 8
@@ -109,7 +110,7 @@ async def test_the_twin_of_a_placing_scheduler_that_died_places_after_the_claim_
     client = await connect(nats_url, prefix=names.prefix)
     try:
         await register_host(nc, names, "h1", capacity=4)
-        twins = await _twins(nats_url, names, running)
+        twins = await _twins(nc, nats_url, names, running)
         placer = next(s for s in twins if s.placement.held())
         twin = next(s for s in twins if s is not placer)
         first = await client.create_sandbox(key="before")

@@ -12,7 +12,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import msgspec
 from nats.aio.msg import Msg
@@ -62,11 +62,15 @@ async def replay(
     kind: str = "sandbox",
     verify: bool = False,
     read_model: Path | None = None,
+    checkpoints: Path | None = None,
 ) -> int:
     if verify:
         if at is not None:
             raise SystemExit("sandhold: --verify compares the current state; drop --at")
-        return await verify_read_model(client, kind, aggregate_id, read_model)
+        code = await verify_read_model(client, kind, aggregate_id, read_model)
+        if checkpoints is not None:
+            code = max(code, await verify_checkpoints(client, kind, aggregate_id, checkpoints))
+        return code
     if kind == "task":
         return await replay_task(client, aggregate_id, at, as_json)
     return await replay_sandbox(client, aggregate_id, at, as_json)
@@ -186,6 +190,40 @@ async def verify_read_model(
     rows = sum(len(v) for v in stored.values())
     print(f"{aggregate_id}: the read model matches the log ({len(records)} events, {rows} rows)")
     return 0
+
+
+async def verify_checkpoints(client: Client, kind: str, aggregate_id: str, directory: Path) -> int:
+    """Fold the aggregate from zero up to where each service's checkpoint has it
+    (`<data-dir>/checkpoints/<instance>/<kind>.checkpoint`) and compare: a
+    checkpoint is a cache a restart believes, so it must be what the log says."""
+    from sandhold.bus.checkpoint import Checkpoint, Checkpoints, path_for
+    from sandhold.gateway import readmodel
+
+    evolve = readmodel.KINDS[kind].evolve
+    state_type = get_type_hints(evolve)["return"]
+    records = await _records(client, kind, aggregate_id)
+    different = 0
+    for instance in sorted(p for p in directory.iterdir() if p.is_dir()):
+        path = path_for(instance, kind)
+        if not path.exists():
+            continue
+        kept: Checkpoint[Any] | None = Checkpoints(path, state_type).read()
+        if kept is None or aggregate_id not in kept.seqs:
+            continue  # unreadable (a restart folds from zero), or not there yet
+        seq = kept.seqs[aggregate_id]
+        state = fold(evolve, (r.envelope for r in records if r.seq <= seq), None)
+        if state == kept.states.get(aggregate_id):
+            print(f"{aggregate_id}: {instance.name}'s checkpoint matches the log (as of seq {seq})")
+        else:
+            different += 1
+            print(f"DIFFERENT {instance.name}'s checkpoint of {aggregate_id} (as of seq {seq})")
+    if different:
+        print(
+            f"sandhold: {different} checkpoint(s) differ from the log; delete them "
+            f"({directory}) and restart: the services fold from zero",
+            file=sys.stderr,
+        )
+    return 1 if different else 0
 
 
 def _stored_seq(kind: str, stored: dict[str, list[tuple]]) -> int:

@@ -8,7 +8,6 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import get_args
 
 import msgspec
 from nats.aio.msg import Msg
@@ -22,32 +21,11 @@ from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.saves import SaveStore
 
-from sandhold.cli.secret_args import add_secret_option, secrets_of
+from sandhold.cli.secret_args import secrets_of
 
 # How `task watch` (and `submit --wait`) exit: 0 completed, like `exec` otherwise.
 TASK_EXIT_CODES = {"completed": 0, "failed": 1, "timed_out": 124, "cancelled": 130}
 EXIT_BAD_MANIFEST = 2
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    task = sub.add_parser("task", help="submit, list, show, watch and cancel tasks")
-    actions = task.add_subparsers(dest="action", required=True)
-    submit = actions.add_parser("submit", help="submit a manifest (YAML or JSON; - for stdin)")
-    submit.add_argument("manifest")
-    submit.add_argument("--key", help="idempotency key (default: a new one)")
-    submit.add_argument("--watch", action="store_true", help="then watch it until it ends")
-    add_secret_option(submit, "each agent step's (the manifest's `secrets:` names them)")
-    ls = actions.add_parser("ls")
-    ls.add_argument("--state", choices=sorted(get_args(tk.TaskState)))
-    for name in ("show", "watch", "cancel"):
-        actions.add_parser(name).add_argument("id")
-    artifact = actions.add_parser("artifact", help="write one of a task's artifacts to stdout")
-    artifact.add_argument("id")
-    artifact.add_argument("path", help="as listed by `task show`")
-    artifact.add_argument("-o", "--output", help="write to this file instead")
-    actions.choices["cancel"].add_argument("--key", help="idempotency key")
-    for action in actions.choices.values():
-        action.add_argument("--json", action="store_true")
 
 
 async def run(args: argparse.Namespace, client: Client) -> int:

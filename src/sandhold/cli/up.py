@@ -27,9 +27,9 @@ from pathlib import Path
 
 import msgspec
 from sandhold.bus import credentials
+from sandhold.bus.connection import connect
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsCluster, NatsServer, die_with
-from sandhold.bus.service import connect
 from sandhold.bus.streams import ensure_streams
 
 from sandhold.cli.topology import CONTROL_PLANE, instance_names, servers_for
@@ -199,6 +199,10 @@ class Runtime:
                             *self._credentials(service),
                             *own.get(service, []),
                             *self._work_dir(service, instance),
+                            # Its projections' checkpoints: a restart folds only
+                            # what came after (decision 039).
+                            "--checkpoint-dir",
+                            str(self.data_dir / "checkpoints" / instance),
                             *args,
                         ],
                         logs / f"{instance}.log",
@@ -328,6 +332,7 @@ class Runtime:
                 got_ready.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(got_ready.wait(), 0.5)
+                self._tend()
             print(f"sandhold is up: {url} gateway {self.gateway_url}", flush=True)
             await self._supervise()
             return 0
@@ -361,26 +366,33 @@ class Runtime:
 
     async def _supervise(self) -> None:
         while not self._stop.is_set():
-            self._restart_nodes()
-            for child in self.children:
-                if child.alive() or time.monotonic() < child.next_start:
-                    continue
-                if child.process is not None and child.next_start == 0.0:
-                    delay = min(10.0, 0.5 * 2**child.restarts)
-                    print(
-                        f"sandhold: {child.name} exited ({child.process.returncode}); "
-                        f"restarting in {delay:.1f}s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    child.next_start = time.monotonic() + delay
-                    child.restarts += 1
-                    continue
-                child.start()
-                child.next_start = 0.0
-                self._write_runtime()
+            self._tend()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), 0.2)
+
+    def _tend(self) -> None:
+        """One pass of supervision: a node or an instance that died is started
+        again (after a delay that grows while it keeps dying). Also while `up`
+        waits for the first ready: one that fails at start (a cluster still
+        electing its leaders) must not leave `up` waiting for it in vain."""
+        self._restart_nodes()
+        for child in self.children:
+            if child.alive() or time.monotonic() < child.next_start:
+                continue
+            if child.process is not None and child.next_start == 0.0:
+                delay = min(10.0, 0.5 * 2**child.restarts)
+                print(
+                    f"sandhold: {child.name} exited ({child.process.returncode}); "
+                    f"restarting in {delay:.1f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                child.next_start = time.monotonic() + delay
+                child.restarts += 1
+                continue
+            child.start()
+            child.next_start = 0.0
+            self._write_runtime()
 
     async def _stop_children(self) -> None:
         # Scheduler first, so no new work lands while host-agents wind down.

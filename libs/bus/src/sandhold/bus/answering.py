@@ -10,23 +10,18 @@ redelivery, so a client waiting on its reply gets one once the cause passed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import Header, PubAck
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
-from sandhold.bus.codec import REPLY_HEADER, reflected, reply_inbox
+from sandhold.bus.codec import reflected, reply_inbox
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.domain.errors import InfraError, Rejected
-from sandhold.telemetry import context, metrics
+from sandhold.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -117,32 +112,3 @@ async def _reply(nc: NATS, reply_to: str | None, outcome: str, body: bytes) -> N
     metrics.replied(outcome)
     if reply_to:
         await nc.publish(reply_to, body)
-
-
-# How long a request is offered to a stream that has no leader (an election).
-ELECTION_WAIT_S = 30.0
-
-
-async def publish_request(
-    js: JetStreamContext, names: Names, subject: str, payload: bytes, *, msg_id: str, reply_to: str
-) -> PubAck:
-    """Store a request in the REQUESTS stream, its answer to go to `reply_to`
-    (the one way a client or a service asks: the trace continues with it)."""
-    headers = {Header.MSG_ID: msg_id, REPLY_HEADER: reply_to}
-    traceparent = context.traceparent()
-    if traceparent:
-        headers[context.TRACEPARENT] = traceparent
-    # A cluster whose node that led the stream just died answers "no responders"
-    # (or nothing) until it elects another, a few seconds: asked again, with the
-    # same message id, so a request stored by an attempt whose ack was lost is
-    # stored once. Only then is the caller told it could not be sent.
-    deadline = asyncio.get_running_loop().time() + ELECTION_WAIT_S
-    while True:
-        try:
-            return await js.publish(
-                subject, payload, stream=names.requests_stream, headers=dict(headers)
-            )
-        except (NoStreamResponseError, nats.errors.TimeoutError, ServiceUnavailableError):
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.1)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import Header
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from sandhold.bus.codec import TYPE_HEADER, encode_envelope
+from sandhold.bus.electing import ELECTING, NATS_TIMEOUT_S, attempt_timeouts, patiently
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import InfraError
 from sandhold.telemetry import context
@@ -45,7 +45,7 @@ async def append(
     """Append `envelopes` in order after `expected_seq`; returns their sequences.
 
     Raises `WrongSequence` when the subject moved on, `InfraError` when the
-    server does not answer after `attempts` tries.
+    server does not answer for `attempts` of nats-py's five-second timeouts.
     """
     sequences: list[int] = []
     seq = expected_seq
@@ -64,29 +64,36 @@ async def _append_one(
     attempts: int,
 ) -> int:
     payload = encode_envelope(envelope)
-    last_error: Exception | None = None
-    for _ in range(attempts):
-        headers = {
-            Header.MSG_ID: envelope.id,
-            Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
-            TYPE_HEADER: envelope.type,
-        }
-        traceparent = context.traceparent()
-        if traceparent:  # whoever acts on this event continues its trace
-            headers[context.TRACEPARENT] = traceparent
-        try:
-            ack = await js.publish(subject, payload, stream=stream, headers=headers)
-            return ack.seq
-        except APIError as err:
-            if err.err_code != WRONG_LAST_SEQUENCE:
-                raise InfraError(f"append to {subject} refused: {err}", retryable=False) from err
-            own = await own_last_message(js, stream, subject, envelope.id)
-            if own is not None:
-                return own
-            raise WrongSequence(subject, expected) from err
-        except (NatsTimeoutError, NoStreamResponseError) as err:
-            last_error = err  # the ack may be lost: the retry below is recognised by its id
-    raise InfraError(f"append to {subject}: no answer ({last_error!r})", retryable=True)
+    headers = {
+        Header.MSG_ID: envelope.id,
+        Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
+        TYPE_HEADER: envelope.type,
+    }
+    traceparent = context.traceparent()
+    if traceparent:  # whoever acts on this event continues its trace
+        headers[context.TRACEPARENT] = traceparent
+    try:
+        # No answer (the ack may be lost, the stream may be electing a leader):
+        # offered again in short attempts for as long as `attempts` of nats-py's
+        # own timeout; a retry is recognised by its id (electing.py).
+        timeouts = attempt_timeouts(1.0)
+        ack = await patiently(
+            lambda: js.publish(
+                subject, payload, stream=stream, headers=dict(headers), timeout=next(timeouts)
+            ),
+            wait_s=attempts * NATS_TIMEOUT_S,
+            pause_s=0.05,
+        )
+        return ack.seq
+    except ELECTING as err:
+        raise InfraError(f"append to {subject}: no answer ({err!r})", retryable=True) from err
+    except APIError as err:
+        if err.err_code != WRONG_LAST_SEQUENCE:
+            raise InfraError(f"append to {subject} refused: {err}", retryable=False) from err
+        own = await own_last_message(js, stream, subject, envelope.id)
+        if own is not None:
+            return own
+        raise WrongSequence(subject, expected) from err
 
 
 async def own_last_message(
@@ -107,8 +114,13 @@ async def last_sequence(
     """The subject's last sequence, 0 when it has no message yet. A direct get may
     be answered by a replica a moment behind; `from_leader` asks the stream's
     leader, for a barrier that must cover every append acknowledged so far."""
+    # A read: through an election, or a reconnect to another node that lost the
+    # answer, it is asked again in short attempts (electing.py).
     try:
-        last = await js.get_last_msg(stream, subject, direct=not from_leader)
+        last = await patiently(
+            lambda: js.get_last_msg(stream, subject, direct=not from_leader),
+            attempt_s=2.0 if from_leader else 1.0,
+        )
     except NotFoundError:
         return 0
     return last.seq or 0

@@ -41,6 +41,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import reflected
+from sandhold.bus.electing import patiently
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +121,23 @@ class Follower(Generic[T]):
         self._target = target
         if self._target <= self.position:
             self.caught_up.set()
-        self._sub = await self._js.subscribe(
-            self.subject_filter,
-            stream=self.stream,
-            ordered_consumer=True,
-            idle_heartbeat=HEARTBEAT_S,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            config=ConsumerConfig(opt_start_seq=self._start_seq),
-            cb=self._on_msg,
-            pending_msgs_limit=-1,
-            pending_bytes_limit=-1,
+        # The consumer is made by the stream's leader: through an election it is
+        # asked for again, each time with a config of its own (nats-py writes
+        # the delivery inbox into it): one made by an attempt cut short delivers
+        # to an inbox nothing listens to, and the server removes it (ephemeral).
+        self._sub = await patiently(
+            lambda: self._js.subscribe(
+                self.subject_filter,
+                stream=self.stream,
+                ordered_consumer=True,
+                idle_heartbeat=HEARTBEAT_S,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                config=ConsumerConfig(opt_start_seq=self._start_seq),
+                cb=self._on_msg,
+                pending_msgs_limit=-1,
+                pending_bytes_limit=-1,
+            ),
+            attempt_s=1.0,
         )
         if timeout is not None:
             await asyncio.wait_for(self.caught_up.wait(), timeout)

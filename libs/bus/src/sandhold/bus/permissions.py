@@ -19,20 +19,7 @@ import json
 import msgspec
 from sandhold.bus.credentials import Credentials
 from sandhold.bus.names import Names
-
-ROLES = (
-    "admin",
-    "operator",
-    "scheduler",
-    "saver",
-    "recovery",
-    "orchestrator",
-    "gateway",
-    "metrics",
-    "host-agent",
-    "tenant",
-)
-
+from sandhold.bus.roles import ROLES
 
 # The services whose instances hold leases or claims in the instance bucket
 # (decisions 036, 037); the others (the gateway, which faces tenants, among

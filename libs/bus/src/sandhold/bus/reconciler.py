@@ -27,7 +27,10 @@ class DirtyLoop:
     """Calls `handle(aggregate_id)` for every id marked since the last pass.
 
     Marking twice before a pass handles it once; a handler that raises is
-    logged and the id is tried again half a second later.
+    logged and the id is tried again half a second later. An id marked `later`
+    (a periodic look at what waits on something outside its log) is handled
+    only when nothing else is marked: a command's dispatch never waits behind
+    a sweep of two hundred sandboxes waiting for room.
     """
 
     def __init__(
@@ -44,18 +47,25 @@ class DirtyLoop:
         # A pass continues the trace of the aggregate's latest event (`AggregateStore.trace_of`).
         self._trace_of = trace_of or (lambda _: None)
         self._dirty: set[str] = set()
+        self._later: set[str] = set()
         self._wake = asyncio.Event()
 
-    def mark(self, aggregate_id: str) -> None:
-        self._dirty.add(aggregate_id)
+    def mark(self, aggregate_id: str, *, later: bool = False) -> None:
+        (self._later if later else self._dirty).add(aggregate_id)
         self._wake.set()
+
+    def _next(self) -> str | None:
+        if self._dirty:
+            aggregate_id = self._dirty.pop()
+            self._later.discard(aggregate_id)
+            return aggregate_id
+        return self._later.pop() if self._later else None
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._dirty:
-                aggregate_id = self._dirty.pop()
+            while (aggregate_id := self._next()) is not None:
                 try:
                     with (
                         context.carry(self._trace_of(aggregate_id)),
@@ -66,6 +76,9 @@ class DirtyLoop:
                     log.exception("%s of %s failed; will retry", self._what, aggregate_id)
                     await asyncio.sleep(0.5)
                     self.mark(aggregate_id)
+                # A pass that decides nothing never waits for anything: let what
+                # arrived meanwhile (a request, its events) be marked first.
+                await asyncio.sleep(0)
 
 
 async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
@@ -80,6 +93,10 @@ async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork
         stream=names.hostwork_stream,
         headers=headers,
     )
+
+
+# How long a pull waits for messages at the server.
+FETCH_S = 2.0
 
 
 async def consume(
@@ -97,7 +114,10 @@ async def consume(
     """
     while True:
         try:
-            msgs = await sub.fetch(batch=batch, timeout=5)
+            # A pull waits at the server until it expires: one left by an instance
+            # that died still takes a message (redelivered only after ack_wait),
+            # so it expires soon; an idle consumer costs a request each time.
+            msgs = await sub.fetch(batch=batch, timeout=FETCH_S)
         except NatsTimeoutError:
             continue
         except Exception as err:

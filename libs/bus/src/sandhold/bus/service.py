@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -35,12 +36,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
-from nats.js.errors import ServiceUnavailableError
+from sandhold.bus import checkpoint, deadletters
 from sandhold.bus import credentials as creds
-from sandhold.bus import deadletters
-from sandhold.bus.credentials import Credentials
+from sandhold.bus.connection import close_quickly, connect
+from sandhold.bus.electing import patiently
 from sandhold.bus.names import Names
-from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.reconciler import consume
 from sandhold.bus.store import AggregateStore, Evolve
 from sandhold.bus.streams import await_streams
@@ -122,8 +122,15 @@ class Shell:
     ) -> AggregateStore[S]:
         """An aggregate store of `kind`, stopped with the shell (`start_stores` folds
         it; one made with `follow=False` reads aggregates on demand instead)."""
+        kept = os.environ.get(checkpoint.ENV)  # `--checkpoint-dir`
         store = AggregateStore(
-            self.js, self.names, kind, evolve, actor=actor or self.name, follow=follow
+            self.js,
+            self.names,
+            kind,
+            evolve,
+            actor=actor or self.name,
+            follow=follow,
+            checkpoint_dir=Path(kept) if kept else None,
         )
         self._stores.append(store)
         return store
@@ -147,22 +154,19 @@ class Shell:
         (`deadletters`). Creating the consumer also updates an existing one."""
         durable = config.durable_name
         assert durable is not None
+
         # Named as well as durable: the create request's subject then carries
         # its name and filter, which is what a permission can pin. A cluster
         # electing a leader (just started, or a node gone) answers late or
         # "unavailable": asked again until it answers.
-        said = False
-        while True:
-            try:
-                await self.js.add_consumer(stream, config.evolve(name=config.name or durable))
-                sub = await self.js.pull_subscribe_bind(durable, stream)
-                break
-            except (nats.errors.TimeoutError, ServiceUnavailableError) as err:
-                if not said:
-                    log.warning("%s: consumer %s not made yet (%r); asking again", self.name,
-                                durable, err)  # fmt: skip
-                    said = True
-                await asyncio.sleep(0.5)
+        def not_yet(err: Exception) -> None:
+            log.warning("%s: consumer %s not made yet (%r); asking again", self.name, durable, err)
+
+        async def make() -> JetStreamContext.PullSubscription:
+            await self.js.add_consumer(stream, config.evolve(name=config.name or durable))
+            return await self.js.pull_subscribe_bind(durable, stream)
+
+        sub = await patiently(make, wait_s=None, pause_s=0.5, on_first_wait=not_yet)
         await deadletters.watch(self.nc, stream, durable, what=what)
         return self.spawn(consume(sub, handle, batch=batch, what=what), what)
 
@@ -235,80 +239,6 @@ class Shell:
             await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
 
 
-async def connect(
-    url: str | list[str], *, name: str, credentials: Credentials | None = None
-) -> NATS:
-    """A connection that keeps trying (a server that is not up yet, or gone for a
-    while), saying so once every few seconds rather than twice a second.
-
-    It connects as `credentials`, else as the user in the URL, else as the one
-    in `SANDHOLD_NATS_CREDENTIALS` (`--credentials`); its inbox is that user's
-    own (`_INBOX.<user>.…`), the only one its permissions let it read."""
-    servers = url if isinstance(url, list) else url.split(",")
-    credentials = credentials or creds.from_environment()
-    user = credentials.user if credentials else creds.user_in_url(servers[0])
-    login: dict[str, Any] = {}
-    if credentials is not None:
-        login = {"user": credentials.user, "password": credentials.password}
-    elif user is not None:
-        # Given in the URL: also for the nodes a cluster announces, whose URLs
-        # carry none (else each reconnection tries them without, and is refused).
-        login = {"user": user, "password": creds.password_in_url(servers[0])}
-    if user is not None:
-        login["inbox_prefix"] = inbox_prefix(user)
-    quiet = _QuietErrors(name)
-    quiet.user = user
-    quiet.nc = await nats.connect(
-        servers=servers,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        allow_reconnect=True,
-        # Several servers are a cluster's nodes, in the order this process
-        # prefers them (`sandhold up --nodes 3` spreads instances over nodes).
-        dont_randomize=True,
-        error_cb=quiet.error,
-        disconnected_cb=quiet.disconnected,
-        reconnected_cb=quiet.reconnected,
-        **login,
-    )
-    return quiet.nc
-
-
-class _QuietErrors:
-    """nats-py's callbacks, logged in one line each, a repeated error every 10 s."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._last: tuple[str, float] = ("", 0.0)
-        self.nc: NATS | None = None
-        self.user: str | None = None
-
-    async def error(self, err: Exception) -> None:
-        said, at = self._last
-        now = asyncio.get_running_loop().time()
-        text = f"{type(err).__name__}: {err}"
-        if text != said or now - at > 10.0:
-            self._last = (text, now)
-            hint = ""
-            if "authorization violation" in text.lower():
-                hint = (
-                    f" (connecting as {self.user or 'no user'}: give this process its own "
-                    f"credential, --credentials FILE or ${creds.ENV}; docs/security.md)"
-                )
-            log.warning("%s: NATS: %s%s", self._name, text, hint)
-
-    async def disconnected(self) -> None:
-        if self.nc is not None and self.nc.is_closed:
-            return  # closed on purpose: nothing to reconnect
-        log.warning("%s: disconnected from NATS; reconnecting", self._name)
-
-    async def reconnected(self) -> None:
-        self._last = ("", 0.0)
-        log.warning("%s: reconnected to NATS", self._name)
-
-
 async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) -> None:
     """Tell `sandhold up` (or anyone listening) that this service is serving
     (as `instance`, where it runs more than once)."""
@@ -354,6 +284,13 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"this service's NATS credential file (or ${creds.ENV})",
     )
     parser.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get(checkpoint.ENV),
+        help="keep the folded state of this service's projections here, so a restart "
+        f"folds only the events after it (or ${checkpoint.ENV}; default: none, a start "
+        "folds the whole log)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=_env_int("SANDHOLD_METRICS_PORT"),
@@ -386,6 +323,8 @@ def run_service(
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
     if args.credentials:  # every connection of this process is this service's user
         os.environ[creds.ENV] = args.credentials
+    if args.checkpoint_dir:  # every store of this process keeps its checkpoint there
+        os.environ[checkpoint.ENV] = args.checkpoint_dir
     if args.instance:  # announced as ready, named in its connections and logs
         os.environ["SANDHOLD_INSTANCE"] = args.instance
     # Logs, traces and metrics, named after the service (`sandhold run <service>`).
@@ -419,20 +358,3 @@ def _exit_now(name: str) -> None:
     log.error("%s: did not stop in time; exiting", name)
     logging.shutdown()
     os._exit(1)
-
-
-async def close_quickly(nc: NATS, *stores: object) -> None:
-    """Unsubscribe the stores' consumers, flush what we published, then close.
-
-    Not `drain()`: draining an ordered consumer can make nats-py try to recreate
-    it against a connection that no longer takes requests, which stalls shutdown.
-    """
-    for store in stores:
-        stop = getattr(store, "stop", None)
-        if stop is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(stop(), 2)
-    with contextlib.suppress(Exception):
-        await nc.flush(timeout=2)
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.close(), 5)

@@ -10,16 +10,19 @@ the decision is made again. The cache can be stale; the fence cannot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from pathlib import Path
+from typing import Generic, TypeVar, get_type_hints
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from sandhold.bus.append import WrongSequence, append, last_sequence
+from sandhold.bus.checkpoint import Checkpoint, Checkpoints, fold_version, path_for
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.follow import Follower, has_fence, stream_sequence  # noqa: F401 - re-exported
 from sandhold.bus.names import Names
@@ -34,6 +37,12 @@ log = logging.getLogger(__name__)
 S = TypeVar("S")
 Evolve = Callable[[S | None, Envelope], S | None]
 Decide = Callable[[S | None], list[AnyEvent]]
+
+# A checkpoint is written when this many events were folded since the last one,
+# looked at every CHECKPOINT_EVERY_S, and when the store stops: a restart then
+# folds about a minute of events, or a few thousand, whatever the log's size.
+CHECKPOINT_EVERY_S = 30.0
+CHECKPOINT_MIN_EVENTS = 1000
 
 
 class Executed(msgspec.Struct, Generic[S]):
@@ -52,10 +61,15 @@ class AggregateStore(Generic[S]):
         *,
         actor: str,
         follow: bool = True,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         """`follow=False`: no consumer at all; an aggregate is read (direct gets)
         when asked for (`sync`) and before every decision. For a user that may
-        create no consumer (a host-agent, decision 032)."""
+        create no consumer (a host-agent, decision 032).
+
+        `checkpoint_dir`: keep the folded state there (`checkpoint.py`), so a
+        start folds only the events after it; the state's type is what
+        `evolve` says it returns."""
         self._js = js
         self._follow = follow
         self._stream = names.events_stream
@@ -73,27 +87,109 @@ class AggregateStore(Generic[S]):
         # The trace context of each aggregate's latest event (its `traceparent`
         # header): what a service does about that aggregate continues its trace.
         self._traces: dict[str, str] = {}
+        self._checkpoints: Checkpoints[S] | None = None
+        if checkpoint_dir is not None and follow:
+            state_type = get_type_hints(evolve).get("return")
+            if state_type is not None:
+                self._checkpoints = Checkpoints(path_for(checkpoint_dir, kind), state_type)
+        self._last_event = (0, "")  # the last event folded in: its sequence and id
+        self._checkpointed = 0  # the position the last checkpoint covers
+        self._checkpointing: asyncio.Task[None] | None = None
+        self.folded = 0  # events folded in by this store (a checkpoint's not counted)
 
     # --- reading --------------------------------------------------------------
 
     async def start(self, *, timeout: float = 60.0) -> None:
-        """Replay every aggregate of this kind, then follow live events (unless
-        made with `follow=False`: then aggregates are read one by one, on demand)."""
+        """Replay every aggregate of this kind (from its checkpoint, if it has a
+        good one), then follow live events (unless made with `follow=False`: then
+        aggregates are read one by one, on demand)."""
         if not self._follow:
             return
+        position = await self._load_checkpoint()
         self._follower = Follower(
             self._js,
             self._stream,
             self._names.events(self._kind, ">"),
             decode_envelope,
             self._on_event,
+            start_seq=position + 1,
             what=f"{self._kind} event",
         )
         await self._follower.start(timeout=timeout)
+        if self._checkpoints is not None:
+            self._checkpointing = asyncio.create_task(self._keep_checkpointing())
 
     async def stop(self) -> None:
+        if self._checkpointing is not None:
+            self._checkpointing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checkpointing
         if self._follower is not None:
             await self._follower.stop()
+            with contextlib.suppress(Exception):
+                await self.checkpoint()
+
+    async def _load_checkpoint(self) -> int:
+        """The states of a good checkpoint, announced to the listeners as if each
+        had just changed (what they derive is level-triggered); its position."""
+        if self._checkpoints is None:
+            return 0
+        started = time.monotonic()
+        found = await self._checkpoints.load(self._js, self._stream, self._kind)
+        if found is None:
+            return 0
+        self._states = {k: v for k, v in found.states.items() if v is not None}
+        self._seqs, self._traces = found.seqs, found.traces
+        self._last_event = (found.last_event_seq, found.last_event_id)
+        self._checkpointed = found.position
+        for aggregate_id in self._states:
+            for callback in self._listeners:
+                callback(aggregate_id)
+        log.info(
+            "%s: %d aggregate(s) from the checkpoint at seq %d in %.2fs; folding what came after",
+            self._kind,
+            len(self._states),
+            found.position,
+            time.monotonic() - started,
+        )
+        return found.position
+
+    async def checkpoint(self) -> int:
+        """Write a checkpoint now if anything was folded since the last one; the
+        bytes written (0: nothing to write)."""
+        follower = self._follower
+        if self._checkpoints is None or follower is None:
+            return 0
+        position = follower.position
+        if position <= self._checkpointed:
+            return 0
+        # Copied here, on the loop, in one go: a consistent picture (states are
+        # immutable; only the dicts holding them change), encoded in a thread.
+        checkpoint = Checkpoint(
+            version=fold_version(),
+            stream=self._stream,
+            kind=self._kind,
+            position=position,
+            last_event_seq=self._last_event[0],
+            last_event_id=self._last_event[1],
+            states=dict(self._states),
+            seqs=dict(self._seqs),
+            traces=dict(self._traces),
+        )
+        written = await asyncio.to_thread(self._checkpoints.write, checkpoint)
+        self._checkpointed = position
+        return written
+
+    async def _keep_checkpointing(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_EVERY_S)
+            follower = self._follower
+            if follower is None or follower.position - self._checkpointed < CHECKPOINT_MIN_EVENTS:
+                continue
+            try:
+                await self.checkpoint()
+            except Exception as err:  # a full disk must not stop the service: it folds more
+                log.warning("%s: checkpoint not written: %r", self._kind, err)
 
     async def catch_up(self, *, timeout: float = 30.0) -> None:
         """Wait until every event of this kind the log holds now is folded here: a
@@ -133,6 +229,7 @@ class AggregateStore(Generic[S]):
 
     def _on_event(self, seq: int, msg: Msg, envelope: Envelope) -> None:
         aggregate_id = msg.subject.rsplit(".", 1)[1]
+        self.folded += 1
         self._apply(aggregate_id, seq, [envelope], (msg.headers or {}).get(context.TRACEPARENT))
 
     def _apply(
@@ -145,6 +242,8 @@ class AggregateStore(Generic[S]):
         if state is not None:
             self._states[aggregate_id] = state
         self._seqs[aggregate_id] = seq
+        if envelopes and seq > self._last_event[0]:
+            self._last_event = (seq, envelopes[-1].id)
         for callback in self._listeners:
             callback(aggregate_id)
 

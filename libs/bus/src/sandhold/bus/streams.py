@@ -5,11 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import nats.errors
-from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -18,7 +14,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import BadRequestError, NotFoundError
+from sandhold.bus.electing import patiently
 from sandhold.bus.names import Names
 
 log = logging.getLogger(__name__)
@@ -122,17 +119,6 @@ async def ensure_streams(
     A cluster that has just started answers only once its nodes elected a meta
     leader, and a replicated stream is made once its peers agreed: until the
     deadline, a request that times out or finds JetStream not ready is asked again."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-
-    async def patiently(call: Callable[[], Awaitable[Any]]) -> Any:
-        while True:
-            try:
-                return await call()
-            except (nats.errors.TimeoutError, ServiceUnavailableError, NoRespondersError):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-
     for config in stream_configs(names, replicas=replicas):
 
         async def add(config: StreamConfig = config) -> None:
@@ -143,21 +129,32 @@ async def ensure_streams(
                     raise
                 await js.update_stream(config)
 
-        await patiently(add)
+        await patiently(add, wait_s=timeout_s, pause_s=0.2)
     # Hosts' leases, and service instances' (decision 036).
     for bucket in (names.lease_bucket, names.instance_bucket):
         kv = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, storage=StorageType.FILE)
-        await patiently(functools.partial(js.create_key_value, kv))
+        await patiently(functools.partial(js.create_key_value, kv), wait_s=timeout_s, pause_s=0.2)
 
 
 async def await_streams(js: JetStreamContext, names: Names, *, poll_s: float = 0.5) -> None:
     """Wait until every stream and bucket exists. Services never make them: only
     the admin user may (`sandhold up`, or `sandhold streams ensure` on a cluster)."""
     said = False
+
+    def unanswered(err: Exception) -> None:
+        log.warning("waiting for JetStream to answer about the streams (%r)", err)
+
     for stream in names.all_streams:
         while True:
             try:
-                await js.stream_info(stream)
+                # A cluster that has just (re)started answers once it has elected its
+                # leaders: a service started meanwhile waits, it does not die of it.
+                await patiently(
+                    functools.partial(js.stream_info, stream),
+                    wait_s=None,
+                    pause_s=poll_s,
+                    on_first_wait=unanswered,
+                )
                 break
             except NotFoundError:
                 if not said:

@@ -14,17 +14,17 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from sandhold.bus import credentials as creds
 from sandhold.bus import leases
-from sandhold.bus.answering import publish_request
 from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.connection import close_quickly
+from sandhold.bus.connection import connect as bus_connect
 from sandhold.bus.credentials import Credentials
 from sandhold.bus.follow import Follower
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
 from sandhold.bus.ownership import tenant_of
 from sandhold.bus.read import read_subject, read_subjects
-from sandhold.bus.service import close_quickly
-from sandhold.bus.service import connect as bus_connect
+from sandhold.bus.requesting import publish_request
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb

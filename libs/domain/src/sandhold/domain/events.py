@@ -74,6 +74,13 @@ class SandboxStartFailed(Event, tag="sandbox.start_failed", frozen=True):
     reason: str
 
 
+class SandboxWaiting(Event, tag="sandbox.waiting", frozen=True):
+    """No host can take the sandbox now, and why (`no host has room: 64/64`):
+    written when the reason changes, so a pending sandbox says what it waits for."""
+
+    reason: str
+
+
 class SandboxStartRequested(Event, tag="sandbox.start_requested", frozen=True):
     request_key: str
     request_digest: str
@@ -471,6 +478,7 @@ AnyEvent = (
     | SandboxStarting
     | SandboxStarted
     | SandboxStartFailed
+    | SandboxWaiting
     | SandboxStartRequested
     | SandboxStopRequested
     | SandboxStopped

@@ -57,3 +57,38 @@ def choose_host(
             return h.host
     best = max(fitting, key=lambda h: (h.capacity_sandboxes - load.get(h.host, 0), h.host))
     return best.host
+
+
+class Waiting(msgspec.Struct, frozen=True):
+    """No host can take the sandbox now: why, as its status shows it."""
+
+    reason: str
+
+
+def why_waiting(
+    hosts: Sequence[HostInfo],
+    load: Mapping[str, int],
+    *,
+    memory_limit_bytes: int | None,
+    network: str = "none",
+    disk_limit_bytes: int | None = None,
+) -> Waiting:
+    """Why `choose_host` found no host: the first thing that rules them all out."""
+    live = [h for h in hosts if h.live]
+    if not hosts:
+        return Waiting("no host is registered")
+    if not live:
+        return Waiting(f"no host is live ({len(hosts)} registered, none renewing its lease)")
+    fits = [h for h in live if memory_limit_bytes is None or memory_limit_bytes <= h.memory_bytes]
+    if not fits:
+        return Waiting(f"no live host has {memory_limit_bytes} bytes of memory")
+    fits = [h for h in fits if h.network_modes is None or network in h.network_modes]
+    if not fits:
+        return Waiting(f"no live host enforces network {network!r}")
+    fits = [h for h in fits if disk_limit_bytes is None or h.disk_quota]
+    if not fits:
+        return Waiting("no live host gives a sandbox a disk quota")
+    used = sum(min(load.get(h.host, 0), h.capacity_sandboxes) for h in fits)
+    room = sum(h.capacity_sandboxes for h in fits)
+    where = "" if len(fits) == 1 else f" on {len(fits)} hosts"
+    return Waiting(f"no host has room: {used}/{room}{where}")

@@ -13,9 +13,12 @@ from collections.abc import Callable
 import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import work as wk
+from sandhold.domain.placement import Waiting
 from sandhold.domain.sandbox import LAUNCHABLE_PHASES, Sandbox
 
-ChooseHost = Callable[[Sandbox], str | None]
+# A host, or why there is none (written down once per reason), or None: not
+# this scheduler's to decide (another holds the placement claim).
+ChooseHost = Callable[[Sandbox], str | Waiting | None]
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -65,12 +68,14 @@ def plan(
     fenced = state.lost is None or state.lost.fenced
     if state.phase in ("pending", "recovering") and not state.delete_requested and fenced:
         chosen = choose_host(state)
-        if chosen is not None:
+        if isinstance(chosen, str):
             events.append(
                 ev.SandboxPlaced(
                     host=chosen, generation=gen + 1, restore_save_id=state.restore_point()
                 )
             )
+        elif isinstance(chosen, Waiting) and chosen.reason != state.reason:
+            events.append(ev.SandboxWaiting(reason=chosen.reason))
     elif state.phase == "lost" and fenced and state.recovery_policy == "eager":
         events.append(ev.SandboxRecoveryRequested(cause="eager"))
     elif state.phase == "placed" and host is not None:

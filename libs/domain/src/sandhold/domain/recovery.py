@@ -28,6 +28,22 @@ def declare_lost(
     ]
 
 
+def declare_killed_in_fence(
+    state: Sandbox | None,
+    *,
+    host: str,
+    generation: int,
+    last_renewal_at: float,
+    fenced_at: float,
+) -> list[ev.AnyEvent]:
+    """`sandbox.lost` said by the host that fenced itself: it killed this
+    placement's processes, so it is lost (and fenced since `fenced_at`) whether
+    or not recovery judged the host before it came back with a new epoch."""
+    if state is None or state.generation != generation:
+        return []  # placed anew since: not the copy this host killed
+    return declare_lost(state, host=host, last_renewal_at=last_renewal_at, fence_at=fenced_at)
+
+
 def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
     """The end states a loss implies (level-triggered: safe to decide again)."""
     # Also after a stop or delete of the lost sandbox: the loss still decides

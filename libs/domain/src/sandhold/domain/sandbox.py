@@ -18,6 +18,7 @@ from sandhold.domain.commands import END_STATES, CommandState
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.idempotency import seen_before
+from sandhold.domain.pmap import EMPTY, PMap
 
 Phase = Literal[
     "pending",  # created (or asked to start again), waiting for a host
@@ -132,9 +133,13 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     lost: LostInfo | None = None  # set from the loss until a recovery has started it
     recovered_from: RecoveredFrom | None = None  # of the latest recovery
     restore_save_id: str | None = None  # what the current placement restores, if needed
-    commands: dict[str, Command] = {}
+    # Persistent maps: each event replaces an entry without copying the rest.
+    commands: PMap[str, Command] = EMPTY
+    # The ids of its queued commands, in order: what `plan` looks at on every
+    # change, without going through every command the sandbox ever ran.
+    queued: tuple[str, ...] = ()
     # idempotency key -> digest of the request body that used it
-    requests: dict[str, str] = {}
+    requests: PMap[str, str] = EMPTY
     connections: dict[str, Connection] = {}  # name -> where its value is kept
     connections_revision: int = 0  # every set or removal counts one
     # The revision the current placement's host wrote (None: nothing yet).
@@ -169,15 +174,23 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
         return self.source_snapshot_digest if save_id == self.source_snapshot_id else ""
 
     def queued_commands(self) -> list[Command]:
-        return [c for c in self.commands.values() if c.state == "queued"]
+        return [self.commands[cid] for cid in self.queued]
 
 
 def _with_command(state: Sandbox, command: Command) -> Sandbox:
-    return msgspec.structs.replace(state, commands={**state.commands, command.id: command})
+    queued = state.queued
+    was_queued = command.id in queued
+    if command.state == "queued" and not was_queued:
+        queued = (*queued, command.id)
+    elif command.state != "queued" and was_queued:
+        queued = tuple(cid for cid in queued if cid != command.id)
+    return msgspec.structs.replace(
+        state, commands=state.commands.set(command.id, command), queued=queued
+    )
 
 
-def _remember(state: Sandbox, key: str, digest: str) -> dict[str, str]:
-    return {**state.requests, key: digest}
+def _remember(state: Sandbox, key: str, digest: str) -> PMap[str, str]:
+    return state.requests.set(key, digest)
 
 
 def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
@@ -191,7 +204,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             phase="pending",
             created_at=envelope_time,
             memory_limit_bytes=event.memory_limit_bytes,
-            requests={event.request_key: event.request_digest},
+            requests=EMPTY.set(event.request_key, event.request_digest),
             save_interval_s=event.save_interval_s or sv.DEFAULT_SAVE_INTERVAL_S,
             stop_deadline_s=event.stop_deadline_s,
             source_snapshot_id=event.source_snapshot_id,
@@ -248,6 +261,10 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return replace(state, phase="recovering", requests=requests)
         case ev.SandboxStartFailed(reason=reason):
             return replace(state, phase="failed", reason=reason)
+        case ev.SandboxWaiting(reason=reason) if state.phase in ("pending", "recovering"):
+            return replace(state, reason=reason)
+        case ev.SandboxWaiting():
+            return state  # placed meanwhile: the placement said it all
         case ev.SandboxStartRequested(request_key=key, request_digest=digest):
             return replace(state, phase="pending", requests=_remember(state, key, digest))
         case ev.SandboxStopRequested(request_key=key, request_digest=digest):

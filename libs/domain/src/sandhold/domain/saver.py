@@ -6,6 +6,8 @@ found), so that two savers, or one restarted midway, decide the same things.
 
 from __future__ import annotations
 
+import hashlib
+
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import saves as sv
@@ -13,13 +15,29 @@ from sandhold.domain import work as wk
 from sandhold.domain.sandbox import Sandbox
 
 
+def first_save_fraction(sandbox_id: str) -> float:
+    """Where in [0.5, 1) of its interval a placement's first save falls, by its id:
+    sandboxes started together (a host's worth after a restart, a burst of
+    creates) would otherwise all be saved together, every interval, each save
+    freezing its sandbox and taking the host's CPU at the same moment (exec
+    latency under load, bench/load.py). Never later than the interval."""
+    digest = hashlib.sha256(sandbox_id.encode()).digest()
+    return 0.5 + int.from_bytes(digest[:4], "big") / 2**33
+
+
 def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
-    """A scheduled save when the interval has passed since the last request."""
+    """A scheduled save when the interval has passed since the last request (the
+    placement's first: a fraction of it, `first_save_fraction`)."""
     if state.phase != "running" or state.host is None or sv.in_flight(state.saves):
         return []
     requested = [s.requested_at for s in state.saves.values() if s.generation == state.generation]
-    since = max([*requested, state.running_since or now])
-    if now - since < state.save_interval_s:
+    if requested:
+        wait = state.save_interval_s
+        since = max(requested)
+    else:
+        wait = state.save_interval_s * first_save_fraction(state.id)
+        since = state.running_since or now
+    if now - since < wait:
         return []
     latest = state.last_completed_save
     return [

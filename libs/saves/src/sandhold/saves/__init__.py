@@ -2,12 +2,12 @@
 
 from sandhold.saves._spool import clear_spool
 from sandhold.saves.capture import (
-    DEFAULT_CHUNK_SIZE,
     DEFAULT_EXCLUDE,
     Capture,
     capture,
     finish_capture,
 )
+from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE
 from sandhold.saves.errors import (
     CaptureError,
     CorruptChunk,
@@ -23,6 +23,7 @@ from sandhold.saves.gc import GcStats, collect_garbage, collectable
 from sandhold.saves.manifest import Entry, Manifest, decode_manifest, encode_manifest
 from sandhold.saves.restore import RestoreStats, restore
 from sandhold.saves.store import Progress, SaveStore, UploadStats
+from sandhold.saves.storing import store_capture
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -52,4 +53,5 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "restore",
+    "store_capture",
 ]

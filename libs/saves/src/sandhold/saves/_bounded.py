@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -49,11 +49,16 @@ async def _run(groups: list[tuple[Iterator[T], int]], fn: Callable[[T], Awaitabl
         for item in pending:
             await fn(item)
 
-    workers = [asyncio.ensure_future(worker(it)) for it, count in groups for _ in range(count)]
+    await all_or_none([worker(it) for it, count in groups for _ in range(count)])
+
+
+async def all_or_none(coros: Sequence[Coroutine[Any, Any, object]]) -> None:
+    """Run them together; the first failure cancels the others and is raised as itself."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        await asyncio.gather(*workers)
+        await asyncio.gather(*tasks)
     except BaseException:
-        for task in workers:
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         raise

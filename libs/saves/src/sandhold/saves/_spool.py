@@ -1,4 +1,4 @@
-"""The local spool's file work: clearing it, copying a file into it, reading chunks."""
+"""The local spool's file work: clearing it, copying a file into it."""
 
 from __future__ import annotations
 
@@ -45,14 +45,3 @@ def copy_all(src: int, dst: int) -> int:
             view = view[os.write(dst, view) :]
         total += len(piece)
     return total
-
-
-def read_full(fd: int, view: memoryview) -> int:
-    """Fill `view` unless the file ends first; returns the bytes read."""
-    filled = 0
-    while filled < len(view):
-        n = os.readv(fd, [view[filled:]])
-        if n == 0:
-            break
-        filled += n
-    return filled

@@ -27,8 +27,9 @@ _TRANSIENT = (NatsTimeoutError, NoStreamResponseError, NoRespondersError, Servic
 
 
 class SavesStream:
-    def __init__(self, nc: NATS, stream: str, *, timeout: float) -> None:
+    def __init__(self, nc: NATS, stream: str, *, timeout: float, leader_reads: bool = True) -> None:
         self._nc = nc
+        self._leader_reads = leader_reads
         self._js = nc.jetstream()
         self._stream = stream
         self._timeout = timeout
@@ -63,9 +64,23 @@ class SavesStream:
         raise SaveStoreError(f"storing {subject}: no answer ({last_error!r})", retryable=True)
 
     async def get(self, subject: str) -> RawStreamMsg | None:
-        """The subject's message by direct get; None when there is none."""
+        """The subject's message by direct get; None when there is none.
+
+        A direct get may be answered by a replica a moment behind (three nodes):
+        "none" is asked again of the stream's leader, which knows every write
+        acknowledged so far. Every read here is of something expected to exist
+        (what a save names, a write just refused as taken), so a miss is rare.
+        Not for a reader allowed direct gets only (the scheduler, which may read
+        manifests and nothing else of the store: a leader's get names no subject
+        a permission could pin)."""
+        found = await self._get(subject, direct=True)
+        if found is None and self._leader_reads:
+            found = await self._get(subject, direct=False)
+        return found
+
+    async def _get(self, subject: str, *, direct: bool) -> RawStreamMsg | None:
         try:
-            return await self._js.get_msg(self._stream, subject=subject, direct=True)
+            return await self._js.get_msg(self._stream, subject=subject, direct=direct)
         except NotFoundError:
             return None
         except _TRANSIENT as err:

@@ -15,18 +15,17 @@ mark opaque directories and redirects (see `xattr_is_carried`).
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from pathlib import Path
 
 import msgspec
-from sandhold.saves._spool import copy_all, read_full
+from sandhold.saves._spool import copy_all
 from sandhold.saves._xattrs import read_xattrs
+from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE, Chunker, recorded_lengths
 from sandhold.saves.errors import CaptureError
 from sandhold.saves.manifest import FORMAT, Entry, EntryKind, Layout, Manifest, recorded_id
 
-DEFAULT_CHUNK_SIZE = 256 * 1024
 # Temporary mounts and delivered credentials are never saved (top-level names).
 DEFAULT_EXCLUDE: frozenset[bytes] = frozenset({b"tmp", b"run", b".sandhold-credentials"})
 # A file whose ctime is this close to (or after) the previous capture may have
@@ -79,7 +78,8 @@ def capture(
         spool: a local directory outside the workspace; chunks read are
             written there as `<digest>` (skipped when already present).
         now: this host's wall-clock time of the capture (processes frozen).
-        chunk_size: bytes per chunk; a previous save with another size is ignored.
+        chunk_size: the average chunk length cuts aim at (see chunking.py); a
+            previous save with another size lends no unchanged files.
         exclude: top-level names never saved.
         id_offset: the host id that the sandbox's user namespace maps its id 0
             to. Owners are recorded as `host id - id_offset`, so the save
@@ -143,15 +143,21 @@ def finish_capture(captured: Capture, spool: Path) -> Capture:
     for index, copy in captured.pending:
         fd = os.open(copy, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            chunks, _size = writer._chunk_fd(fd)
+            chunks, lengths = writer._chunk_fd(fd)
         finally:
             os.close(fd)
-        entries[index] = msgspec.structs.replace(entries[index], chunks=chunks)
+        entries[index] = with_chunks(entries[index], chunks, lengths, captured.manifest.chunk_size)
         os.unlink(copy)
     manifest = msgspec.structs.replace(captured.manifest, entries=entries)
     return msgspec.structs.replace(
         captured, manifest=manifest, new_chunks=writer.new_chunks, pending=[]
     )
+
+
+def with_chunks(entry: Entry, chunks: list[str], lengths: list[int], chunk_size: int) -> Entry:
+    """A deferred file's entry once its copy is cut."""
+    recorded = recorded_lengths(lengths, entry.size, chunk_size)
+    return msgspec.structs.replace(entry, chunks=chunks, lengths=recorded)
 
 
 def _same_stat(old: Entry, st: os.stat_result, racy_before_ns: int) -> bool:
@@ -190,7 +196,7 @@ class _Walker:
         self.scanned_files = 0
         self.changed_files = 0
         self.changed_bytes = 0
-        self._buffer = bytearray(chunk_size)
+        self._chunker = Chunker(chunk_size)
         self.defer = False
         self.pending: list[tuple[int, str]] = []
         self.id_offset = 0
@@ -295,11 +301,13 @@ class _Walker:
         read = self._read(rel)
         if read is None:
             return
-        chunks, size, st = read
+        chunks, lengths, st = read
+        size = sum(lengths)
         self.changed_files += 1
         self.changed_bytes += size
         self._remember_links(rel, st)
-        self.entries.append(self._entry(rel, "file", st, size=size, chunks=chunks))
+        entry = self._entry(rel, "file", st, size=size)
+        self.entries.append(with_chunks(entry, chunks, lengths, self.chunk_size))
 
     def _reused(self, old: Entry, rel: bytes, st: os.stat_result) -> Entry:
         """An unchanged file's entry. Owners come from this stat (the previous save
@@ -341,7 +349,7 @@ class _Walker:
             xattrs=read_xattrs(self._abs(rel)),
         )
 
-    def _read(self, rel: bytes) -> tuple[list[str], int, os.stat_result] | None:
+    def _read(self, rel: bytes) -> tuple[list[str], list[int], os.stat_result] | None:
         path = self._abs(rel)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -351,30 +359,23 @@ class _Walker:
             raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
         try:
             st = os.fstat(fd)
-            chunks, size = self._chunk_fd(fd)
-            return chunks, size, st
+            chunks, lengths = self._chunk_fd(fd)
+            return chunks, lengths, st
         except OSError as err:
             raise CaptureError(f"cannot read {os.fsdecode(path)}: {err}") from err
         finally:
             os.close(fd)
 
-    def _chunk_fd(self, fd: int) -> tuple[list[str], int]:
+    def _chunk_fd(self, fd: int) -> tuple[list[str], list[int]]:
+        """Cut what `fd` holds into the spool: each chunk's digest and length."""
         chunks: list[str] = []
-        size = 0
-        view = memoryview(self._buffer)
-        while True:
-            length = read_full(fd, view)
-            if length == 0:
-                break
-            piece = view[:length]
-            digest = hashlib.sha256(piece).hexdigest()
+        lengths: list[int] = []
+        for digest, piece in self._chunker.cut(fd):
             chunks.append(digest)
-            size += length
+            lengths.append(len(piece))
             if digest not in self.new_chunks:
                 self.new_chunks[digest] = self._spool(digest, piece)
-            if length < self.chunk_size:
-                break
-        return chunks, size
+        return chunks, lengths
 
     def _copy(self, rel: bytes) -> tuple[str, int, os.stat_result] | None:
         """A whole-file copy into the spool, done by the kernel where it can."""

@@ -12,6 +12,7 @@ import zlib
 from typing import Literal
 
 import msgspec
+from sandhold.saves.chunking import fixed_lengths, max_chunk
 from sandhold.saves.errors import CorruptManifest
 
 # "hardlink": another name of an earlier "file" entry's inode (`link_to`).
@@ -23,7 +24,10 @@ EntryKind = Literal["file", "dir", "symlink", "hardlink", "whiteout", "fifo"]
 # decodes and restores as it always did; what the number tells is that an
 # entry's empty `xattrs` means "none" rather than "not looked at" (capture
 # reads them again for files it reuses from a format 1 save).
-FORMAT = 2
+# 3: a file's chunks are cut by content and may carry their `lengths`. A reader
+# that knows only format 2 would take them for fixed-size pieces: a manifest of
+# a format newer than this code is refused, never guessed at.
+FORMAT = 3
 
 # A sandbox's user namespace maps ids 0..ID_RANGE-1 to `id_offset + 0 ..`.
 ID_RANGE = 65536
@@ -37,10 +41,11 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     `path` is relative to the workspace root, `/`-separated, as the file system
     spells it (bytes); the root itself is `b""`. `chunks` are the sha256 hex
-    digests of the file's consecutive `chunk_size` pieces (only the last may be
-    shorter). `ctime_ns`, `uid` and `gid` were added after the first draft,
-    `link_to` and `xattrs` with the overlay kinds: they have defaults, like
-    every later field must.
+    digests of the file's consecutive pieces: `chunk_size` each (only the last
+    may be shorter) unless `lengths` says otherwise. `ctime_ns`, `uid` and
+    `gid` were added after the first draft, `link_to` and `xattrs` with the
+    overlay kinds, `lengths` with format 3: they have defaults, like every later
+    field must.
 
     `uid`/`gid` are the ids inside the sandbox's namespace when the capture
     was given an `id_offset`, the host's ids otherwise.
@@ -60,6 +65,9 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     link_to: bytes = b""  # hardlinks only: the path of the "file" entry holding the inode
     # The extended attributes a save carries (see `xattr_is_carried`), name -> value.
     xattrs: dict[bytes, bytes] = {}
+    # Format 3: each chunk's length, where they are not the fixed layout
+    # (`chunk_size` each, the last the rest): content-defined cuts (chunking.py).
+    lengths: list[int] = []
 
 
 # What a manifest's paths are relative to. "workspace": the workspace directory
@@ -174,10 +182,9 @@ def host_id(recorded: int, id_offset: int) -> int:
 
 def chunk_lengths(entry: Entry, chunk_size: int) -> list[int]:
     """The length each of a file's chunks must have."""
-    count = len(entry.chunks)
-    if count == 0:
-        return []
-    return [chunk_size] * (count - 1) + [entry.size - chunk_size * (count - 1)]
+    if entry.lengths:
+        return list(entry.lengths)
+    return fixed_lengths(len(entry.chunks), entry.size, chunk_size)
 
 
 def expected_chunk_count(size: int, chunk_size: int) -> int:
@@ -196,6 +203,8 @@ def entry_problems(manifest: Manifest) -> list[str]:
     problems: list[str] = []
     if manifest.chunk_size <= 0:
         return [f"chunk_size {manifest.chunk_size} is not positive"]
+    if manifest.format > FORMAT:
+        return [f"format {manifest.format} is newer than this sandhold knows ({FORMAT})"]
     dirs: set[bytes] = {b""}
     seen: set[bytes] = set()
     if manifest.root is not None and (manifest.root.kind != "dir" or manifest.root.path):
@@ -220,6 +229,8 @@ def entry_problems(manifest: Manifest) -> list[str]:
             problems.append(f"{shown!r}: its parent is not a directory of the save")
         if entry.kind == "dir":
             dirs.add(entry.path)
+        elif entry.kind == "file" and entry.lengths:
+            problems.extend(_length_problems(shown, entry, manifest.chunk_size))
         elif entry.kind == "file":
             want = expected_chunk_count(entry.size, manifest.chunk_size)
             if len(entry.chunks) != want:
@@ -232,13 +243,26 @@ def entry_problems(manifest: Manifest) -> list[str]:
     return problems
 
 
+def _length_problems(shown: str, entry: Entry, chunk_size: int) -> list[str]:
+    """Content-defined lengths: one per chunk, adding up to the size, none empty
+    or longer than a cut can be (a restore holds a chunk in memory)."""
+    longest = max_chunk(chunk_size)
+    if len(entry.lengths) != len(entry.chunks):
+        return [f"{shown!r}: {len(entry.chunks)} chunks with {len(entry.lengths)} lengths"]
+    if sum(entry.lengths) != entry.size:
+        return [f"{shown!r}: chunk lengths add up to {sum(entry.lengths)}, not {entry.size}"]
+    if any(not 0 < length <= longest for length in entry.lengths):
+        return [f"{shown!r}: a chunk length outside 1..{longest}"]
+    return []
+
+
 def _kind_problems(entries: list[Entry]) -> list[str]:
     """What each entry's kind rules out, in manifest order (a link's file comes first)."""
     problems: list[str] = []
     files: set[bytes] = set()
     for entry in entries:
         shown = entry.path.decode(errors="backslashreplace")
-        if entry.kind != "file" and (entry.chunks or entry.size):
+        if entry.kind != "file" and (entry.chunks or entry.size or entry.lengths):
             problems.append(f"{shown!r}: a {entry.kind} with content (only files have chunks)")
         if entry.kind != "symlink" and entry.target:
             problems.append(f"{shown!r}: a {entry.kind} with a symlink target")

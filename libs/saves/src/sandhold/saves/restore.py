@@ -3,8 +3,9 @@
 Everything is written into a hidden sibling of the destination and renamed
 into place only when complete: a missing or corrupt chunk aborts the restore
 and leaves no destination at all. Chunks are fetched once per digest (a file
-of zeros costs one fetch), at most `concurrency` at a time, so memory stays
-around `concurrency * chunk_size`; each is hash-checked before it is written.
+of zeros costs one fetch), at most `concurrency` at a time, and handed to one
+writer thread that hash-checks each before writing it; memory stays around
+`2 * concurrency` average chunks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -23,6 +26,7 @@ import msgspec
 from sandhold.saves._bounded import for_each_sized
 from sandhold.saves._xattrs import write_xattrs
 from sandhold.saves.capture import RACY_WINDOW_S
+from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
 from sandhold.saves.manifest import (
     Entry,
@@ -59,8 +63,10 @@ class _Target(msgspec.Struct, frozen=True):
     length: int
 
 
-# Below this a chunk is written on the event loop: a thread hop costs more.
-_INLINE_WRITE_BYTES = 64 * 1024
+# The writer reports back at least this often (chunks), and whenever it is idle.
+_REPORT_EVERY = 16
+# Files the writer keeps open between chunks.
+_OPEN_FILES = 64
 # File timestamps come from a coarse clock (one tick is at most 10 ms on Linux).
 _TIMESTAMP_TICK_NS = 25_000_000
 
@@ -183,28 +189,123 @@ async def _fill(
     concurrency: int,
     progress: Progress | None,
 ) -> int:
-    """Fetch each distinct chunk once (hash-checked by the store) and write it everywhere."""
-    done = fetched_bytes = 0
+    """Fetch each distinct chunk once and hand it to one writer thread, which
+    hash-checks it and writes it everywhere it goes. Fetching never waits for a
+    write, only for room: at most `2 * concurrency` average chunks' worth of
+    bytes are fetched and not yet written."""
+    budget = 2 * concurrency * DEFAULT_CHUNK_SIZE
+    writer = _Writer(root, asyncio.get_running_loop(), budget, total, progress)
+    fetched_bytes = 0
 
     async def fill(digest: str) -> None:
-        nonlocal done, fetched_bytes
-        data = await store.get_chunk(digest, verify=False)
+        nonlocal fetched_bytes
         wanted = targets[digest][0].length
+        await writer.wait_for_room(wanted)
+        data = await store.get_chunk(digest, verify=False)
         if len(data) != wanted:
             raise CorruptChunk(digest, f"{len(data)} bytes where the manifest needs {wanted}")
         fetched_bytes += len(data)
-        if len(data) * len(targets[digest]) <= _INLINE_WRITE_BYTES:
-            check_chunk(digest, data)
-            _write_all(root, data, targets[digest])
-        else:  # hashing and blocking file I/O off the event loop, which keeps fetching
-            await asyncio.to_thread(_check_and_write, root, digest, data, targets[digest])
-        done += len(data) * len(targets[digest])
-        if progress is not None:
-            progress(done, total)
+        writer.put(digest, data, targets[digest])
 
     sized = [(digest, places[0].length) for digest, places in targets.items()]
-    await for_each_sized(sized, fill, concurrency=concurrency)
+    try:
+        await for_each_sized(sized, fill, concurrency=concurrency)
+    except BaseException:
+        await writer.close(raise_error=False)  # the first failure is this one
+        raise
+    await writer.close()
     return fetched_bytes
+
+
+class _Writer:
+    """One thread that checks and writes fetched chunks, in the order they came.
+
+    One thread, not a pool: the file writes and the hashing release the GIL,
+    and one thread hands back the GIL far less often than a pool would (with
+    a thread hop per chunk, the event loop spent its time waiting for it).
+    It reports back in batches: room freed, bytes done, or the first error,
+    which stops the fetching.
+    """
+
+    def __init__(
+        self,
+        root: bytes,
+        loop: asyncio.AbstractEventLoop,
+        budget: int,
+        total: int,
+        progress: Progress | None,
+    ) -> None:
+        self._root = root
+        self._loop = loop
+        self._budget = self._free = budget  # bytes fetched and not yet written
+        self._freed = asyncio.Event()
+        self._progress = progress
+        self._total = total
+        self._done = 0
+        self._error: BaseException | None = None
+        self._queue: queue.SimpleQueue[tuple[str, bytes, list[_Target]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._finished = loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="restore-writer", daemon=True)
+        self._thread.start()
+
+    async def wait_for_room(self, size: int) -> None:
+        """Wait until `size` more bytes fit (a chunk larger than the whole
+        budget waits until nothing else is outstanding)."""
+        while self._error is None and self._free < min(size, self._budget):
+            self._freed.clear()
+            await self._freed.wait()
+        if self._error is not None:
+            raise self._error
+        self._free -= size
+
+    def put(self, digest: str, data: bytes, targets: list[_Target]) -> None:
+        self._queue.put((digest, data, targets))
+
+    async def close(self, *, raise_error: bool = True) -> None:
+        """Wait for every chunk handed over to be written; raise the first failure."""
+        self._queue.put(None)
+        await asyncio.shield(self._finished)
+        if self._error is not None and raise_error:
+            raise self._error
+
+    def _run(self) -> None:
+        fds: dict[bytes, int] = {}
+        written = freed = count = 0
+        failed: BaseException | None = None
+        try:
+            while (item := self._queue.get()) is not None:
+                digest, data, places = item
+                if failed is None:
+                    try:
+                        check_chunk(digest, data)
+                        _write_all(self._root, data, places, fds)
+                        written += len(data) * len(places)
+                    except BaseException as err:  # handed to the loop, raised there
+                        failed = err
+                freed += len(data)
+                count += 1
+                if self._queue.empty() or count >= _REPORT_EVERY:
+                    self._loop.call_soon_threadsafe(self._report, freed, written, failed)
+                    freed = written = count = 0
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            self._loop.call_soon_threadsafe(self._report, freed, written, failed, True)
+
+    def _report(
+        self, freed: int, written: int, failed: BaseException | None, last: bool = False
+    ) -> None:
+        if failed is not None and self._error is None:
+            self._error = failed
+        self._free += freed
+        self._freed.set()
+        self._done += written
+        if self._progress is not None and written:
+            self._progress(self._done, self._total)
+        if last and not self._finished.done():
+            self._finished.set_result(None)
 
 
 def _finish_tree(root: bytes, manifest: Manifest, id_offset: int) -> None:
@@ -265,23 +366,22 @@ def _join(root: bytes, rel: bytes) -> bytes:
     return root + b"/" + rel if rel else root
 
 
-def _check_and_write(root: bytes, digest: str, data: bytes, targets: list[_Target]) -> None:
-    check_chunk(digest, data)
-    _write_all(root, data, targets)
-
-
-def _write_all(root: bytes, data: bytes, targets: list[_Target]) -> None:
+def _write_all(root: bytes, data: bytes, targets: list[_Target], fds: dict[bytes, int]) -> None:
+    """Write `data` at each target, keeping the files open (`fds`, bounded) for the
+    next chunks of the same files."""
     for target in targets:
-        fd = os.open(_join(root, target.path), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            view = memoryview(data)
-            offset = target.offset
-            while view:
-                written = os.pwrite(fd, view, offset)
-                view = view[written:]
-                offset += written
-        finally:
-            os.close(fd)
+        fd = fds.get(target.path)
+        if fd is None:
+            if len(fds) >= _OPEN_FILES:
+                os.close(fds.pop(next(iter(fds))))
+            path = _join(root, target.path)
+            fd = fds[target.path] = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        view = memoryview(data)
+        offset = target.offset
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view = view[written:]
+            offset += written
 
 
 def _set_attributes(path: bytes, entry: Entry, is_root: bool, id_offset: int) -> None:

@@ -20,14 +20,14 @@ import asyncio
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.api import RawStreamMsg
 from sandhold.bus.names import Names
-from sandhold.saves._bounded import for_each, for_each_sized
+from sandhold.saves._bounded import all_or_none, for_each, for_each_sized
 from sandhold.saves._stream import SavesStream
 from sandhold.saves.errors import (
     CorruptChunk,
@@ -91,8 +91,11 @@ def check_save_id(save_id: str) -> str:
 class SaveStore:
     """Chunks and manifests of every sandbox's saves, on the SAVES stream."""
 
-    def __init__(self, nc: NATS, names: Names, *, timeout: float = 10.0) -> None:
-        self._s = SavesStream(nc, names.saves_stream, timeout=timeout)
+    def __init__(
+        self, nc: NATS, names: Names, *, timeout: float = 10.0, leader_reads: bool = True
+    ) -> None:
+        # `leader_reads`: a miss is asked again of the stream's leader (SavesStream.get).
+        self._s = SavesStream(nc, names.saves_stream, timeout=timeout, leader_reads=leader_reads)
         self._names = names
         self._chunk_prefix = names.chunk("")
 
@@ -137,12 +140,9 @@ class SaveStore:
         wanted = {check_digest(d) for d in digests}
         if not wanted:
             return set()
-        if len(wanted) > _PROBE_AT_MOST and (
-            len(wanted) * _LIST_PER_PROBE >= await self._s.subject_count()
-        ):
-            cut = len(self._chunk_prefix)
-            listed = await self._s.subjects(self._names.chunk("*"))
-            return wanted - {subject[cut:] for subject in listed}
+        stored = await self._stored_if_cheaper(len(wanted))
+        if stored is not None:
+            return wanted - stored
         absent: set[str] = set()
 
         async def probe(digest: str) -> None:
@@ -168,7 +168,7 @@ class SaveStore:
         """
         absent = await self.missing(chunks)
         present = [d for d in chunks if d not in absent]
-        sizes = {d: _size(chunks[d]) for d in absent}
+        sizes = {d: file_size(chunks[d]) for d in absent}
         total = sum(sizes.values())
         done = uploaded_chunks = uploaded_bytes = raced_chunks = raced_bytes = 0
 
@@ -195,8 +195,83 @@ class SaveStore:
             uploaded_chunks=uploaded_chunks,
             uploaded_bytes=uploaded_bytes,
             skipped_chunks=len(present) + raced_chunks,
-            skipped_bytes=sum(_size(chunks[d]) for d in present) + raced_bytes,
+            skipped_bytes=sum(file_size(chunks[d]) for d in present) + raced_bytes,
         )
+
+    async def upload_stream(
+        self,
+        chunks: AsyncIterator[tuple[str, bytes]],
+        *,
+        at_most: int,
+        total_bytes: int = 0,
+        concurrency: int = 32,
+        progress: Progress | None = None,
+    ) -> UploadStats:
+        """Store chunks as a producer cuts and hashes them: each distinct one once,
+        none the store already has, `concurrency` in flight and no more than that
+        waiting, so memory stays bounded however far the producer could run ahead.
+
+        Args:
+            chunks: (sha256 hex, content) pairs; the producer hashed them, so
+                they are not hashed again here (the saver re-hashes what a save
+                uploaded before it counts).
+            at_most: how many chunks may come: whether the store is listed once
+                or asked about each chunk is decided on it, as in `missing`.
+            total_bytes: what the chunks add up to, for `progress`.
+        """
+        stored = await self._stored_if_cheaper(at_most)
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue(concurrency)
+        seen: set[str] = set()
+        done = uploaded_chunks = uploaded_bytes = skipped_chunks = skipped_bytes = 0
+
+        async def feed() -> None:
+            try:
+                async for item in chunks:
+                    await queue.put(item)
+            finally:  # a producer's files are closed now, not when it is collected
+                if isinstance(chunks, AsyncGenerator):
+                    await chunks.aclose()
+            for _ in range(concurrency):
+                await queue.put(None)
+
+        async def send() -> None:
+            nonlocal done, uploaded_chunks, uploaded_bytes, skipped_chunks, skipped_bytes
+            while (item := await queue.get()) is not None:
+                digest, data = item
+                subject = self._names.chunk(check_digest(digest))
+                if digest not in seen:  # a repeat within this save counts where it came first
+                    seen.add(digest)
+                    if stored is not None:
+                        known = digest in stored
+                    else:
+                        known = await self._s.has(subject)
+                    # put_new is False when another save stored it meanwhile
+                    put = self._s.put_new
+                    if not known and await put(subject, data, msg_id=digest, headers={}):
+                        uploaded_chunks += 1
+                        uploaded_bytes += len(data)
+                    else:
+                        skipped_chunks += 1
+                        skipped_bytes += len(data)
+                done += len(data)
+                if progress is not None:
+                    progress(done, max(total_bytes, done))
+
+        await all_or_none([feed()] + [send() for _ in range(concurrency)])
+        return UploadStats(
+            uploaded_chunks=uploaded_chunks,
+            uploaded_bytes=uploaded_bytes,
+            skipped_chunks=skipped_chunks,
+            skipped_bytes=skipped_bytes,
+        )
+
+    async def _stored_if_cheaper(self, at_most: int) -> set[str] | None:
+        """Every stored chunk's digest when listing them costs less than asking about
+        `at_most` chunks one by one; None when asking is cheaper."""
+        if at_most <= _PROBE_AT_MOST or at_most * _LIST_PER_PROBE < await self._s.subject_count():
+            return None
+        cut = len(self._chunk_prefix)
+        return {subject[cut:] for subject in await self._s.subjects(self._names.chunk("*"))}
 
     async def delete_chunks(self, digests: Iterable[str]) -> int:
         """Purge these chunks; returns how many were stored. Names are all checked first."""
@@ -371,7 +446,8 @@ def _head_fields(save_id: str, head: RawStreamMsg) -> tuple[int, str]:
     return count, digest
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """A spooled file's size; 0 when it is gone (then reading it fails where it matters)."""
     try:
         return os.stat(path).st_size
     except OSError:

@@ -6,14 +6,16 @@
 
 from __future__ import annotations
 
-from sandhold.telemetry import logs, metrics, tracing
-
 
 def setup(service: str, *, metrics_port: int | None = None) -> int | None:
     """Logs, tracing (if the environment asks for it) and, given a port, `/metrics`.
 
     Returns the port `/metrics` listens on, if any.
     """
+    # Imported here, not with the package: `context` alone is on every path,
+    # and the CLI's start-up must not pay for metrics and tracing.
+    from sandhold.telemetry import logs, metrics, tracing
+
     logs.configure(service)
     tracing.configure(service)
     if metrics_port is None:

@@ -38,6 +38,7 @@ from sandhold.bus.codec import decode_envelope
 from sandhold.bus.follow import pull_batches
 from sandhold.bus.names import Names
 from sandhold.domain import host as host_domain
+from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as task_domain
 from sandhold.domain.views import command_view, save_view
@@ -103,9 +104,9 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
 # A read model of another version is dropped and rebuilt from the log on open.
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"  # 3: a sandbox keeps its queued command ids
 
-_json = msgspec.json.Encoder(order="deterministic")
+_json = msgspec.json.Encoder(order="deterministic", enc_hook=pmap.enc_hook)
 _command = msgspec.json.Decoder(sb.Command)
 
 
@@ -117,7 +118,7 @@ class Kind(msgspec.Struct, frozen=True):
 
 
 KINDS = {
-    "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox)),
+    "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox, dec_hook=pmap.dec_hook)),
     "host": Kind(host_domain.evolve, msgspec.json.Decoder(host_domain.Host)),
     "task": Kind(task_domain.evolve, msgspec.json.Decoder(task_domain.Task)),
 }
@@ -302,7 +303,9 @@ class ReadModel:
                     "SELECT id, record FROM commands WHERE sandbox_id = ? ORDER BY queued_at, id",
                     (aggregate_id,),
                 ) as cur:
-                    commands = {r[0]: _command.decode(r[1]) for r in await cur.fetchall()}
+                    commands = pmap.PMap(
+                        (r[0], _command.decode(r[1])) for r in await cur.fetchall()
+                    )
                 decoded = msgspec.structs.replace(decoded, commands=commands)
             found = (decoded, int(row[1]))
         self._cache[key] = found
@@ -467,7 +470,7 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
         s.created_at,
         int(s.delete_requested),
         seq,
-        _json.encode(msgspec.structs.replace(s, commands={})),
+        _json.encode(msgspec.structs.replace(s, commands=pmap.EMPTY)),
     )
 
 

@@ -1,10 +1,11 @@
 """Saves on the host: freeze, capture what changed into the spool, thaw, upload.
 
 The freeze window covers only the capture (a walk of the workspace plus a copy
-of the files that changed since the parent save); uploading happens after the
-thaw, from the spool. Each save is attempted once: a marker in the spool says
-an attempt began, so a host-agent that restarts mid-save reports it failed
-instead of quietly producing a different save under the same id.
+of the files that changed since the parent save); cutting, hashing and
+uploading happen after the thaw, in one pass over the spool's copies. Each
+save is attempted once: a marker in the spool says an attempt began, so a
+host-agent that restarts mid-save reports it failed instead of quietly
+producing a different save under the same id.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from sandhold.saves import (
     capture,
     decode_manifest,
     encode_manifest,
-    finish_capture,
     restore,
+    store_capture,
 )
 
 log = logging.getLogger("sandhold.host-agent.saving")
@@ -148,7 +149,6 @@ class HostSaves:
                 if freeze:
                     await self._driver.thaw(sandbox_id)
             freeze_ms = (time.monotonic() - started) * 1000
-            captured = await asyncio.to_thread(finish_capture, captured, spool / save_id)
         except (OSError, SandholdError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
             return
@@ -166,7 +166,8 @@ class HostSaves:
         started = time.monotonic()
         try:
             progress = self._progress(sandbox_id, save_id, "upload")
-            uploaded = await self._store.upload(captured.new_chunks, progress=progress)
+            # The copies are cut and hashed while their first chunks are sent.
+            captured, uploaded = await store_capture(self._store, captured, progress=progress)
             manifest_bytes, manifest_digest = await self._store.put_manifest(captured.manifest)
         except (OSError, SandholdError, TimeoutError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="upload", reason=str(err), **me))

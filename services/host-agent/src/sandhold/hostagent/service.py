@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from sandhold.bus.reconciler import dead_letter
 from sandhold.bus.service import Shell
 from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
+from sandhold.domain import recovery
 from sandhold.domain import sandbox as sb
 from sandhold.domain import work as wk
 from sandhold.domain.errors import InfraError, Rejected, SandholdError
@@ -44,6 +46,18 @@ log = logging.getLogger("sandhold.host-agent")
 
 _work_decoder = msgspec.json.Decoder(wk.AnyWork)
 _lease_decoder = msgspec.json.Decoder(leases.Lease)
+
+
+class KilledInFence(msgspec.Struct, frozen=True, kw_only=True):
+    """Written next to a sandbox's files when a fence killed its processes: the
+    loss is said once the log can be written again, by this agent or the next."""
+
+    generation: int
+    last_renewal_at: float  # wall time of the last renewal before the fence
+    fenced_at: float  # wall time by which its processes were killed
+
+
+_fence_decoder = msgspec.json.Decoder(KilledInFence)
 
 
 class HostAgent:
@@ -74,6 +88,7 @@ class HostAgent:
         self._lease_ttl = lease_ttl
         self._stale_copies = stale_copies  # "destroy" | "quarantine"
         self._last_renewed: float | None = None  # monotonic time of the last renewal
+        self._last_renewed_at = 0.0  # and its wall time, as the lease says it
         self._fenced = False
         self._interrupt_on_exit = interrupt_on_exit
         self._isolation: Isolation = isolation
@@ -112,6 +127,7 @@ class HostAgent:
                 with contextlib.suppress(Exception):
                     await self.driver.thaw(sandbox_id)
             self._kv = await leases.lease_bucket(shell.js, self._names)
+            await self._declare_killed_copies()
             await self._register()
             await self._drop_stale_copies()
             for handle in self.driver.adopt_all():
@@ -214,6 +230,7 @@ class HostAgent:
         )
         await leases.renew(self._kv, lease)
         self._last_renewed = time.monotonic()
+        self._last_renewed_at = lease.renewed_at
 
     def _lease_expired(self) -> bool:
         return (
@@ -255,10 +272,21 @@ class HostAgent:
             # Wherever they are recovered, they are delivered anew; none stay here.
             with contextlib.suppress(Exception):
                 await self.driver.remove_connections(sandbox_id)
+            generation = self._local_generation(sandbox_id)
+            if generation is not None:
+                killed = KilledInFence(
+                    generation=generation,
+                    last_renewal_at=self._last_renewed_at,
+                    fenced_at=time.time(),
+                )
+                with contextlib.suppress(OSError):
+                    self._fence_file(sandbox_id).write_bytes(msgspec.json.encode(killed))
 
     async def _come_back(self) -> None:
-        """Reachable again: a new epoch, then drop the copies that now belong to
-        another placement, silently (their sandboxes' logs moved on without us)."""
+        """Reachable again: the copies the fence killed are lost, a new epoch, then
+        drop the copies that now belong to another placement, silently (their
+        sandboxes' logs moved on without us)."""
+        await self._declare_killed_copies()
         await self._register()
         await self._drop_stale_copies()
         self._fenced = False
@@ -266,6 +294,36 @@ class HostAgent:
 
     def _generation_file(self, sandbox_id: str) -> Path:
         return self.driver.layout.sandbox_dir(sandbox_id) / "generation"
+
+    def _fence_file(self, sandbox_id: str) -> Path:
+        return self.driver.layout.sandbox_dir(sandbox_id) / "killed-in-fence"
+
+    async def _declare_killed_copies(self) -> None:
+        """A placement whose processes the fence killed is lost. Recovery says so
+        when it judges the host before the host is back; when the host is back
+        first (NATS away for everyone, then back for everyone at once), the new
+        epoch's lease looks fine and nobody else ever would: its commands would
+        stay `running` forever. So this agent says it, before its new epoch."""
+        for sandbox_id in self.driver.layout.sandbox_ids():
+            marker = self._fence_file(sandbox_id)
+            try:
+                killed = _fence_decoder.decode(marker.read_bytes())
+            except FileNotFoundError:
+                continue
+            except (OSError, msgspec.DecodeError) as err:
+                log.error("%s: unreadable fence record (%s): judged by recovery", sandbox_id, err)
+                marker.unlink(missing_ok=True)
+                continue
+            decide = functools.partial(
+                recovery.declare_killed_in_fence,
+                host=self.host_id,
+                generation=killed.generation,
+                last_renewal_at=killed.last_renewal_at,
+                fenced_at=killed.fenced_at,
+            )
+            await self.sandboxes.sync(sandbox_id)
+            await self.sandboxes.follow_up(sandbox_id, decide, why="killed-in-fence")
+            marker.unlink(missing_ok=True)
 
     def _local_generation(self, sandbox_id: str) -> int | None:
         try:

@@ -19,8 +19,8 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 from sandhold.bus import secret_store
-from sandhold.bus.answering import publish_request
 from sandhold.bus.names import Names
+from sandhold.bus.requesting import publish_request
 from sandhold.bus.store import AggregateStore
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb

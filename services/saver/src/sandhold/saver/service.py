@@ -38,10 +38,6 @@ from sandhold.saves import CorruptManifest, MissingManifest, SaveStore, collect_
 
 log = logging.getLogger("sandhold.saver")
 
-# How long a verification that found something missing waits before it looks
-# again (a replica behind the leader), the last time failing the save.
-LAGGING_REPLICA_RETRIES_S = (0.2, 0.5, 1.0)
-
 
 class Saver:
     name = "saver"
@@ -178,15 +174,9 @@ class Saver:
         state, _ = self.sandboxes.get(sandbox_id)
         assert state is not None
         save = state.saves[save_id]
-        # On a replicated stream any replica answers a direct get, and one a moment
-        # behind the leader has not got what the host stored just before it said
-        # so: what is missing is looked for again, briefly, before the save fails.
-        for delay in (*LAGGING_REPLICA_RETRIES_S, None):
-            problems, total_bytes, files = await self._check(save)
-            if not problems or delay is None or not self.duty.held():
-                break
-            log.info("save %s: %s; looking again in %.2fs", save_id, problems[0], delay)
-            await asyncio.sleep(delay)
+        # What the host stored just before it said so is read as the stream's leader
+        # has it (a replica a moment behind is asked no further: SavesStream.get).
+        problems, total_bytes, files = await self._check(save)
         if not self.duty.held():
             return  # lapsed meanwhile: whoever holds the claim now verifies it afresh
         await self._follow_up(

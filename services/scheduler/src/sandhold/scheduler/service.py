@@ -37,7 +37,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import work as wk
 from sandhold.domain.errors import Rejected
-from sandhold.domain.placement import HostInfo, choose_host, network_modes
+from sandhold.domain.placement import HostInfo, Waiting, choose_host, network_modes, why_waiting
 from sandhold.domain.reconcile import plan, secrets_gone
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
@@ -77,6 +77,8 @@ class Scheduler:
         self._durable = durable
         self._secrets_forgotten: set[str] = set()  # command ids, this process's
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
+        self._placed_on: dict[str, str] = {}  # sandbox id -> the host it holds a place on
+        self._load: dict[str, int] = {}  # host -> how many sandboxes hold a place there
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -90,7 +92,7 @@ class Scheduler:
                 await leases.lease_bucket(shell.js, self._names), ttl=self._lease_ttl
             )
             self.leases.on_renewal(self._host_renewed)
-            self.sandboxes.listen(self._mark_dirty)
+            self.sandboxes.listen(self._sandbox_changed)
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
@@ -291,7 +293,9 @@ class Scheduler:
         state, _ = self.sandboxes.get(sandbox_id)
         if state is not None:
             return  # already created: the aggregate answers the retry
-        store = SaveStore(self._nc, self._names)
+        # Manifests by direct get only (its permissions pin the subjects), so no
+        # leader's get: a replica behind is waited for below instead.
+        store = SaveStore(self._nc, self._names, leader_reads=False)
         manifest = None
         # Staged a moment ago: a replica behind the leader may answer the direct
         # get without it (a replicated stream), so "missing" is asked again, briefly.
@@ -317,8 +321,29 @@ class Scheduler:
 
     # --- reconciling ----------------------------------------------------------
 
+    def _sandbox_changed(self, sandbox_id: str) -> None:
+        self._count_place(sandbox_id)
+        self._dirty_loop.mark(sandbox_id)
+
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)
+
+    def _count_place(self, sandbox_id: str) -> None:
+        """Keep the sandboxes per host up to date as each one changes: placing
+        one must not count every sandbox again (200 waiting sandboxes, each
+        planned every sweep, made that the scheduler's busiest loop)."""
+        state, _ = self.sandboxes.get(sandbox_id)
+        now = state.host if state is not None and state.phase in sb.ACTIVE_PHASES else None
+        before = self._placed_on.get(sandbox_id)
+        if now == before:
+            return
+        if before is not None:
+            self._load[before] -= 1
+        if now is None:
+            self._placed_on.pop(sandbox_id, None)
+        else:
+            self._placed_on[sandbox_id] = now
+            self._load[now] = self._load.get(now, 0) + 1
 
     # --- placement: one scheduler at a time ------------------------------------
 
@@ -373,7 +398,7 @@ class Scheduler:
                     or (state.delete_requested and state.phase in ("stopped", "failed"))
                 )
                 if waiting:
-                    self._mark_dirty(sandbox_id)
+                    self._dirty_loop.mark(sandbox_id, later=True)
 
     async def _reconcile(self, sandbox_id: str) -> None:
         state, seq = self.sandboxes.get(sandbox_id)
@@ -409,14 +434,10 @@ class Scheduler:
             and self.leases.is_live(host_id)
         )
 
-    def _choose_host(self, state: sb.Sandbox) -> str | None:
+    def _choose_host(self, state: sb.Sandbox) -> str | Waiting | None:
         if not self._places():
             return None  # the scheduler holding the placement claim places it
-        load: dict[str, int] = {}
-        for sandbox_id in self.sandboxes.ids():
-            other, _ = self.sandboxes.get(sandbox_id)
-            if other is not None and other.host and other.phase in sb.ACTIVE_PHASES:
-                load[other.host] = load.get(other.host, 0) + 1
+        load = self._load
         hosts = []
         for host_id in self.hosts.ids():
             registered, _ = self.hosts.get(host_id)
@@ -432,11 +453,20 @@ class Scheduler:
                         disk_quota=registered.capabilities.get("disk_quota") == "True",
                     )
                 )
-        return choose_host(
+        chosen = choose_host(
             hosts,
             load,
             memory_limit_bytes=state.memory_limit_bytes,
             prefer=state.host,
+            network=state.network,
+            disk_limit_bytes=state.disk_limit_bytes,
+        )
+        if chosen is not None:
+            return chosen
+        return why_waiting(
+            hosts,
+            load,
+            memory_limit_bytes=state.memory_limit_bytes,
             network=state.network,
             disk_limit_bytes=state.disk_limit_bytes,
         )

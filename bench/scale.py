@@ -1,0 +1,289 @@
+"""(j) A 1,000-sandbox machine: memory per sandbox, commands/s, exec latency and save lag.
+
+One `sandhold up --host-capacity <largest size>` (the default driver, one host,
+saves every 30 s). For each size in turn (the sandboxes of a smaller size stay
+for the next): create sandboxes up to the size, 16 creates in flight, and wait
+until they all run; then for --seconds, one client execs `true` on random
+running sandboxes, one after another (exec latency p50/p99 at that size); then
+for --seconds, 8 clients do the same at once (commands/s sustained: the
+machine's throughput, and latency when it is saturated, with the CPU each
+command costs); then one sample of memory (PSS, so pages the zygote's children
+share count once: every service process, every process in a sandbox's cgroups
+— its box and its commands — and the host-agent's helpers outside them: the
+zygote and the supervisors) and of save lag (each running sandbox's `rpo_s`:
+now minus its last completed save).
+
+    uv run python bench/scale.py [--quick] [--write] [--sizes 10,100,1000] [--seconds 60]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from pathlib import Path
+
+from _common import (
+    arguments,
+    emit,
+    median,
+    percentile,
+    proc_cpu_seconds,
+    sandhold_up,
+    table,
+    verdict,
+)
+from sandhold.client import Client, connect
+
+GOAL_P99_S = 0.050
+CREATES_IN_FLIGHT = 16
+EXEC_CLIENTS = 8
+MiB = 1024 * 1024
+
+
+async def grow(client: Client, have: list[str], size: int) -> float:
+    """Create sandboxes until there are `size`, wait for all to run; seconds taken."""
+    started = time.perf_counter()
+    todo = iter(range(len(have), size))
+
+    async def creator() -> None:
+        for i in todo:
+            view = await client.create_sandbox(key=f"scale-{i}")
+            await client.wait_for_phase(view.id, {"running"}, timeout=600)
+            have.append(view.id)
+
+    await asyncio.gather(*(creator() for _ in range(CREATES_IN_FLIGHT)))
+    return time.perf_counter() - started
+
+
+async def exec_load(
+    client: Client, sandboxes: list[str], seconds: float, tag: str, clients: int = EXEC_CLIENTS
+) -> list[float]:
+    """Latencies of `true` run by `clients` clients at once for `seconds`."""
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+    rng = random.Random(tag)
+
+    async def one_client(n: int) -> None:
+        i = 0
+        while time.perf_counter() < deadline:
+            sandbox_id = rng.choice(sandboxes)
+            sent = time.perf_counter()
+            result = await client.exec(sandbox_id, ["true"], key=f"{tag}-{n}-{i}")
+            if result.command.state != "exited":
+                raise RuntimeError(f"{sandbox_id}: {result.command.state}")
+            latencies.append(time.perf_counter() - sent)
+            i += 1
+
+    await asyncio.gather(*(one_client(n) for n in range(clients)))
+    return latencies
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy so far (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def services_cpu_seconds(runtime: dict) -> dict[str, float]:
+    pids = {"nats-server": runtime["nats_pid"], **runtime["services"]}
+    return {name: proc_cpu_seconds(pid) for name, pid in pids.items()}
+
+
+def _pss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def memory(runtime: dict) -> dict[str, int]:
+    """PSS bytes by part: nats-server, each service, sandboxes' processes, host helpers."""
+    parts: dict[str, int] = {"nats-server": _pss(runtime["nats_pid"])}
+    known = {runtime["nats_pid"]}
+    for name, pid in runtime["services"].items():
+        parts[name] = _pss(pid)
+        known.add(pid)
+    parts["sandbox processes"] = parts["host helpers"] = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) in known:
+            continue
+        try:
+            cgroup = (d / "cgroup").read_text()
+            cmdline = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if "/sb-" in cgroup:
+            parts["sandbox processes"] += _pss(int(d.name))
+        elif b"sandhold.hostagent.driver" in cmdline:
+            parts["host helpers"] += _pss(int(d.name))
+    return parts
+
+
+async def save_lag(client: Client) -> tuple[list[float], int]:
+    """Each running sandbox's rpo_s, and how many running ones have no completed save."""
+    lags: list[float] = []
+    none = 0
+    for view in await client.list_sandboxes():
+        if view.phase != "running":
+            continue
+        if view.rpo_s is None:
+            none += 1
+        else:
+            lags.append(view.rpo_s)
+    return lags, none
+
+
+async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
+    client = await connect(up.url)
+    rows: list[dict] = []
+    try:
+        have: list[str] = []
+        for size in sizes:
+            took = await grow(client, have, size)
+            print(f"{size} running after {took:.0f} s", flush=True)
+            alone = await exec_load(client, have, seconds, f"alone-{size}", clients=1)
+            busy, by_service = machine_busy_seconds(), services_cpu_seconds(up.runtime)
+            latencies = await exec_load(client, have, seconds, f"exec-{size}")
+            busy = machine_busy_seconds() - busy
+            after = services_cpu_seconds(up.runtime)
+            by_service = {name: after[name] - by_service[name] for name in after}
+            lags, unsaved = await save_lag(client)
+            mem = memory(up.runtime)
+            row = {
+                "size": size,
+                "grow_s": took,
+                "alone_n": len(alone),
+                "alone_p50": median(alone),
+                "alone_p99": percentile(alone, 99),
+                "alone_max": max(alone),
+                "execs": len(latencies),
+                "per_s": len(latencies) / seconds,
+                "p50": median(latencies),
+                "p99": percentile(latencies, 99),
+                "lag_p50": median(lags) if lags else float("nan"),
+                "lag_max": max(lags) if lags else float("nan"),
+                "unsaved": unsaved,
+                "mem": mem,
+                "cpu_ms": busy / len(latencies) * 1000,
+                "cpu_by": {k: v / len(latencies) * 1000 for k, v in by_service.items()},
+            }
+            rows.append(row)
+            print(
+                f"{size}: alone p50 {row['alone_p50'] * 1000:.1f} p99 "
+                f"{row['alone_p99'] * 1000:.1f} ms; "
+                f"{row['per_s']:.1f} cmd/s, p50 {row['p50'] * 1000:.1f} ms, "
+                f"p99 {row['p99'] * 1000:.1f} ms, lag p50 {row['lag_p50']:.0f} s, "
+                f"sandbox processes {mem['sandbox processes'] / MiB:.0f} MiB",
+                flush=True,
+            )
+    finally:
+        await client.close()
+    return rows
+
+
+def main() -> None:
+    args = arguments(
+        __doc__.splitlines()[0],
+        extra=lambda p: (
+            p.add_argument("--sizes", default=""),
+            p.add_argument("--seconds", type=float, default=0.0),
+        ),
+    )
+    sizes = (
+        [int(s) for s in args.sizes.split(",")]
+        if args.sizes
+        else ([10, 50] if args.quick else [10, 100, 1000])
+    )
+    seconds = args.seconds or (20.0 if args.quick else 60.0)
+    with sandhold_up("scale", "--host-capacity", str(max(sizes))) as up:
+        rows = asyncio.run(measure(up, sizes, seconds))
+    services = [k for k in rows[0]["mem"] if k not in ("sandbox processes", "host helpers")]
+
+    def mib(value: int) -> str:
+        return f"{value / MiB:.0f}"
+
+    perf_rows = [
+        [
+            f"{r['size']:,}",
+            f"{r['grow_s']:.0f}",
+            f"{r['alone_n']:,}",
+            f"{r['alone_p50'] * 1000:.1f}",
+            f"{r['alone_p99'] * 1000:.1f}",
+            f"{r['alone_max'] * 1000:.0f}",
+            f"{r['per_s']:.1f}",
+            f"{r['p50'] * 1000:.0f} / {r['p99'] * 1000:.0f}",
+            f"{r['lag_p50']:.0f} / {r['lag_max']:.0f}",
+            str(r["unsaved"]),
+        ]
+        for r in rows
+    ]
+    mem_rows = [[name] + [mib(r["mem"][name]) for r in rows] for name in services] + [
+        ["sandbox processes (boxes, commands)"]
+        + [mib(r["mem"]["sandbox processes"]) for r in rows],
+        ["host helpers (zygote, supervisors)"] + [mib(r["mem"]["host helpers"]) for r in rows],
+        ["per sandbox: sandbox processes + helpers"]
+        + [
+            f"{(r['mem']['sandbox processes'] + r['mem']['host helpers']) / r['size'] / MiB:.2f}"
+            for r in rows
+        ],
+    ]
+    cpu_names = list(rows[0]["cpu_by"])
+    cpu_rows = [
+        ["whole machine"] + [f"{r['cpu_ms']:.1f}" for r in rows],
+        *([name] + [f"{r['cpu_by'][name]:.1f}" for r in rows] for name in cpu_names),
+        ["the rest: supervisors, commands, this client"]
+        + [f"{r['cpu_ms'] - sum(r['cpu_by'].values()):.1f}" for r in rows],
+    ]
+    worst = max(r["alone_p99"] for r in rows)
+    body = f"""
+One `sandhold up --host-capacity {max(sizes)}` (the default driver, one host,
+saves every 30 s). Each size adds sandboxes to the previous ones ({CREATES_IN_FLIGHT}
+creates in flight, each waited for until running); then one client execs
+`true` on random running sandboxes for {seconds:.0f} s, one after another
+("alone"); then {EXEC_CLIENTS} clients at once for {seconds:.0f} s ("saturated":
+commands/s is what the machine sustains); then memory and save lag are sampled
+once.
+
+{
+        table(
+            [
+                "sandboxes",
+                "create all (s)",
+                "execs alone",
+                "p50 ms",
+                "p99 ms",
+                "max ms",
+                "saturated: commands/s",
+                "saturated p50 / p99 ms",
+                "save lag p50 / max (s)",
+                "never saved",
+            ],
+            perf_rows,
+        )
+    }
+
+Goal: exec p99 ≤ {GOAL_P99_S * 1000:.0f} ms at every size (alone) → worst {worst * 1000:.1f} ms {
+        verdict(worst <= GOAL_P99_S)
+    }
+
+CPU per command during the saturated exec load (ms of CPU time, all cores; the machine
+has {os.cpu_count()} cores, so commands/s can reach at most
+{os.cpu_count()} × 1000 / the whole machine's figure):
+
+{table(["where", *(f"{r['size']:,} sandboxes" for r in rows)], cpu_rows)}
+
+Memory (PSS, MiB) after each size's exec load:
+
+{table(["process", *(f"{r['size']:,} sandboxes" for r in rows)], mem_rows)}
+"""
+    emit(args, "scale", "(j) A 1,000-sandbox machine", body)
+
+
+if __name__ == "__main__":
+    main()

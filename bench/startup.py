@@ -1,0 +1,229 @@
+"""(k) A store's start-up at 100k, 1M (and 10M) events in the log: from zero and from a checkpoint.
+
+For each log size N: N sandbox events (sandboxes × 100: created, placed,
+starting, started, then commands queued, dispatched, started, ended), written
+with the fenced `append`. Then, on fresh connections:
+  from zero:       `AggregateStore.start()` without a checkpoint: what every
+                   service start cost before decision 039 (up to --zero-max
+                   events; above it, the fold is estimated from the rate below);
+  checkpoint:      the same store with a checkpoint directory folds it all once,
+                   writes its checkpoint (time and size reported), then 1,000 more
+                   events are appended (a crash's ~30 s of them) and a new store
+                   starts from the checkpoint: load, verify against the log, fold
+                   the 1,000;
+  floor:           reading the checkpoint file's bytes (the disk, no decode).
+Above --zero-max the checkpoint is written by folding the same envelopes in
+this process (pure `evolve`, what the store would hold) instead of through
+NATS, so a 10M run takes minutes rather than an hour.
+
+    uv run python bench/startup.py [--quick] [--write] [--sizes 100000,1000000,10000000]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+from _common import (
+    append_histories,
+    arguments,
+    emit,
+    envelopes_for,
+    median,
+    nats_server,
+    rate,
+    sandbox_id,
+    table,
+    verdict,
+)
+from sandhold.bus.checkpoint import Checkpoint, Checkpoints, fold_version, path_for
+from sandhold.bus.names import Names
+from sandhold.bus.store import AggregateStore
+from sandhold.bus.streams import ensure_streams
+from sandhold.domain import sandbox as sb
+from sandhold.domain.fold import fold
+
+PER_SANDBOX = 100
+AFTER = 1000  # events appended after the checkpoint: about 30 s of a busy log
+GOAL_FLAT = 2.0  # from the smallest log to the largest, start-up within 2×
+GOAL_S = 2.0  # and under 2 s at the largest
+NAMES = Names("startup")
+
+
+async def write_events(url: str, sandboxes: range, tag: str, per_sandbox: int) -> tuple[int, str]:
+    """Append each sandbox's history (fenced, 1,000 appends in flight); the
+    stream's last sequence and that message's envelope id."""
+    nc = await nats.connect(url, name="bench-startup-writer")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js, NAMES)
+        ids = [sandbox_id(i, tag) for i in sandboxes]
+        return await append_histories(js, NAMES, ids, per_sandbox)
+    finally:
+        await nc.close()
+
+
+async def start_store(url: str, directory: Path | None) -> tuple[float, AggregateStore, nats.NATS]:
+    nc = await nats.connect(url, name="bench-startup-store")
+    store: AggregateStore[sb.Sandbox] = AggregateStore(
+        nc.jetstream(), NAMES, "sandbox", sb.evolve, actor="bench", checkpoint_dir=directory
+    )
+    started = time.perf_counter()
+    await store.start(timeout=3600)
+    return time.perf_counter() - started, store, nc
+
+
+async def close(store: AggregateStore, nc: nats.NATS, *, keep_checkpoint: bool = False) -> None:
+    if not keep_checkpoint:
+        store._checkpoints = None  # noqa: SLF001 - its stop must not write one
+    await store.stop()
+    await nc.close()
+
+
+def checkpoint_in_process(
+    directory: Path, sandboxes: int, tag: str, last: tuple[int, str]
+) -> float:
+    """The checkpoint a store would write after folding these sandboxes, folded
+    here (pure evolve): for logs too long to fold through NATS in a bench run."""
+    states: dict[str, sb.Sandbox | None] = {}
+    seqs: dict[str, int] = {}
+    for i in range(sandboxes):
+        sid = sandbox_id(i, tag)
+        states[sid] = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX), None)
+        seqs[sid] = last[0]  # the store only compares them with later sequences
+    checkpoint = Checkpoint(
+        version=fold_version(),
+        stream=NAMES.events_stream,
+        kind="sandbox",
+        position=last[0],
+        last_event_seq=last[0],
+        last_event_id=last[1],
+        states=states,
+        seqs=seqs,
+        traces={},
+    )
+    started = time.perf_counter()
+    Checkpoints(path_for(directory, "sandbox"), sb.Sandbox | None).write(checkpoint)
+    return time.perf_counter() - started
+
+
+async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, object]:
+    sandboxes = size // PER_SANDBOX
+    tag = f"s{size}"
+    started = time.perf_counter()
+    last = await write_events(url, range(sandboxes), tag, PER_SANDBOX)
+    print(f"{size:,}: wrote {last[0]:,} events in {time.perf_counter() - started:.0f}s", flush=True)
+    result: dict[str, object] = {"size": size}
+    with tempfile.TemporaryDirectory(prefix="sandhold-bench-startup-") as tmp:
+        directory = Path(tmp)
+        if size <= zero_max:
+            zero, store, nc = await start_store(url, directory)
+            result["zero"] = zero
+            written = time.perf_counter()
+            await store.checkpoint()
+            result["write"] = time.perf_counter() - written
+            await close(store, nc)
+            print(f"{size:,}: from zero {zero:.1f}s", flush=True)
+        else:
+            result["write"] = checkpoint_in_process(directory, sandboxes, tag, last)
+        result["bytes"] = path_for(directory, "sandbox").stat().st_size
+        # A crash's worth of events after the checkpoint (10 sandboxes × 100).
+        await write_events(
+            url, range(sandboxes, sandboxes + AFTER // PER_SANDBOX), tag, PER_SANDBOX
+        )
+        times, folded = [], 0
+        for _ in range(rounds):
+            gc.collect()
+            elapsed, store, nc = await start_store(url, directory)
+            times.append(elapsed)
+            folded = store.folded
+            if len(store.ids()) != sandboxes + AFTER // PER_SANDBOX:
+                raise RuntimeError(f"started with {len(store.ids())} sandboxes")
+            await close(store, nc)
+            del store
+        result["checkpoint"] = median(times)
+        result["runs"] = times
+        result["folded"] = folded
+        floor = time.perf_counter()
+        path_for(directory, "sandbox").read_bytes()
+        result["floor"] = time.perf_counter() - floor
+    print(f"{size:,}: from the checkpoint {result['checkpoint']:.2f}s", flush=True)
+    return result
+
+
+async def main() -> None:
+    args = arguments(
+        __doc__.splitlines()[0],
+        extra=lambda p: (
+            p.add_argument("--sizes", default="", help="log sizes, comma separated"),
+            p.add_argument("--zero-max", type=int, default=1_000_000),
+        ),
+    )
+    default = "20000,100000" if args.quick else "100000,1000000"
+    sizes = [int(s) for s in (args.sizes or default).split(",")]
+    rounds = 1 if args.quick else 3
+    results = []
+    for size in sizes:
+        with nats_server("startup") as server:  # each size on a log of its own
+            results.append(await measure(server.admin_url, size, args.zero_max, rounds))
+    rows = []
+    for r in results:
+        zero = r.get("zero")
+        rows.append(
+            [
+                f"{r['size']:,}",
+                f"{zero:.1f}" if isinstance(zero, float) else "not run",
+                f"{rate(r['size'] / zero)}/s" if isinstance(zero, float) else "",
+                f"{r['checkpoint']:.2f}",
+                " / ".join(f"{t:.2f}" for t in r["runs"]),  # type: ignore[attr-defined]
+                f"{r['folded']:,}",
+                f"{r['bytes'] / 1e6:.1f}",
+                f"{r['write']:.2f}",
+                f"{r['floor'] * 1000:.0f}",
+            ]
+        )
+    first, last = results[0], results[-1]
+    flat = last["checkpoint"] / first["checkpoint"]  # type: ignore[operator]
+    body = f"""
+Per log size, a fresh `nats-server` (`sync_interval: always`): the sandbox
+events written with the fenced `append` ({PER_SANDBOX} per sandbox), then the
+store's start without a checkpoint (from zero), and from a checkpoint with
+{AFTER:,} events appended after it, {rounds} start(s), median. Floor = reading
+the checkpoint file's bytes. A log above {args.zero_max:,} events is not folded
+from zero here (it would take as long again as the write): its checkpoint is
+folded in this process from the same envelopes.
+
+{
+        table(
+            [
+                "events in the log",
+                "start from zero (s)",
+                "fold rate",
+                "start from checkpoint (s, median)",
+                "runs (s)",
+                "events folded at start",
+                "checkpoint MB",
+                "checkpoint write (s)",
+                "floor: read the file (ms)",
+            ],
+            rows,
+        )
+    }
+
+Goal: flat (within {GOAL_FLAT}× from {first["size"]:,} to {last["size"]:,} events) → {flat:.1f}×
+{verdict(flat <= GOAL_FLAT)}; under {GOAL_S:.0f} s at {last["size"]:,} → {last["checkpoint"]:.2f} s
+{verdict(last["checkpoint"] <= GOAL_S)}.
+
+Reading: a start from a checkpoint costs decoding the checkpoint (which grows
+with the number of aggregates and commands it holds, not with the events that
+made them) plus the events after it; from zero it grows with the whole log.
+"""
+    emit(args, "startup", "(k) Start-up: from zero and from a checkpoint", body)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

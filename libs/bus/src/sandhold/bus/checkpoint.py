@@ -1,0 +1,159 @@
+"""Checkpoints: a projection's folded state on disk, so a restart folds only
+the events that came after it (decision 039).
+
+Without one, every service start folds the whole log: ~20k events/s here, so
+minutes for a log of ten million events. A store writes its states, their
+sequences and trace contexts, the stream position they cover and the id of
+the last event folded into them to `<dir>/<kind>.checkpoint` (msgpack, written
+to a temporary file, fsynced, renamed). On start the file is believed only if
+
+* it was written by this fold: its version is a digest of the domain
+  package's source (evolve, the events, the states' shapes), so any change to
+  that code makes the next start fold from zero once;
+* it is for this stream and kind;
+* the log still holds that very event at that sequence: a stream made anew,
+  restored from elsewhere or purged does not.
+
+Otherwise the store folds from zero, as it always did, and says why. The file
+is this process's cache, never a source of truth: deleting it costs one full
+fold. `sandhold replay --verify` folds from zero and compares it with each checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.js import JetStreamContext
+from sandhold.bus.codec import decode_envelope
+from sandhold.domain import pmap
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+
+ENV = "SANDHOLD_CHECKPOINT_DIR"
+
+
+class Checkpoint(msgspec.Struct, Generic[S], kw_only=True):
+    version: str
+    stream: str
+    kind: str
+    position: int  # every message up to this stream sequence is folded (or passed over)
+    last_event_seq: int  # the last event folded in, and its id: checked against the log
+    last_event_id: str
+    states: dict[str, S]
+    seqs: dict[str, int]
+    traces: dict[str, str]
+
+
+@cache
+def fold_version() -> str:
+    """A digest of the domain package's source: what folding means."""
+    import sandhold.domain as domain
+
+    digest = hashlib.sha256()
+    for root in sorted(Path(p) for p in domain.__path__):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Decoding makes millions of objects that all live on; the cyclic garbage
+    collector, set off by the allocations, would scan them again and again
+    (it tripled the decode here)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def path_for(directory: Path, kind: str) -> Path:
+    return directory / f"{kind}.checkpoint"
+
+
+class Checkpoints(Generic[S]):
+    """The checkpoint file of one store: loaded once, written now and then."""
+
+    def __init__(self, path: Path, state_type: Any) -> None:
+        self.path = path
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=pmap.enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(Checkpoint[state_type], dec_hook=pmap.dec_hook)
+
+    def read(self) -> Checkpoint[S] | None:
+        """The file as written (None: none, or unreadable, which is logged)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            log.warning("%s: unreadable (%s): folding from zero", self.path, err)
+            return None
+        try:
+            with _collector_paused():
+                found: Checkpoint[S] = self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("%s: undecodable (%s): folding from zero", self.path, err)
+            return None
+        return found
+
+    async def load(self, js: JetStreamContext, stream: str, kind: str) -> Checkpoint[S] | None:
+        """The checkpoint, if it is there and may be believed (see the module)."""
+        found = self.read()
+        if found is None:
+            return None
+        why = await self._stale(found, js, stream, kind)
+        if why:
+            log.warning("%s: %s: folding from zero", self.path, why)
+            return None
+        return found
+
+    async def _stale(
+        self, found: Checkpoint[S], js: JetStreamContext, stream: str, kind: str
+    ) -> str:
+        if found.version != fold_version():
+            return "written by other domain code"
+        if (found.stream, found.kind) != (stream, kind):
+            return f"for {found.stream} {found.kind}, not {stream} {kind}"
+        if found.last_event_seq == 0:
+            return ""  # nothing folded yet: nothing to check
+        try:
+            raw = await js.get_msg(stream, seq=found.last_event_seq)
+            held = decode_envelope(raw.data or b"").id
+        except Exception as err:  # noqa: BLE001 - not there, or not an event: not believed
+            return f"the log has no event at {found.last_event_seq} ({err!r})"
+        if held != found.last_event_id:
+            return f"the log holds another event at {found.last_event_seq}"
+        return ""
+
+    def write(self, checkpoint: Checkpoint[S]) -> int:
+        """Write atomically (in a thread: a large state takes a while to encode);
+        the bytes written."""
+        data = self._encoder.encode(checkpoint)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_suffix(".tmp")
+        with temporary.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        temporary.replace(self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return len(data)

@@ -7,6 +7,7 @@ testcontainers, where a Docker engine exists.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,7 +19,33 @@ from sandhold.bus.server import NatsCluster, NatsServer
 from sandhold.bus.streams import ensure_streams
 from sandhold.client import Client, connect
 
+from tests.e2e import harness
 from tests.e2e.harness import Up
+
+_STARTED = pytest.StashKey[float]()
+_LOG_LINES = 60  # of each log written during a failed test
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.time()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test shows the end of every service and host log written while it
+    ran: a race seen once on a loaded CI machine is then diagnosable from the run."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.failed or report.when == "teardown":
+        return
+    since = item.stash.get(_STARTED, 0.0)
+    for place in dict.fromkeys(harness.LOGS):
+        files = sorted(place.glob("*.log")) if place.is_dir() else [place]
+        for log in files:
+            with contextlib.suppress(OSError):
+                if log.stat().st_mtime >= since:
+                    tail = log.read_bytes().decode(errors="replace").splitlines()[-_LOG_LINES:]
+                    report.sections.append((f"log {log}", "\n".join(tail)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

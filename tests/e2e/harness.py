@@ -25,6 +25,10 @@ from tests.support.netns import HostNet
 
 SANDHOLD = str(Path(sys.executable).parent / "sandhold")
 
+# Every log a started `up` or host writes to: when a test fails, the root
+# conftest shows the end of each one written during it (CI keeps nothing else).
+LOGS: list[Path] = []
+
 
 class Up:
     """`sandhold up --data-dir DIR` in its own process group; stopped by PID."""
@@ -50,6 +54,7 @@ class Up:
     def start(self, timeout: float | None = None) -> Up:
         if timeout is None:  # three nodes and two of every service take longer
             timeout = 150.0 if "--nodes" in self.extra else 70.0
+        LOGS.append(self.data_dir / "logs")
         self.process = subprocess.Popen(
             [SANDHOLD, "--data-dir", str(self.data_dir), "up", *self.extra],
             stdout=subprocess.PIPE,
@@ -276,7 +281,8 @@ class Host:
                 "credentials", "create", "--role", "host-agent", "--host", self.host_id
             )
             assert made.returncode == 0, made.stderr
-        with (self.up.data_dir.parent / f"{self.host_id}.log").open("ab") as log:
+        LOGS.append(self.up.data_dir.parent / f"{self.host_id}.log")
+        with LOGS[-1].open("ab") as log:
             argv = [
                 SANDHOLD,
                 "--data-dir",  # where `sandhold run` finds (or makes) this host's credential

@@ -203,7 +203,9 @@ async def test_kill_9_of_the_events_leader_loses_no_acknowledged_command(cup: Up
         async def send(i: int) -> None:
             key = f"k{i}"
             try:
-                result = await client.exec(sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key)
+                result = await client.exec(
+                    sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=120
+                )
                 answered[key] = result.command.exit_code
             except Exception:  # noqa: BLE001 - a request in flight when the node died
                 failed.append(key)
@@ -233,7 +235,9 @@ async def test_kill_9_of_the_events_leader_loses_no_acknowledged_command(cup: Up
         ended: dict[str, str] = {}
         for i in range(40):
             key = f"k{i}"
-            again = await client.exec(sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key)
+            again = await client.exec(
+                sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=120
+            )
             ended[key] = again.command.state
             if again.command.state == "exited":
                 assert again.command.exit_code == i % 7

@@ -322,3 +322,27 @@ def test_v5_a_waiting_sandbox_says_why_until_it_is_placed() -> None:
     assert waiting.reason == "no host is live (1 registered, none renewing its lease)"
     placed = fold(evolve, envelopes, None)
     assert placed is not None and (placed.phase, placed.reason) == ("placed", "")
+
+
+def test_v6_an_idle_sandbox_is_reaped_and_a_command_starts_it_again_cold() -> None:
+    from sandhold.domain.views import cold_start_of
+
+    lines = (GOLDEN.parent / "sandbox_v6.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    touched = fold(evolve, envelopes[:5], None)
+    assert touched is not None and touched.idle_timeout_s == 60.0
+    assert touched.last_active_at == envelopes[4].time  # the touch
+    reaped = fold(evolve, envelopes[:10], None)
+    assert reaped is not None and (reaped.phase, reaped.reason) == ("stopped", "idle")
+    assert reaped.saves[reaped.final_save_id or ""].state == "completed"
+    woken = fold(evolve, envelopes, None)
+    assert woken is not None and (woken.phase, woken.host, woken.generation) == (
+        "running",
+        "host-b",
+        2,
+    )
+    [command] = woken.commands.values()
+    assert command.cold and command.state == "queued"
+    cold = cold_start_of(woken, command.id)
+    assert cold is not None and cold.from_save == reaped.final_save_id
+    assert (cold.start_ms, cold.restore_ms, cold.bytes_fetched) == (1500.0, 120.5, 10)

@@ -108,6 +108,20 @@ def test_a_command_to_a_lost_sandbox_asks_for_recovery_and_waits_queued() -> Non
     assert [type(e) for e in events] == [ev.SandboxRecoveryRequested, ev.CommandQueued]
 
 
+def test_a_command_queued_just_before_the_loss_brings_the_sandbox_back_once_fenced() -> None:
+    # Queued in the moment between the scheduler's queue and dispatch appends, then
+    # the loss: nothing else may ever come for this sandbox, so the queued command
+    # is the demand that recovers it (lazy policy notwithstanding).
+    state = lost_sandbox(run("waiting"))
+    assert state.commands[cmd("waiting")].state == "queued"
+    assert plan(state, lambda s: HOST_B).events == []  # not before the fence
+    state = apply(state, policy.declare_fenced(state, host=HOST_A))
+    [asked] = plan(state, lambda s: HOST_B).events
+    assert isinstance(asked, ev.SandboxRecoveryRequested) and asked.cause == "command"
+    state = apply(state, [asked])
+    assert plan(state, lambda s: HOST_B).events == [ev.SandboxPlaced(host=HOST_B, generation=2)]
+
+
 def test_a_snapshot_of_a_lost_sandbox_is_refused() -> None:
     refused(
         when(lost_sandbox(), rq.SnapshotSandbox(key="s", sandbox_id=SID, name="n")), "sandbox_lost"

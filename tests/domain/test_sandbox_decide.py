@@ -70,6 +70,7 @@ def test_create_a_new_sandbox() -> None:
             tenant="acme",
             save_interval_s=30.0,
             stop_deadline_s=60.0,
+            idle_timeout_s=1800.0,  # the scheduler's default, recorded
         )
     ]
 
@@ -408,6 +409,10 @@ def _json(**fields: object) -> bytes:
         (_json(type="sandbox.create", key="k", disk_limit_bytes="10G"), "disk_limit_bytes"),
         (_json(type="sandbox.create", key="k", pids_limit=1), "pids_limit"),
         (_json(type="sandbox.create", key="k", network="host"), "network"),
+        (_json(type="sandbox.create", key="k", idle_timeout_s=-1), "idle_timeout_s"),
+        (_json(type="sandbox.create", key="k", idle_timeout_s="15m"), "idle_timeout_s"),
+        (_json(type="sandbox.touch", key="k"), "sandbox_id"),
+        (_json(type="sandbox.touch", key="k", sandbox_id=SID, until=5), "until"),
         (_json(type="sandbox.create", key="has space"), "key"),
         (_json(type="sandbox.create", key=""), "key"),
         (_json(type="sandbox.create", key="k", tenant="a/b"), "tenant"),
@@ -432,6 +437,10 @@ def _json(**fields: object) -> bytes:
         "disk-wrong-type",
         "pids-too-few",
         "network-unknown",
+        "idle-timeout-negative",
+        "idle-timeout-not-seconds",
+        "touch-without-sandbox",
+        "touch-unknown-field",
         "key-with-space",
         "empty-key",
         "bad-tenant",

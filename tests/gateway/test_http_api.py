@@ -143,6 +143,7 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
         ({"memory_limit_bytes": 1}, "$.memory_limit_bytes"),
         ({"tenant": "globex"}, "$.tenant"),  # the tenant comes from the token only
         ({"recovery": "sometimes"}, "$.recovery"),
+        ({"idle_timeout_s": -5}, "$.idle_timeout_s"),
         ({"from_snapshot": "not-an-id"}, "$.from_snapshot"),
         ({"seed": "sv-0123456789abcdef"}, "$.seed"),  # the orchestrator's, not the API's
     ):
@@ -186,6 +187,12 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
     problem(await acme.get("/api/v1/sandboxes", params={"limit": "0"}), 400, "invalid_parameter")
     problem(await acme.get("/api/v1/sandboxes", params={"cursor": "%%"}), 400, "invalid_parameter")
     problem(await acme.post(f"{base}/stop", params={"wait": "soon"}), 400, "invalid_parameter")
+    problem(await acme.post("/api/v1/sandboxes/not-an-id/touch"), 404, "sandbox_not_found")
+    problem(
+        await acme.post(f"{base}/touch", headers={"Idempotency-Key": "has space"}),
+        400,
+        "invalid_header",
+    )
     problem(
         await acme.get(f"{base}/events", headers={"Last-Event-ID": "yesterday"}),
         400,

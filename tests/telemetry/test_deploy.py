@@ -8,7 +8,7 @@ import re
 
 import yaml
 from sandhold.telemetry.log_metrics import CATALOG
-from sandhold.telemetry.metrics import PROCESS_CATALOG
+from sandhold.telemetry.metrics import CHUNK_CACHE_CATALOG, PROCESS_CATALOG
 
 from tests.conftest import ROOT
 
@@ -18,7 +18,7 @@ _SUFFIXES = ("_bucket", "_count", "_sum")
 
 def exported_names() -> set[str]:
     names = set()
-    for metric in (*CATALOG, *PROCESS_CATALOG):
+    for metric in (*CATALOG, *PROCESS_CATALOG, *CHUNK_CACHE_CATALOG):
         names.add(metric.name)
         if metric.kind == "histogram":
             names.update(metric.name + s for s in _SUFFIXES)

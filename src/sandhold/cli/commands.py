@@ -104,6 +104,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 pids_limit=args.pids_limit,
                 cpu_limit=args.cpus,
                 disk_limit_bytes=args.disk_mb * 1024 * 1024 if args.disk_mb else None,
+                idle_timeout_s=args.idle_timeout,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):
@@ -128,6 +129,8 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
             _print_sandbox(await client.start_sandbox(args.id, key=args.key), args.json)
         case "stop":
             return await _stop(args, client)
+        case "touch":
+            _print_sandbox(await client.touch_sandbox(args.id, key=args.key), args.json)
         case "rm":
             view = await client.delete_sandbox(args.id, key=args.key)
             if args.wait:
@@ -184,10 +187,18 @@ async def _host(args: argparse.Namespace, client: Client) -> int:
     else:
         for h in hosts["hosts"]:
             age = h["last_renewal_age_s"]
+            cache: dict[str, Any] | None = h.get("chunk_cache")  # type: ignore[assignment]
+            held = "none"
+            if cache:
+                ratio = cache["hit_ratio"]
+                held = (
+                    f"{cache['bytes'] / 2**20:.0f}/{cache['limit_bytes'] / 2**20:.0f}MiB "
+                    f"hits={'-' if ratio is None else f'{ratio:.0%}'}"
+                )
             print(
                 f"{h['host']}  {h['status']}  epoch={h['epoch']}  "
                 f"renewed={'-' if age is None else f'{age:.1f}s ago'}  "
-                f"sandboxes={h['sandboxes']}"
+                f"sandboxes={h['sandboxes']}  cache={held}"
             )
     return 0
 
@@ -297,6 +308,14 @@ def _report_exec(result: CommandResult, as_json: bool) -> int:
         record["stdout"] = result.stdout.decode(errors="replace")
         record["stderr"] = result.stderr.decode(errors="replace")
         _print_json(record)
+    elif (cold := command.cold_start) is not None:
+        source = f"from save {cold.from_save}" if cold.from_save else "from its files on the host"
+        print(
+            f"sandhold: {command.sandbox_id} had been stopped for being idle: started again "
+            f"{source} in {cold.start_ms or 0:.0f} ms (restore {cold.restore_ms:.0f} ms, "
+            f"{cold.bytes_fetched} bytes fetched)",
+            file=sys.stderr,
+        )
     if command.state == "exited" and command.exit_code is not None:
         return command.exit_code
     if command.state == "exited" and command.signal is not None:

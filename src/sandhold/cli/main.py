@@ -19,6 +19,31 @@ from sandhold.cli.secret_args import add_secret_option
 # and `sandhold up` do not pay for it (bench/cli.py measures the start-up).
 
 
+# The domain's DEFAULT_IDLE_TIMEOUT_S (a test keeps them equal): importing the
+# domain would cost every start of the CLI msgspec's import.
+DEFAULT_IDLE_TIMEOUT_S = 1800.0
+
+
+def _duration(text: str) -> float:
+    """Seconds from `900`, `15m`, `2h`, `1h30m`; 0 allowed (never)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        from sandhold.domain.task_manifest import parse_duration  # only when given
+
+        try:
+            seconds = parse_duration(text, "duration", check_range=False)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    if not 0 <= seconds <= 30 * 86400:
+        raise argparse.ArgumentTypeError(f"must be 0 (never) to 30 days, got {text!r}")
+    return seconds
+
+
+# sandhold.saves.DEFAULT_CACHE_BYTES (a test keeps them equal), as for the idle timeout.
+DEFAULT_CHUNK_CACHE_MB = 2048
+
+
 def _runtime(data_dir: Path) -> dict[str, Any]:  # `up`'s runtime.json: strings, numbers, maps
     try:
         return json.loads((data_dir / "runtime.json").read_text())
@@ -112,6 +137,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="seconds a stop's final save may take (default 60)",
     )
     up.add_argument(
+        "--idle-timeout",
+        type=_duration,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="how long a sandbox may be idle (no command queued or running, none ended, "
+        "no touch) before it is stopped with its final save; the next command starts it "
+        "again from that save. A sandbox may set its own; 0: never (default 30m)",
+    )
+    up.add_argument(
         "--lease-ttl",
         type=float,
         default=5.0,
@@ -135,6 +168,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the metrics service's Prometheus /metrics port (default: a free one; "
         "every endpoint is listed in runtime.json)",
+    )
+    up.add_argument(
+        "--chunk-cache-mb",
+        type=int,
+        default=DEFAULT_CHUNK_CACHE_MB,
+        help="MiB of restored chunks each host keeps for its next restores, least "
+        "recently used evicted first; 0: none (default 2048)",
     )
     up.add_argument(
         "--host-capacity",
@@ -194,14 +234,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     completion.add_argument("shell", choices=["bash", "zsh", "tcsh"])
 
-    sandbox = sub.add_parser("sandbox", help="create, list, show, start, stop, remove")
+    sandbox = sub.add_parser(
+        "sandbox", help="create, list, show, start, stop, touch (keep alive), remove"
+    )
     actions = sandbox.add_subparsers(dest="action", required=True)
-    for name in ("create", "ls", "show", "start", "stop", "rm"):
+    for name in ("create", "ls", "show", "start", "stop", "touch", "rm"):
         a = actions.add_parser(name)
         a.add_argument("--json", action="store_true")
-        if name in ("show", "start", "stop", "rm"):
+        if name in ("show", "start", "stop", "touch", "rm"):
             a.add_argument("id")
-        if name in ("create", "start", "stop", "rm"):
+        if name in ("create", "start", "stop", "touch", "rm"):
             a.add_argument("--key", help="idempotency key (default: a new one)")
         if name in ("create", "rm"):
             a.add_argument("--wait", action="store_true", help="wait for the phase to settle")
@@ -243,6 +285,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "it writes fail and the command ends resource_exhausted (default: no quota)",
     )
     create.add_argument("--save-interval", type=float, help="seconds between saves")
+    create.add_argument(
+        "--idle-timeout",
+        type=_duration,
+        help="stop it (with its final save) after this long idle, e.g. 900, 15m, 2h; "
+        "0: never (default: the installation's, 30m)",
+    )
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")
     create.add_argument(
         "--recovery",
@@ -437,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.save_interval),
                 "--stop-deadline",
                 str(args.stop_deadline),
+                "--idle-timeout",
+                str(args.idle_timeout),
             ],
             "saver": ["--save-timeout", str(args.save_timeout)],
             "recovery": [
@@ -452,6 +502,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.driver,
                 "--capacity",
                 str(args.host_capacity),
+                "--chunk-cache-mb",
+                str(args.chunk_cache_mb),
             ],
             "metrics": ["--metrics-port", str(args.metrics_port)],
             # The same lease settings as hosts: a task's driver is taken over as

@@ -41,6 +41,7 @@ def status_block(view: SandboxView, *, now: float | None = None) -> str:
         r = view.recovered_from
         behind = "" if r.behind_failure_s is None else f", {_duration(r.behind_failure_s)} behind"
         rows.append(("recovered", f"from {r.source} {r.save_id or ''}{behind}".replace("  ", " ")))
+    rows.append(("idle", _idle(view, now)))
     commands = ", ".join(f"{n} {state}" for state, n in sorted(view.commands.items()))
     rows.append(("commands", commands or "none"))
     width = max(len(label) for label, _ in rows)
@@ -85,6 +86,22 @@ def _health(view: SandboxView) -> str:
     if h is None:
         return "-"
     return h.state + (f": {h.reason}" if h.reason else "")
+
+
+def _idle(view: SandboxView, now: float) -> str:
+    idle = view.idle
+    if idle is None:
+        return "-"
+    if idle.timeout_s <= 0:
+        return "never reaped"
+    limit = f"stopped after {_duration(idle.timeout_s)} idle"
+    if view.phase in ("stopping", "stopped") and view.reason == "idle":
+        return f"{limit}; it was (the next command starts it again)"
+    if idle.reaps_at is None:
+        return f"{limit}; not idle now"
+    return (
+        f"{limit}; idle {_duration(now - idle.since)}, stopped in {_duration(idle.reaps_at - now)}"
+    )
 
 
 def _snapshot(save: SaveView) -> str:

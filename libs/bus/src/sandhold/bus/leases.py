@@ -16,6 +16,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from sandhold.bus.names import Names
+from sandhold.domain.host import ChunkCacheStats
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,6 +24,7 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     epoch: int
     renewed_at: float  # the host's wall clock, for people reading the bucket
     interval_s: float = 1.0  # how often the host renews (published with `host ls`)
+    chunk_cache: ChunkCacheStats | None = None  # None: the host keeps no cache
 
 
 class RecoverySettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,12 +158,19 @@ async def published_settings(kv: KeyValue) -> dict[str, float]:
     return settings
 
 
+async def read_lease(kv: KeyValue, host_id: str) -> Lease | None:
+    """The host's lease as it last wrote it; None without one (or unreadable)."""
+    try:
+        entry = await kv.get(host_id)
+        return _decode(entry.value or b"")
+    except Exception:  # no lease (yet), or one not readable
+        return None
+
+
 async def lease_age(kv: KeyValue, host_id: str, *, now: float) -> tuple[float | None, float]:
     """(seconds since the host last renewed, by its own clock — None without a
     lease; how often it renews)."""
-    try:
-        entry = await kv.get(host_id)
-        lease = _decode(entry.value or b"")
-    except Exception:  # no lease (yet), or one not readable
+    lease = await read_lease(kv, host_id)
+    if lease is None:
         return None, 1.0
     return max(0.0, now - lease.renewed_at), lease.interval_s

@@ -14,16 +14,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Generic, TypeVar, get_type_hints
 
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 from sandhold.bus.append import WrongSequence, append, last_sequence
 from sandhold.bus.checkpoint import Checkpoint, Checkpoints, fold_version, path_for
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.electing import patiently
 from sandhold.bus.follow import Follower, has_fence, stream_sequence  # noqa: F401 - re-exported
 from sandhold.bus.names import Names
 from sandhold.domain.envelope import Envelope, wrap
@@ -247,17 +250,17 @@ class AggregateStore(Generic[S]):
         for callback in self._listeners:
             callback(aggregate_id)
 
-    async def sync(self, aggregate_id: str) -> tuple[S | None, int]:
-        """Catch up on one aggregate to the subject's current last sequence."""
+    async def sync(self, aggregate_id: str, *, from_leader: bool = False) -> tuple[S | None, int]:
+        """Catch up on one aggregate to the subject's current last sequence.
+        `from_leader`: up to the end the stream's leader knows, which covers every
+        append acknowledged so far (a direct get's replica may be a moment behind)."""
         subject = self.subject(aggregate_id)
-        last = await last_sequence(self._js, self._stream, subject)
+        last = await last_sequence(self._js, self._stream, subject, from_leader=from_leader)
         while (known := self._seqs.get(aggregate_id, 0)) < last:
             try:
                 # Not a direct get: its answer's headers would hide a stored message
                 # bounced onto this subject (codec.reflected, decision 034).
-                raw = await self._js.get_msg(
-                    self._stream, seq=known + 1, subject=subject, next=True
-                )
+                raw = await patiently(partial(self._next_msg, subject, known + 1), attempt_s=2.0)
             except NotFoundError:
                 break
             # A message stored without the fence is not an event (follow.py): passed
@@ -267,6 +270,9 @@ class AggregateStore(Generic[S]):
                 aggregate_id, raw.seq or 0, believed, (raw.headers or {}).get(context.TRACEPARENT)
             )
         return self.get(aggregate_id)
+
+    async def _next_msg(self, subject: str, seq: int) -> RawStreamMsg:
+        return await self._js.get_msg(self._stream, seq=seq, subject=subject, next=True)
 
     # --- deciding -------------------------------------------------------------
 

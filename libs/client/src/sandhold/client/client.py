@@ -172,6 +172,7 @@ class Client:
         pids_limit: int | None = None,
         cpu_limit: float | None = None,
         disk_limit_bytes: int | None = None,
+        idle_timeout_s: float | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -187,29 +188,32 @@ class Client:
                 pids_limit=pids_limit,
                 cpu_limit=cpu_limit,
                 disk_limit_bytes=disk_limit_bytes,
+                idle_timeout_s=idle_timeout_s,
             )
         )
         assert reply.sandbox is not None
         return reply.sandbox
 
     async def start_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(
-            rq.StartSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
-        )
-        assert reply.sandbox is not None
-        return reply.sandbox
+        return await self._lifecycle(rq.StartSandbox, sandbox_id, key)
 
     async def stop_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(
-            rq.StopSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
-        )
-        assert reply.sandbox is not None
-        return reply.sandbox
+        return await self._lifecycle(rq.StopSandbox, sandbox_id, key)
+
+    async def touch_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
+        """A keep-alive: the sandbox's idle time starts again."""
+        return await self._lifecycle(rq.TouchSandbox, sandbox_id, key)
 
     async def delete_sandbox(self, sandbox_id: str, *, key: str | None = None) -> SandboxView:
-        reply = await self.send(
-            rq.DeleteSandbox(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id)
-        )
+        return await self._lifecycle(rq.DeleteSandbox, sandbox_id, key)
+
+    async def _lifecycle(
+        self,
+        kind: type[rq.StartSandbox | rq.StopSandbox | rq.TouchSandbox | rq.DeleteSandbox],
+        sandbox_id: str,
+        key: str | None,
+    ) -> SandboxView:
+        reply = await self.send(kind(key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id))
         assert reply.sandbox is not None
         return reply.sandbox
 
@@ -281,6 +285,8 @@ class Client:
             # the host's clock; on one machine (or with NTP) good enough for a listing
             age, interval = await leases.lease_age(kv, host_id, now=time.time())
             status = liveness(state, lease_age_s=age, ttl_s=ttl, interval_s=interval)
+            lease = await leases.read_lease(kv, host_id)
+            cache = lease.chunk_cache if lease is not None else None
             hosts.append(
                 {
                     "host": host_id,
@@ -292,6 +298,8 @@ class Client:
                     "sandboxes": placed.get(host_id, 0),
                     "capabilities": state.capabilities,
                     "fence_at": state.fence_at,
+                    # as of its last renewal: what it holds, its limit, hits since it started
+                    "chunk_cache": msgspec.structs.asdict(cache) if cache else None,
                 }
             )
         return {
@@ -425,7 +433,7 @@ class Client:
             raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id}")
         if command_id not in state.commands:
             raise Rejected("command_not_found", f"no command {command_id} in {sandbox_id}")
-        return command_view(sandbox_id, state.commands[command_id])
+        return command_view(sandbox_id, state.commands[command_id], state)
 
     async def read_output(self, sandbox_id: str, command_id: str) -> dict[str, bytes]:
         """The command's kept output, per stream, from the OUTPUT stream.
@@ -547,6 +555,9 @@ class Client:
                     host=end.host or record.host,
                     generation=end.generation or record.generation,
                 )
+        if record.cold and record.cold_start is None:  # what waking its sandbox cost
+            view = await self.show_command(sandbox_id, command_id)
+            record = msgspec.structs.replace(record, cold_start=view.cold_start)
         kept = await self._complete_output(sandbox_id, command_id, record, printer)
         return CommandResult(
             command=record, stdout=kept.get("stdout", b""), stderr=kept.get("stderr", b"")

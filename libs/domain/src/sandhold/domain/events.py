@@ -41,6 +41,9 @@ class SandboxCreated(Event, tag="sandbox.created", frozen=True):
     pids_limit: int | None = None  # None: the host's default
     cpu_limit: float | None = None  # CPUs; None: no limit
     disk_limit_bytes: int | None = None  # the persistent layer's quota; None: none
+    # Reaped (stopped with its final save) after this long without activity;
+    # 0: never. None: created before idle limits existed, so never reaped.
+    idle_timeout_s: float | None = None
 
 
 class SandboxPlaced(Event, tag="sandbox.placed", frozen=True):
@@ -60,12 +63,26 @@ class SandboxStarting(Event, tag="sandbox.starting", frozen=True):
     generation: int
 
 
+class RestoreReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a start had to bring back from the save store (a cold start's cost)."""
+
+    save_id: str
+    restore_ms: float
+    fetched_bytes: int
+    fetched_chunks: int
+    files: int
+    cache_hits: int = 0  # chunks the host's own cache had: not fetched
+    cached_bytes: int = 0
+
+
 class SandboxStarted(Event, tag="sandbox.started", frozen=True):
     host: str
     generation: int
     capabilities: dict[str, str] = {}
     # The revision of the sandbox's Connections its files were written from.
     connections_revision: int = 0
+    # The restore this start needed; None: the host had the files (or there were none).
+    restore: RestoreReport | None = None
 
 
 class SandboxStartFailed(Event, tag="sandbox.start_failed", frozen=True):
@@ -84,17 +101,27 @@ class SandboxWaiting(Event, tag="sandbox.waiting", frozen=True):
 class SandboxStartRequested(Event, tag="sandbox.start_requested", frozen=True):
     request_key: str
     request_digest: str
+    # The command whose arrival started it (a sandbox stopped because it was idle).
+    woken_by: str | None = None
 
 
 class SandboxStopRequested(Event, tag="sandbox.stop_requested", frozen=True):
     request_key: str
     request_digest: str
     final_save_id: str | None = None  # the save the host takes once processes are stopped
+    reason: str = ""  # "idle": stopped by the reaper (docs/saves.md); "": asked for
 
 
 class SandboxStopped(Event, tag="sandbox.stopped", frozen=True):
     host: str | None
     generation: int
+
+
+class SandboxTouched(Event, tag="sandbox.touched", frozen=True):
+    """A keep-alive: the sandbox counts as active now (its idle time starts again)."""
+
+    request_key: str
+    request_digest: str
 
 
 class SandboxDeleteRequested(Event, tag="sandbox.delete_requested", frozen=True):
@@ -482,6 +509,7 @@ AnyEvent = (
     | SandboxStartRequested
     | SandboxStopRequested
     | SandboxStopped
+    | SandboxTouched
     | SandboxDeleteRequested
     | SandboxDeleted
     | CommandQueued

@@ -9,6 +9,19 @@ from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope
 
 
+class ChunkCacheStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A host's chunk cache as it publishes it with its lease (`host ls`)."""
+
+    bytes: int  # held now
+    limit_bytes: int
+    chunks: int
+    hits: int  # since its host-agent started
+    misses: int
+    evictions: int
+    corrupt: int  # cached copies that no longer hashed to their name, dropped
+    hit_ratio: float | None = None  # hits / (hits + misses); None: never asked
+
+
 class Host(msgspec.Struct, frozen=True, kw_only=True):
     host: str
     epoch: int

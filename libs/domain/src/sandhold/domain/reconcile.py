@@ -14,7 +14,7 @@ import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import work as wk
 from sandhold.domain.placement import Waiting
-from sandhold.domain.sandbox import LAUNCHABLE_PHASES, Sandbox
+from sandhold.domain.sandbox import Sandbox, accepts_commands, wakes_on_command
 
 # A host, or why there is none (written down once per reason), or None: not
 # this scheduler's to decide (another holds the placement claim).
@@ -32,7 +32,8 @@ def plan(
     events: list[ev.AnyEvent] = []
     work: list[tuple[str, wk.AnyWork]] = []
     sid, gen, host = state.id, state.generation, state.host
-    can_launch = state.phase in LAUNCHABLE_PHASES
+    # (A sandbox reaped for being idle holds its commands: they wake it.)
+    can_launch = accepts_commands(state)
 
     for command in state.queued_commands():
         if command.cancel_requested:
@@ -43,6 +44,13 @@ def plan(
             )
         elif state.phase == "running" and host is not None and state.connections_current:
             events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
+
+    if state.phase == "stopped" and state.queued and wakes_on_command(state):
+        # Started again from its final save, wherever there is room; then they run.
+        first = state.queued[0]
+        events.append(
+            ev.SandboxStartRequested(request_key=f"wake:{first}", request_digest="", woken_by=first)
+        )
 
     if state.phase in ("stopped", "failed", "deleted"):
         # The host is done with this placement; a command it never reported on
@@ -76,6 +84,11 @@ def plan(
             )
         elif isinstance(chosen, Waiting) and chosen.reason != state.reason:
             events.append(ev.SandboxWaiting(reason=chosen.reason))
+    elif state.phase == "lost" and fenced and state.queued:
+        # A command queued in the moment before the loss is demand, as a new one
+        # would be: it brings the sandbox back (else it waits for a command that
+        # may never come; decision 043).
+        events.append(ev.SandboxRecoveryRequested(cause="command"))
     elif state.phase == "lost" and fenced and state.recovery_policy == "eager":
         events.append(ev.SandboxRecoveryRequested(cause="eager"))
     elif state.phase == "placed" and host is not None:

@@ -48,6 +48,8 @@ SnapshotName = Annotated[
 ]
 Interval = Annotated[float, msgspec.Meta(ge=1, le=86400)]
 Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
+# Seconds without activity before a sandbox is stopped with its final save; 0: never.
+IdleTimeout = Annotated[float, msgspec.Meta(ge=0, le=30 * 86400)]
 # A sandbox's network: its own loopback only, or outbound through user-mode
 # networking (docs/isolation.md). The host's loopback is unreachable in both.
 Network = Literal["none", "egress"]
@@ -79,6 +81,7 @@ class CreateSandbox(Request, tag="sandbox.create", frozen=True):
     pids_limit: PidsLimit | None = None  # default: the host's (4096)
     cpu_limit: CpuLimit | None = None  # default: no limit
     disk_limit_bytes: DiskLimit | None = None  # default: no quota (the host's free space)
+    idle_timeout_s: IdleTimeout | None = None  # default: the scheduler's (30 min); 0: never
 
 
 class StartSandbox(Request, tag="sandbox.start", frozen=True):
@@ -86,6 +89,12 @@ class StartSandbox(Request, tag="sandbox.start", frozen=True):
 
 
 class StopSandbox(Request, tag="sandbox.stop", frozen=True):
+    sandbox_id: SandboxId
+
+
+class TouchSandbox(Request, tag="sandbox.touch", frozen=True):
+    """A keep-alive: the sandbox's idle time starts again, as after a command."""
+
     sandbox_id: SandboxId
 
 
@@ -164,6 +173,7 @@ AnyRequest = (
     CreateSandbox
     | StartSandbox
     | StopSandbox
+    | TouchSandbox
     | DeleteSandbox
     | SnapshotSandbox
     | RunCommand
@@ -206,6 +216,7 @@ _LATER_FIELDS: dict[str, object] = {
     "pids_limit": None,
     "cpu_limit": None,
     "disk_limit_bytes": None,
+    "idle_timeout_s": None,
     "secrets": {},
 }
 

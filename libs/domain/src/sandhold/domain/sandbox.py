@@ -41,6 +41,10 @@ LAUNCHABLE_PHASES: frozenset[str] = frozenset(
 # Phases in which the sandbox holds a place on a host.
 ACTIVE_PHASES: frozenset[str] = frozenset({"placed", "starting", "running", "stopping"})
 
+# A sandbox with no command queued or running, none ended and no touch for this
+# long is stopped with its final save (docs/saves.md, "Idle and cold starts").
+DEFAULT_IDLE_TIMEOUT_S = 1800.0
+
 
 class LostInfo(msgspec.Struct, frozen=True, kw_only=True):
     host: str
@@ -75,6 +79,14 @@ class Connection(msgspec.Struct, frozen=True, kw_only=True):
     revision: int  # the revision that set it
 
 
+class StartRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The latest start: how long it took from the ask, and what it restored."""
+
+    requested_at: float  # the start request (or the placement's creation)
+    started_at: float
+    restore: ev.RestoreReport | None = None
+
+
 class Command(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     state: CommandState
@@ -97,6 +109,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     output_kept: dict[str, int] = {}
     output_complete: bool = True
     queued_at: float = 0.0
+    # Queued while its sandbox was stopped for being idle: it waits for a cold start.
+    cold: bool = False
     started_at: float | None = None  # when its host reported it running
     ended_at: float | None = None
 
@@ -144,6 +158,12 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     connections_revision: int = 0  # every set or removal counts one
     # The revision the current placement's host wrote (None: nothing yet).
     connections_delivered: int | None = None
+    # Idle limits (docs/saves.md, "Idle and cold starts"): 0 = never reaped.
+    idle_timeout_s: float = 0.0
+    last_active_at: float = 0.0  # started, a command queued/started/ended, a touch
+    unended: int = 0  # commands queued, dispatched or running: never idle while any
+    start_requested_at: float | None = None
+    last_start: StartRecord | None = None
 
     @property
     def connections_current(self) -> bool:
@@ -216,6 +236,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             pids_limit=event.pids_limit,
             cpu_limit=event.cpu_limit,
             disk_limit_bytes=event.disk_limit_bytes,
+            idle_timeout_s=event.idle_timeout_s or 0.0,
+            last_active_at=envelope_time,
+            start_requested_at=envelope_time,
         )
     if state is None:
         return None  # an event for a sandbox we never saw created: nothing to apply to
@@ -235,6 +258,11 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return replace(state, phase="starting")
         case ev.SandboxStarted(capabilities=capabilities):
             recovered = _recovered_from(state) if state.lost is not None else state.recovered_from
+            start = StartRecord(
+                requested_at=state.start_requested_at or envelope_time,
+                started_at=envelope_time,
+                restore=event.restore,
+            )
             return replace(
                 state,
                 phase="running",
@@ -243,6 +271,8 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 lost=None,
                 recovered_from=recovered,
                 connections_delivered=event.connections_revision,
+                last_active_at=envelope_time,
+                last_start=start,
             )
         case ev.SandboxLost():
             lost = LostInfo(
@@ -258,7 +288,12 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return state
         case ev.SandboxRecoveryRequested(request_key=key, request_digest=digest):
             requests = _remember(state, key, digest) if key and digest else state.requests
-            return replace(state, phase="recovering", requests=requests)
+            return replace(
+                state,
+                phase="recovering",
+                requests=requests,
+                start_requested_at=envelope_time,
+            )
         case ev.SandboxStartFailed(reason=reason):
             return replace(state, phase="failed", reason=reason)
         case ev.SandboxWaiting(reason=reason) if state.phase in ("pending", "recovering"):
@@ -266,7 +301,13 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.SandboxWaiting():
             return state  # placed meanwhile: the placement said it all
         case ev.SandboxStartRequested(request_key=key, request_digest=digest):
-            return replace(state, phase="pending", requests=_remember(state, key, digest))
+            return replace(
+                state,
+                phase="pending",
+                reason="",
+                requests=_remember(state, key, digest),
+                start_requested_at=envelope_time,
+            )
         case ev.SandboxStopRequested(request_key=key, request_digest=digest):
             # Only a sandbox that holds a place on a host has processes to stop.
             phase = "stopping" if state.phase in ACTIVE_PHASES else "stopped"
@@ -288,9 +329,14 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 saves=saves,
                 final_save_id=event.final_save_id,
                 running_since=None,
+                reason=event.reason,
             )
         case ev.SandboxStopped():
             return replace(state, phase="stopped")
+        case ev.SandboxTouched(request_key=key, request_digest=digest):
+            return replace(
+                state, requests=_remember(state, key, digest), last_active_at=envelope_time
+            )
         case ev.SandboxDeleteRequested(request_key=key, request_digest=digest):
             phase = "stopping" if state.phase in ACTIVE_PHASES else state.phase
             # A deleted sandbox's files are discarded, not saved.
@@ -317,19 +363,28 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 user=event.user,
                 secret_names=event.secret_names,
                 queued_at=envelope_time,
+                cold=wakes_on_command(state),
             )
+            before = state.commands.get(event.command_id)
             state = replace(
-                state, requests=_remember(state, event.request_key, event.request_digest)
+                state,
+                requests=_remember(state, event.request_key, event.request_digest),
+                unended=state.unended + (0 if before is not None and not before.ended else 1),
+                last_active_at=envelope_time,
             )
             return _with_command(state, command)
         case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
             return _update_command(state, cid, state="dispatched", host=host, generation=generation)
         case ev.CommandStarted(command_id=cid, pid=pid):
+            state = replace(state, last_active_at=envelope_time)
             return _update_command(state, cid, state="running", pid=pid, started_at=envelope_time)
         case ev.CommandCancelRequested(command_id=cid, request_key=key, request_digest=digest):
             state = replace(state, requests=_remember(state, key, digest))
             return _update_command(state, cid, cancel_requested=True)
         case ev.CommandEnded():
+            ending = state.commands.get(event.command_id)
+            if ending is not None and not ending.ended:
+                state = replace(state, unended=state.unended - 1, last_active_at=envelope_time)
             return _update_command(
                 state,
                 event.command_id,
@@ -443,6 +498,7 @@ class Defaults(msgspec.Struct, frozen=True, kw_only=True):
 
     save_interval_s: float = sv.DEFAULT_SAVE_INTERVAL_S
     stop_deadline_s: float = 60.0
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # 0: never reaped
 
 
 # A Snapshot's owning sandbox and record, looked up by id: (sandbox, save) or None.
@@ -524,6 +580,56 @@ def _create(
             pids_limit=request.pids_limit,
             cpu_limit=request.cpu_limit,
             disk_limit_bytes=request.disk_limit_bytes,
+            idle_timeout_s=(
+                defaults.idle_timeout_s
+                if request.idle_timeout_s is None
+                else request.idle_timeout_s
+            ),
+        )
+    ]
+
+
+def wakes_on_command(state: Sandbox) -> bool:
+    """Reaped for being idle (stopping or stopped): a command brings it back,
+    once stopped, and then runs. A sandbox someone stopped stays stopped."""
+    return (
+        state.reason == "idle"
+        and state.phase in ("stopping", "stopped")
+        and not (state.delete_requested)
+    )
+
+
+def accepts_commands(state: Sandbox) -> bool:
+    return not state.delete_requested and (
+        state.phase in LAUNCHABLE_PHASES or wakes_on_command(state)
+    )
+
+
+def reaps_at(state: Sandbox) -> float | None:
+    """When the reaper stops this sandbox if nothing happens first; None: not
+    idle now (not running, a command queued or running) or never reaped."""
+    if state.phase != "running" or state.idle_timeout_s <= 0 or state.unended > 0:
+        return None
+    if state.delete_requested:
+        return None
+    return state.last_active_at + state.idle_timeout_s
+
+
+def reap_if_idle(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
+    """A Stop, with its final save, once the sandbox has been idle for its timeout."""
+    at = reaps_at(state)
+    if at is None or now < at:
+        return []
+    return stop_requested(state, key=f"idle:{cause}", digest="", reason="idle")
+
+
+def stop_requested(state: Sandbox, *, key: str, digest: str, reason: str) -> list[ev.AnyEvent]:
+    # A sandbox placed on a host has a workspace there: save it once stopped.
+    holds_files = state.host is not None and state.phase in ACTIVE_PHASES
+    final = rq.save_id_for(state.id, f"final:{key}") if holds_files else None
+    return [
+        ev.SandboxStopRequested(
+            request_key=key, request_digest=digest, final_save_id=final, reason=reason
         )
     ]
 
@@ -561,14 +667,13 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
             if state.phase in ("stopping", "stopped", "failed"):
                 return []
-            # A sandbox placed on a host has a workspace there: save it once stopped.
-            holds_files = state.host is not None and state.phase in ACTIVE_PHASES
-            final = rq.save_id_for(state.id, f"final:{request.key}") if holds_files else None
-            return [
-                ev.SandboxStopRequested(
-                    request_key=request.key, request_digest=digest, final_save_id=final
-                )
-            ]
+            return stop_requested(state, key=request.key, digest=digest, reason="")
+        case rq.TouchSandbox():
+            state = _require(state, request.sandbox_id, request.tenant)
+            if seen_before(state.requests, request.key, digest):
+                return []
+            _refuse_if_deleted(state)
+            return [ev.SandboxTouched(request_key=request.key, request_digest=digest)]
         case rq.SnapshotSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest):
@@ -618,7 +723,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest):
                 return []
-            if state.delete_requested or state.phase not in LAUNCHABLE_PHASES:
+            if not accepts_commands(state):
                 raise Rejected(
                     "sandbox_not_running",
                     f"sandbox {state.id} is {state.phase}; start it before running commands",

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import msgspec
 from sandhold.domain import saves as sv
-from sandhold.domain.sandbox import Command, RecoveredFrom, Sandbox
+from sandhold.domain.sandbox import Command, RecoveredFrom, Sandbox, reaps_at
 
 
 class CommandView(msgspec.Struct, kw_only=True):
@@ -24,6 +24,27 @@ class CommandView(msgspec.Struct, kw_only=True):
     ended_at: float | None = None
     output_kept: dict[str, int] = {}
     output_complete: bool = True
+    # Queued while its sandbox was stopped for being idle, it waited for the sandbox
+    # to start again: `cold_start` is that start, once it has happened.
+    cold: bool = False
+    cold_start: ColdStart | None = None
+
+
+class ColdStart(msgspec.Struct, kw_only=True):
+    """The start a command paid for: its sandbox had been stopped for being idle."""
+
+    start_ms: float | None = None  # from the start it asked for to `sandbox.started`
+    from_save: str | None = None  # the save restored; None: the host still had the files
+    restore_ms: float = 0.0
+    bytes_fetched: int = 0
+    chunks_fetched: int = 0
+    cache_hits: int = 0  # chunks the host's cache had, not fetched
+
+
+class IdleView(msgspec.Struct, kw_only=True):
+    timeout_s: float  # 0: never reaped
+    since: float  # the last activity: started, a command queued/started/ended, a touch
+    reaps_at: float | None = None  # None: not idle now (not running, or a command is under way)
 
 
 class SaveView(msgspec.Struct, kw_only=True):
@@ -78,6 +99,7 @@ class SandboxView(msgspec.Struct, kw_only=True):
     # pending: not yet written where the sandbox runs (commands wait for it).
     connections: list[str] = []
     connections_pending: bool = False
+    idle: IdleView | None = None
 
 
 def isolation_of(s: Sandbox) -> dict[str, object]:
@@ -113,7 +135,8 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: ErrorBody | None = None
 
 
-def command_view(sandbox_id: str, c: Command) -> CommandView:
+def command_view(sandbox_id: str, c: Command, sandbox: Sandbox | None = None) -> CommandView:
+    """`sandbox`: the command's sandbox, to tell whether the command woke it."""
     return CommandView(
         id=c.id,
         sandbox_id=sandbox_id,
@@ -129,6 +152,25 @@ def command_view(sandbox_id: str, c: Command) -> CommandView:
         ended_at=c.ended_at,
         output_kept=c.output_kept,
         output_complete=c.output_complete,
+        cold=c.cold,
+        cold_start=cold_start_of(sandbox, c.id) if sandbox is not None else None,
+    )
+
+
+def cold_start_of(s: Sandbox, command_id: str) -> ColdStart | None:
+    """The start `command_id` waited for (its sandbox had been reaped), once done."""
+    command = s.commands.get(command_id)
+    start = s.last_start
+    if command is None or not command.cold or start is None or start.started_at < command.queued_at:
+        return None
+    restore = start.restore
+    return ColdStart(
+        start_ms=round((start.started_at - start.requested_at) * 1000, 1),
+        from_save=restore.save_id if restore else None,
+        restore_ms=restore.restore_ms if restore else 0.0,
+        bytes_fetched=restore.fetched_bytes if restore else 0,
+        chunks_fetched=restore.fetched_chunks if restore else 0,
+        cache_hits=restore.cache_hits if restore else 0,
     )
 
 
@@ -235,6 +277,7 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
         ],
         connections=sorted(s.connections),
         connections_pending=s.phase in ("starting", "running") and not s.connections_current,
+        idle=IdleView(timeout_s=s.idle_timeout_s, since=s.last_active_at, reaps_at=reaps_at(s)),
     )
 
 

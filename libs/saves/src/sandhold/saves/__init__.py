@@ -1,6 +1,7 @@
 """The save store: capture a workspace, upload its chunks, verify, restore, collect garbage."""
 
 from sandhold.saves._spool import clear_spool
+from sandhold.saves.cache import DEFAULT_CACHE_BYTES, ChunkCache
 from sandhold.saves.capture import (
     DEFAULT_EXCLUDE,
     Capture,
@@ -26,6 +27,8 @@ from sandhold.saves.store import Progress, SaveStore, UploadStats
 from sandhold.saves.storing import store_capture
 
 __all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "ChunkCache",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_EXCLUDE",
     "Capture",

@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 from sandhold.saves._bounded import for_each_sized
 from sandhold.saves._xattrs import write_xattrs
+from sandhold.saves.cache import ChunkCache
 from sandhold.saves.capture import RACY_WINDOW_S
 from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
@@ -46,12 +47,14 @@ class RestoreStats(msgspec.Struct, frozen=True, kw_only=True):
     dirs: int
     symlinks: int
     restored_bytes: int  # sum of file sizes
-    fetched_chunks: int  # distinct chunks fetched
+    fetched_chunks: int  # distinct chunks fetched from the store
     fetched_bytes: int
     # The save as it now sits on this host (new inodes and ctimes). Pass it as
     # `previous` to the first capture after the restore, so that capture reads
     # only what changed since, not the whole workspace again. Local: never store it.
     local_manifest: Manifest
+    cache_hits: int = 0  # distinct chunks the host's cache had (not fetched)
+    cached_bytes: int = 0
     hardlinks: int = 0  # names that share an earlier file's inode
     whiteouts: int = 0
     fifos: int = 0
@@ -79,6 +82,7 @@ async def restore(
     concurrency: int = 32,
     progress: Progress | None = None,
     id_offset: int = 0,
+    cache: ChunkCache | None = None,
 ) -> RestoreStats:
     """Write the save's tree to `dest`: directories, files, symlinks, modes, times.
 
@@ -95,6 +99,8 @@ async def restore(
         id_offset: the host id the target sandbox's user namespace maps its id 0
             to; owners become `recorded id + id_offset`. A recorded id outside
             the namespace's range is then left alone. 0 restores ids as recorded.
+        cache: the host's chunk cache: what it holds is not fetched, and what
+            is fetched is kept there (`ChunkCache`).
 
     Raises:
         RestoreError: `dest` exists and is not an empty directory, or the file
@@ -118,7 +124,7 @@ async def restore(
     try:
         targets = await asyncio.to_thread(_create_tree, root, manifest)
         total = manifest.total_bytes
-        fetched_bytes = await _fill(store, root, targets, total, concurrency, progress)
+        filled = await _fill(store, root, targets, total, concurrency, progress, cache)
         await asyncio.to_thread(_finish_tree, root, manifest, id_offset)
         local = await asyncio.to_thread(_local_manifest, root, manifest, id_offset)
         _check_dest(dest)  # still absent or empty: rename replaces an empty directory only
@@ -133,8 +139,10 @@ async def restore(
         dirs=kinds["dir"],
         symlinks=kinds["symlink"],
         restored_bytes=manifest.total_bytes,
-        fetched_chunks=len(targets),
-        fetched_bytes=fetched_bytes,
+        fetched_chunks=len(targets) - filled.cache_hits,
+        fetched_bytes=filled.fetched_bytes,
+        cache_hits=filled.cache_hits,
+        cached_bytes=filled.cached_bytes,
         local_manifest=local,
         hardlinks=kinds["hardlink"],
         whiteouts=kinds["whiteout"],
@@ -181,6 +189,12 @@ def _make_node(root: bytes, entry: Entry) -> None:
         ) from err
 
 
+class _Filled(msgspec.Struct):
+    fetched_bytes: int = 0
+    cache_hits: int = 0
+    cached_bytes: int = 0
+
+
 async def _fill(
     store: SaveStore,
     root: bytes,
@@ -188,23 +202,31 @@ async def _fill(
     total: int,
     concurrency: int,
     progress: Progress | None,
-) -> int:
-    """Fetch each distinct chunk once and hand it to one writer thread, which
-    hash-checks it and writes it everywhere it goes. Fetching never waits for a
-    write, only for room: at most `2 * concurrency` average chunks' worth of
-    bytes are fetched and not yet written."""
+    cache: ChunkCache | None,
+) -> _Filled:
+    """Fetch each distinct chunk once (unless the cache has it) and hand it to one
+    writer thread, which hash-checks it and writes it everywhere it goes. Fetching
+    never waits for a write, only for room: at most `2 * concurrency` average
+    chunks' worth of bytes are fetched and not yet written."""
     budget = 2 * concurrency * DEFAULT_CHUNK_SIZE
-    writer = _Writer(root, asyncio.get_running_loop(), budget, total, progress)
-    fetched_bytes = 0
+    writer = _Writer(root, asyncio.get_running_loop(), budget, total, progress, cache)
+    filled = _Filled()
 
     async def fill(digest: str) -> None:
-        nonlocal fetched_bytes
         wanted = targets[digest][0].length
         await writer.wait_for_room(wanted)
+        if cache is not None:
+            # Hash-checked as it is read: a copy gone bad is fetched instead.
+            cached = await asyncio.to_thread(cache.read, digest)
+            if cached is not None and len(cached) == wanted:
+                filled.cache_hits += 1
+                filled.cached_bytes += len(cached)
+                writer.put(digest, cached, targets[digest], from_cache=True)
+                return
         data = await store.get_chunk(digest, verify=False)
         if len(data) != wanted:
             raise CorruptChunk(digest, f"{len(data)} bytes where the manifest needs {wanted}")
-        fetched_bytes += len(data)
+        filled.fetched_bytes += len(data)
         writer.put(digest, data, targets[digest])
 
     sized = [(digest, places[0].length) for digest, places in targets.items()]
@@ -214,7 +236,7 @@ async def _fill(
         await writer.close(raise_error=False)  # the first failure is this one
         raise
     await writer.close()
-    return fetched_bytes
+    return filled
 
 
 class _Writer:
@@ -234,8 +256,10 @@ class _Writer:
         budget: int,
         total: int,
         progress: Progress | None,
+        cache: ChunkCache | None = None,
     ) -> None:
         self._root = root
+        self._cache = cache
         self._loop = loop
         self._budget = self._free = budget  # bytes fetched and not yet written
         self._freed = asyncio.Event()
@@ -243,7 +267,7 @@ class _Writer:
         self._total = total
         self._done = 0
         self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[str, bytes, list[_Target]] | None] = (
+        self._queue: queue.SimpleQueue[tuple[str, bytes, list[_Target], bool] | None] = (
             queue.SimpleQueue()
         )
         self._finished = loop.create_future()
@@ -260,8 +284,11 @@ class _Writer:
             raise self._error
         self._free -= size
 
-    def put(self, digest: str, data: bytes, targets: list[_Target]) -> None:
-        self._queue.put((digest, data, targets))
+    def put(
+        self, digest: str, data: bytes, targets: list[_Target], *, from_cache: bool = False
+    ) -> None:
+        """`from_cache`: already hash-checked as the cache read it, and kept there."""
+        self._queue.put((digest, data, targets, from_cache))
 
     async def close(self, *, raise_error: bool = True) -> None:
         """Wait for every chunk handed over to be written; raise the first failure."""
@@ -276,10 +303,13 @@ class _Writer:
         failed: BaseException | None = None
         try:
             while (item := self._queue.get()) is not None:
-                digest, data, places = item
+                digest, data, places, from_cache = item
                 if failed is None:
                     try:
-                        check_chunk(digest, data)
+                        if not from_cache:
+                            check_chunk(digest, data)
+                            if self._cache is not None:
+                                self._cache.keep(digest, data)
                         _write_all(self._root, data, places, fds)
                         written += len(data) * len(places)
                     except BaseException as err:  # handed to the loop, raised there

@@ -46,6 +46,27 @@ PROCESS_CATALOG: tuple[Metric, ...] = (
     Metric("sandhold_lease_renewal_failures_total", "counter", "Failed lease renewals, by host"),
 )
 
+# A host's chunk cache, read from the cache when scraped (`watch_chunk_cache`).
+CHUNK_CACHE_CATALOG: tuple[Metric, ...] = (
+    Metric("sandhold_chunk_cache_bytes", "gauge", "Bytes of chunks a host's cache holds"),
+    Metric("sandhold_chunk_cache_limit_bytes", "gauge", "A host's chunk cache limit"),
+    Metric(
+        "sandhold_chunk_cache_hits_total",
+        "counter",
+        "Chunks a restore took from the host's cache instead of the save store",
+    ),
+    Metric(
+        "sandhold_chunk_cache_misses_total",
+        "counter",
+        "Chunks a restore looked for in the host's cache and fetched",
+    ),
+    Metric(
+        "sandhold_chunk_cache_evictions_total",
+        "counter",
+        "Chunks evicted (least recently used) to keep a host's cache within its limit",
+    ),
+)
+
 
 def _instrument_name(metric: Metric) -> str:
     """OpenTelemetry's Prometheus exporter adds `_total` to counters and the
@@ -112,6 +133,29 @@ def dead_lettered(consumer: str) -> None:
 def lease_renewal_failed(host: str) -> None:
     if _instruments is not None:
         _instruments.lease_misses.add(1, {"host": host})
+
+
+def watch_chunk_cache(host: str, figures: Callable[[], dict[str, float]]) -> None:
+    """Publish a host's chunk cache: `figures()` (read at scrape time, from the
+    Prometheus server's thread) gives `bytes`, `limit_bytes`, `hits`, `misses`,
+    `evictions`. A no-op until `serve` ran."""
+    if _meter is None:
+        return
+    from opentelemetry.metrics import Observation
+
+    def read(field: str) -> Callable[[CallbackOptions], list[Observation]]:
+        return lambda _options: [Observation(figures()[field], {"host": host})]
+
+    for metric in CHUNK_CACHE_CATALOG:
+        field = metric.name.removeprefix("sandhold_chunk_cache_").removesuffix("_total")
+        if metric.kind == "counter":
+            _meter.create_observable_counter(
+                _instrument_name(metric), callbacks=[read(field)], description=metric.help
+            )
+        else:
+            _meter.create_observable_gauge(
+                metric.name, callbacks=[read(field)], description=metric.help
+            )
 
 
 # --- the endpoint ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from sandhold.domain import requests as rq
+from sandhold.domain.host import ChunkCacheStats
 from sandhold.domain.views import CommandView, SandboxView, SaveView
 from sandhold.gateway.problems import FieldError, ProblemError, field_of
 from sandhold.gateway.sse import EventPage, EventRecord
@@ -118,6 +119,7 @@ class HostView(msgspec.Struct, kw_only=True):
     fence_at: float | None = None
     last_renewal_age_s: float | None = None  # by the host's clock; None: no lease
     lease_interval_s: float = 1.0
+    chunk_cache: ChunkCacheStats | None = None  # as of its last renewal; None: keeps none
 
 
 class HostList(msgspec.Struct, kw_only=True):

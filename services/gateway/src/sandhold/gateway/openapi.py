@@ -210,6 +210,15 @@ def paths() -> dict[str, dict[str, Any]]:
                 problems=WRITE,
             )
         },
+        sandbox_path + "/touch": {
+            "post": _op(
+                "touchSandbox",
+                "Keep a sandbox alive: its idle time starts again, as after a command",
+                _json(200, SandboxView, "the sandbox (`idle.reaps_at` moved on)"),
+                params=[SANDBOX, IDEMPOTENCY_KEY],
+                problems=WRITE,
+            )
+        },
         sandbox_path + "/stop": {
             "post": _op(
                 "stopSandbox",

@@ -482,7 +482,7 @@ def command_row(s: sb.Sandbox, command: sb.Command) -> tuple:
         command.state,
         command.queued_at,
         command.ended_at,
-        _json.encode(command_view(s.id, command)),
+        _json.encode(command_view(s.id, command, s)),
         _json.encode(command),
     )
 

@@ -119,6 +119,15 @@ def handlers(ctx: Context) -> list:
         )
         return json_response(view)
 
+    @post("/api/v1/sandboxes/{sandbox_id:str}/touch", status_code=200)
+    async def touch_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
+        view = await _lifecycle(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.TouchSandbox(key=k, tenant=t, sandbox_id=s),
+        )
+        return json_response(view)
+
     @post("/api/v1/sandboxes/{sandbox_id:str}/stop", status_code=200)
     async def stop_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
         wait = query_int(request, "wait", 0, 0, 3600)
@@ -360,9 +369,14 @@ def handlers(ctx: Context) -> list:
             age, interval = await leases.lease_age(kv, host.host, now=time.time())
             status = liveness(host, lease_age_s=age, ttl_s=ttl, interval_s=interval)
             view = msgspec.json.decode(row, type=b.HostView)
+            lease = await leases.read_lease(kv, host.host)
             items.append(
                 msgspec.structs.replace(
-                    view, status=status, last_renewal_age_s=age, lease_interval_s=interval
+                    view,
+                    status=status,
+                    last_renewal_age_s=age,
+                    lease_interval_s=interval,
+                    chunk_cache=lease.chunk_cache if lease is not None else None,
                 )
             )
         return json_response(b.HostList(items=items))
@@ -373,6 +387,7 @@ def handlers(ctx: Context) -> list:
         show_sandbox,
         start_sandbox,
         stop_sandbox,
+        touch_sandbox,
         delete_sandbox,
         take_snapshot,
         set_connection,

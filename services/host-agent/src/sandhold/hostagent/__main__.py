@@ -9,6 +9,16 @@ from pathlib import Path
 from sandhold.bus.names import Names
 from sandhold.bus.service import common_arguments, run_service
 from sandhold.hostagent.service import HostAgent
+from sandhold.saves import DEFAULT_CACHE_BYTES
+
+MiB = 1024 * 1024
+
+
+def _megabytes(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (none) or more, got {text!r}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,6 +52,13 @@ def parser() -> argparse.ArgumentParser:
         "(repeatable; default <root>/../../images, i.e. .sandhold/images)",
     )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
+    p.add_argument(
+        "--chunk-cache-mb",
+        type=_megabytes,
+        default=DEFAULT_CACHE_BYTES // MiB,
+        help="MiB of restored chunks kept under <root>/chunk-cache for the next restores, "
+        f"least recently used evicted first; 0: none (default {DEFAULT_CACHE_BYTES // MiB})",
+    )
     p.add_argument(
         "--lease-interval",
         type=float,
@@ -77,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             host_id=a.host_id,
             root=a.root or Path(".sandhold") / "hosts" / a.host_id,
             capacity_sandboxes=a.capacity,
+            chunk_cache_bytes=a.chunk_cache_mb * MiB,
             lease_interval=a.lease_interval,
             lease_ttl=a.lease_ttl,
             stale_copies=a.stale_copies,

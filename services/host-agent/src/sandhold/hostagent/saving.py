@@ -27,6 +27,7 @@ from sandhold.domain.errors import SandholdError
 from sandhold.domain.reports import HostReport
 from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.saves import (
+    ChunkCache,
     Manifest,
     SaveStore,
     capture,
@@ -65,8 +66,10 @@ class HostSaves:
         store: SaveStore,
         root: Path,
         host_id: str,
+        cache: ChunkCache | None = None,
     ) -> None:
         self._nc = nc
+        self._cache = cache  # chunks restored here before, for the next restore
         self._names = names
         self._driver = driver
         self._store = store
@@ -127,9 +130,11 @@ class HostSaves:
             previous = await self._manifest(sandbox_id, parent_id)
             method = self._driver.capabilities()["freeze"] if freeze else "none"
             started = time.monotonic()
-            if freeze:
-                await self._driver.freeze(sandbox_id)
             try:
+                # Inside the try: a freeze that timed out leaves the cgroup FREEZING,
+                # and only a thaw undoes that.
+                if freeze:
+                    await self._driver.freeze(sandbox_id)
                 captured = await asyncio.to_thread(
                     capture,
                     self._driver.save_root(sandbox_id),
@@ -189,14 +194,18 @@ class HostSaves:
             )
         )
 
-    async def restore_workspace(self, sandbox_id: str, save_id: str, digest: str = "") -> bool:
-        """Materialise the sandbox's files from a save when this host has none; True if it did.
+    async def restore_workspace(
+        self, sandbox_id: str, save_id: str, digest: str = ""
+    ) -> ev.RestoreReport | None:
+        """Materialise the sandbox's files from a save when this host has none, and
+        say what that cost (None: the host had them, nothing was restored).
 
         A save of a whole root goes back into the persistent layer; one of a
         workspace (a task's seed, a save from the process driver) into the workspace.
         """
         if await asyncio.to_thread(self._driver.has_local_copy, sandbox_id):
-            return False
+            return None
+        started = time.monotonic()
         manifest = await self._store.get_manifest(save_id, digest=digest)
         if manifest.layout == "root":
             dest = self._driver.save_root(sandbox_id)
@@ -212,12 +221,21 @@ class HostSaves:
             dest,
             progress=self._progress(sandbox_id, save_id, "restore"),
             id_offset=self._driver.id_offset(sandbox_id),
+            cache=self._cache,
         )
         await asyncio.to_thread(self._driver.restored, sandbox_id)
         # The restored tree has new inodes and times: remembering them as they are on
         # disk lets the next save read only what changed since, not everything.
         self._remember(sandbox_id, stats.local_manifest)
-        return True
+        return ev.RestoreReport(
+            save_id=save_id,
+            restore_ms=round((time.monotonic() - started) * 1000, 1),
+            fetched_bytes=stats.fetched_bytes,
+            fetched_chunks=stats.fetched_chunks,
+            files=stats.files,
+            cache_hits=stats.cache_hits,
+            cached_bytes=stats.cached_bytes,
+        )
 
     async def _manifest(self, sandbox_id: str, save_id: str | None) -> Manifest | None:
         """The parent manifest: from the local copy, else the store, else none

@@ -19,11 +19,13 @@ import time
 from pathlib import Path
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from nats.js.errors import NotFoundError
 from sandhold.bus import leases
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, reflected
+from sandhold.bus.electing import ELECTING
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import dead_letter
 from sandhold.bus.service import Shell
@@ -39,7 +41,7 @@ from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSetting
 from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation
 from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.hostagent.saving import HostSaves
-from sandhold.saves import SaveStore
+from sandhold.saves import DEFAULT_CACHE_BYTES, ChunkCache, SaveStore
 from sandhold.telemetry import context, metrics
 
 log = logging.getLogger("sandhold.host-agent")
@@ -71,6 +73,7 @@ class HostAgent:
         host_id: str,
         root: Path,
         capacity_sandboxes: int = 64,
+        chunk_cache_bytes: int = DEFAULT_CACHE_BYTES,
         lease_interval: float = 1.0,
         lease_ttl: float = 5.0,
         stale_copies: str = "destroy",
@@ -84,12 +87,15 @@ class HostAgent:
         self._shell = Shell(self.name, nats_url, names, connection_name=connection)
         self._root = Path(root)
         self._capacity = capacity_sandboxes
+        self._chunk_cache_bytes = chunk_cache_bytes
+        self.cache: ChunkCache | None = None
         self._lease_interval = lease_interval
         self._lease_ttl = lease_ttl
         self._stale_copies = stale_copies  # "destroy" | "quarantine"
         self._last_renewed: float | None = None  # monotonic time of the last renewal
         self._last_renewed_at = 0.0  # and its wall time, as the lease says it
         self._fenced = False
+        self._fencing: asyncio.Task[None] | None = None  # the one fence under way
         self._interrupt_on_exit = interrupt_on_exit
         self._isolation: Isolation = isolation
         self._image_roots = image_roots
@@ -114,6 +120,14 @@ class HostAgent:
             self.sandboxes = shell.store("sandbox", sb.evolve, actor=actor, follow=False)
             self.hosts = shell.store("host", host_domain.evolve, actor=actor, follow=False)
             await shell.start_stores()
+            if self._chunk_cache_bytes > 0:
+                self.cache = await asyncio.to_thread(
+                    ChunkCache, self._root / "chunk-cache", self._chunk_cache_bytes
+                )
+                cache = self.cache
+                metrics.watch_chunk_cache(
+                    self.host_id, lambda: msgspec.structs.asdict(cache.stats())
+                )
             self.saving = HostSaves(
                 shell.nc,
                 self._names,
@@ -121,6 +135,7 @@ class HostAgent:
                 SaveStore(shell.nc, self._names),
                 self._root,
                 self.host_id,
+                cache=self.cache,
             )
             for sandbox_id in self.driver.layout.sandbox_ids():
                 # A previous agent may have died between freeze and thaw.
@@ -222,14 +237,19 @@ class HostAgent:
                 self._lease_ttl = settings.lease_ttl_s
 
     async def _put_lease(self) -> None:
+        # The lease counts from when it is offered, as its `renewed_at` says and as
+        # recovery reads it: a put whose acknowledgement is slow (an fsync on a busy
+        # disk) or comes after a pause must not stretch this agent's own deadline.
+        offered = time.monotonic()
         lease = leases.Lease(
             host=self.host_id,
             epoch=self.epoch,
             renewed_at=time.time(),
             interval_s=self._lease_interval,
+            chunk_cache=self.cache.stats() if self.cache is not None else None,
         )
         await leases.renew(self._kv, lease)
-        self._last_renewed = time.monotonic()
+        self._last_renewed = offered
         self._last_renewed_at = lease.renewed_at
 
     def _lease_expired(self) -> bool:
@@ -243,9 +263,10 @@ class HostAgent:
             # Checked before renewing: a process that was paused (SIGSTOP) must
             # notice the gap before its first renewal makes it look alive again.
             if not self._fenced and self._lease_expired():
-                await self._fence_self()
+                await self._fence()
             try:
                 if self._fenced:
+                    await self._fence()  # one begun elsewhere (a report) is finished first
                     await self._come_back()
                 else:
                     # Bounded by what is left of the lease: a put that hangs must not
@@ -255,7 +276,23 @@ class HostAgent:
             except Exception as err:  # a missed renewal is the recovery service's business
                 log.warning("lease renewal failed: %s", err)
                 metrics.lease_renewal_failed(self.host_id)
-            await asyncio.sleep(self._lease_interval)
+            await asyncio.sleep(self._until_next_check())
+
+    def _until_next_check(self) -> float:
+        """The next renewal, or the lease's deadline if that comes first: after a
+        failed renewal the fence must start at the deadline, not up to an interval
+        later (recovery's fence margin is counted from the deadline)."""
+        if self._fenced or self._last_renewed is None:
+            return self._lease_interval
+        deadline = self._last_renewed + self._lease_ttl - time.monotonic()
+        return max(0.01, min(self._lease_interval, deadline + 0.01))
+
+    async def _fence(self) -> None:
+        """Fence once, whoever notices first (the renewal loop, a report): the
+        others wait for the same fence instead of running a second one beside it."""
+        if self._fencing is None:
+            self._fencing = asyncio.create_task(self._fence_self())
+        await asyncio.shield(self._fencing)
 
     async def _fence_self(self) -> None:
         """No renewal for lease_ttl: others may already run our sandboxes elsewhere.
@@ -266,6 +303,10 @@ class HostAgent:
             self.host_id,
             self._lease_ttl,
         )
+        # A save under way would freeze a box the fence is killing (a frozen process
+        # cannot die): saves end first; they count as failed by the saver's timeout.
+        for job in list(self._jobs):
+            job.cancel()
         for sandbox_id in self.driver.layout.sandbox_ids():
             with contextlib.suppress(Exception):
                 await self.driver.stop_sandbox(sandbox_id, grace=0.0)
@@ -290,6 +331,7 @@ class HostAgent:
         await self._register()
         await self._drop_stale_copies()
         self._fenced = False
+        self._fencing = None
         log.warning("host-agent %s is back with epoch %d", self.host_id, self.epoch)
 
     def _generation_file(self, sandbox_id: str) -> Path:
@@ -359,21 +401,31 @@ class HostAgent:
                 await self._report(sandbox_id, dropped, f"{self.host_id}:start:{self.epoch}")
 
     async def _drop_stale_copies(self) -> None:
+        """Never fails: it runs after a new epoch is registered, and a come-back
+        that failed there would register yet another epoch on its next try. A
+        copy that cannot be judged or dropped now is dropped at the next start."""
         for sandbox_id in self.driver.layout.sandbox_ids():
+            try:
+                await self._drop_if_stale(sandbox_id)
+            except Exception as err:
+                log.warning("stale copy of %s not dropped now: %r", sandbox_id, err)
+
+    async def _drop_if_stale(self, sandbox_id: str) -> None:
+        # Judged on the log as its leader has it: a copy is never dropped on a
+        # reading a moment behind.
+        await self.sandboxes.sync(sandbox_id, from_leader=True)
+        if self._is_current(sandbox_id):
+            return
+        log.warning("dropping stale copy of %s (%s)", sandbox_id, self._stale_copies)
+        if self._stale_copies == "quarantine":
+            await self.driver.stop_sandbox(sandbox_id, grace=0.0)
+            target = self._root / "quarantine" / f"{sandbox_id}-{int(time.time())}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.driver.layout.sandbox_dir(sandbox_id).rename(target)
             with contextlib.suppress(Exception):
-                await self.sandboxes.sync(sandbox_id)
-            if self._is_current(sandbox_id):
-                continue
-            log.warning("dropping stale copy of %s (%s)", sandbox_id, self._stale_copies)
-            if self._stale_copies == "quarantine":
-                await self.driver.stop_sandbox(sandbox_id, grace=0.0)
-                target = self._root / "quarantine" / f"{sandbox_id}-{int(time.time())}"
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.driver.layout.sandbox_dir(sandbox_id).rename(target)
-                with contextlib.suppress(Exception):
-                    await self.driver.destroy_sandbox(sandbox_id)
-            else:
                 await self.driver.destroy_sandbox(sandbox_id)
+        else:
+            await self.driver.destroy_sandbox(sandbox_id)
 
     # --- work -----------------------------------------------------------------
 
@@ -402,9 +454,11 @@ class HostAgent:
                 await self._do(work)
         except Rejected as err:
             log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
-        except InfraError as err:
+        except _RETRIED as err:
+            # The bus not answering (an election, a reconnect) is retried like any
+            # infrastructure error: in a second, not after the minute of ack_wait.
             log.warning(
-                "%s for %s failed, will retry: %s", type(work).__name__, work.sandbox_id, err
+                "%s for %s failed, will retry: %r", type(work).__name__, work.sandbox_id, err
             )
             await msg.nak(delay=1)
             return
@@ -415,9 +469,15 @@ class HostAgent:
         The instruction was sent once the event it follows from was appended, so
         a read now sees that event (the command or save it names)."""
         # Nothing follows the log here: every instruction is checked against the
-        # sandbox as the log has it now (one direct get, more if it moved on).
-        state, _ = await self.sandboxes.sync(work.sandbox_id)
-        if state is None or state.generation != work.generation or state.host != self.host_id:
+        # sandbox as the log has it now, up to the end its leader knows (a replica
+        # a moment behind would make new work look stale, and stale work is dropped).
+        state, _ = await self.sandboxes.sync(work.sandbox_id, from_leader=True)
+        if state is None or state.generation < work.generation:
+            # Newer than the log shows: not yet, never "stale" (asked again shortly).
+            raise InfraError(
+                f"generation {work.generation} of {work.sandbox_id} not read yet", retryable=True
+            )
+        if state.generation != work.generation or state.host != self.host_id:
             raise Rejected("stale_generation", f"work for generation {work.generation} is stale")
         if state.phase in ("lost", "recovering"):
             raise Rejected("sandbox_lost", f"{work.sandbox_id} was declared lost on this host")
@@ -425,6 +485,9 @@ class HostAgent:
         if allowed is not None and state.phase not in allowed:
             # e.g. a run redelivered after the stop: never launch into a stopped sandbox
             raise Rejected("wrong_phase", f"{type(work).__name__} for a {state.phase} sandbox")
+        if self._fenced:
+            # Fenced while reading: nothing is launched, started or frozen now.
+            raise InfraError(f"{self.host_id} is fenced", retryable=True)
         return state
 
     async def _do(self, work: wk.AnyWork) -> None:
@@ -446,8 +509,9 @@ class HostAgent:
                     )
                     # Its disk first: a restore writes into it.
                     await self.driver.provision(sid, settings)
+                    restored = None
                     if work.restore_save_id is not None:
-                        await self.saving.restore_workspace(
+                        restored = await self.saving.restore_workspace(
                             sid, work.restore_save_id, work.restore_manifest_digest
                         )
                     # Before the box, which binds them: its first command finds them.
@@ -470,12 +534,16 @@ class HostAgent:
                     generation=gen,
                     capabilities=capabilities,
                     connections_revision=work.connections_revision,
+                    restore=restored,
                 )
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
                 state = await self._current(work)
                 command = state.commands.get(work.command_id)
-                if command is None or command.ended:
+                if command is None:
+                    # Sent after its dispatch was appended: not read yet, not unknown.
+                    raise InfraError(f"{work.command_id} not read yet", retryable=True)
+                if command.ended:
                     return
                 await self._launch(work)
             case wk.CancelCommandWork():
@@ -560,8 +628,8 @@ class HostAgent:
             await asyncio.gather(*watchers, return_exceptions=True)
 
     async def _report(self, sandbox_id: str, report: HostReport, cause: str) -> None:
-        if not self._fenced and self._lease_expired():
-            await self._fence_self()
+        if self._fenced or self._lease_expired():
+            await self._fence()
         if self._fenced:
             raise Rejected("self_fenced", f"{self.host_id} is fenced: it reports nothing")
         await self.sandboxes.execute(
@@ -644,7 +712,8 @@ class HostAgent:
             output_kept=kept,
             output_complete=complete,
         )
-        for _ in range(100):
+        pause = 0.5
+        while True:  # until recorded or refused: an end unreported is a command left running
             try:
                 await self._report(sid, ended, f"{cid}:exit")
                 break
@@ -653,9 +722,10 @@ class HostAgent:
                 if err.code == "self_fenced":
                     return  # not reported: whoever runs next here decides about it
                 break
-            except InfraError as err:
-                log.warning("reporting the end of %s failed, retrying: %s", cid, err)
-                await asyncio.sleep(0.5)
+            except Exception as err:  # the bus not answering, in whatever words
+                log.warning("reporting the end of %s failed, retrying: %r", cid, err)
+                await asyncio.sleep(pause)
+                pause = min(5.0, pause * 2)
         self.driver.mark_reported(sid, cid)
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
@@ -700,6 +770,10 @@ class HostAgent:
         if self._watchers:
             await asyncio.wait(list(self._watchers.values()), timeout=30)
 
+
+# Work that failed on these is asked again in a second: infrastructure, or the bus
+# not answering (an election, a reconnect) in nats-py's own words.
+_RETRIED: tuple[type[Exception], ...] = (InfraError, nats.errors.Error, *ELECTING)
 
 _PHASES_FOR: dict[type, frozenset[str]] = {
     wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),

@@ -390,6 +390,8 @@ class Runner:
                         from_snapshot=spec.from_snapshot,
                         seed=state.seed_save_id,
                         seed_manifest_digest=state.seed_manifest_digest or None,
+                        # Never reaped: the task says when its sandbox stops.
+                        idle_timeout_s=0,
                     ),
                     lambda s: True,
                     sandbox_id=sandbox_id,

@@ -1,5 +1,8 @@
 """The saver: asks for saves on schedule, and makes a save count only once verified.
 
+It is also the reaper: a running sandbox idle for its `idle_timeout_s` (no command
+queued or running, none ended, no touch) is stopped with its final save.
+
 It follows every sandbox's events. Each second it requests the saves that are
 due; whenever a sandbox changes it sends the save work its state calls for,
 verifies uploaded saves against the save store (manifest and every chunk it
@@ -134,6 +137,16 @@ class Saver:
                                 policy.due_save(s, now=now, cause=f"scheduled@{seq}") if s else []
                             ),
                             "schedule",
+                        )
+                    if sb.reap_if_idle(state, now=now, cause=str(seq)):
+                        # Idle for its timeout: stopped with its final save, as a Stop
+                        # is; a command (or a start) brings it back from that save.
+                        await self._follow_up(
+                            sandbox_id,
+                            lambda s, seq=seq, now=now: (
+                                sb.reap_if_idle(s, now=now, cause=str(seq)) if s else []
+                            ),
+                            "idle",
                         )
                     if policy.timed_out(state, now=now, timeout_s=self._save_timeout_s):
                         await self._follow_up(

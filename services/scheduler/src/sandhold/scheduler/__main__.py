@@ -6,7 +6,7 @@ import argparse
 
 from sandhold.bus.names import Names
 from sandhold.bus.service import common_arguments, run_service
-from sandhold.domain.sandbox import Defaults
+from sandhold.domain.sandbox import DEFAULT_IDLE_TIMEOUT_S, Defaults
 from sandhold.scheduler.service import Scheduler
 
 
@@ -27,6 +27,13 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a stop may take, final save included, unless a sandbox sets one",
     )
     p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds without activity before a sandbox is stopped with its final save, "
+        f"unless it sets its own; 0: never (default {DEFAULT_IDLE_TIMEOUT_S:.0f})",
+    )
+    p.add_argument(
         "--claim-ttl",
         type=float,
         default=5.0,
@@ -42,7 +49,11 @@ def main(argv: list[str] | None = None) -> None:
             a.nats,
             Names(a.prefix),
             lease_ttl=a.lease_ttl,
-            defaults=Defaults(save_interval_s=a.save_interval, stop_deadline_s=a.stop_deadline),
+            defaults=Defaults(
+                save_interval_s=a.save_interval,
+                stop_deadline_s=a.stop_deadline,
+                idle_timeout_s=a.idle_timeout,
+            ),
             claim_ttl=a.claim_ttl,
         ),
         parser(),

@@ -1,0 +1,60 @@
+"""The host-agent's own lease clock, against a real nats-server paused mid-put:
+the lease counts from when a renewal is offered, as its `renewed_at` and
+recovery count it, never from when a slow acknowledgement arrived."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import nats
+from sandhold.bus import leases
+from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer
+from sandhold.hostagent.service import HostAgent
+
+from tests.support.bus import make_streams
+
+_PAUSE_S = 1.5
+_TTL_S = 1.0
+
+
+async def test_a_renewal_acknowledged_after_its_ttl_leaves_the_agent_expired(tmp_path: Path):
+    names = Names()
+    server = NatsServer(tmp_path / "nats", names=names)
+    server.start()
+    try:
+        await make_streams(server, names)
+        nc = await nats.connect(server.admin_url)
+        try:
+            agent = HostAgent(
+                server.url, names, host_id="h1", root=tmp_path / "root", lease_ttl=_TTL_S
+            )
+            agent._kv = await leases.lease_bucket(nc.jetstream(), names)
+            agent.epoch = 1
+            await agent._put_lease()
+            assert not agent._lease_expired()
+
+            assert server.pid is not None
+            offered = time.monotonic()
+            os.kill(server.pid, signal.SIGSTOP)  # the put is offered, its ack held back
+            try:
+                renewal = asyncio.create_task(agent._put_lease())
+                await asyncio.sleep(_PAUSE_S)  # the pause under test, not a wait for an event
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            await asyncio.wait_for(renewal, 10)
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
+    # Acknowledged only after the TTL: the lease it wrote is already older than
+    # the TTL by its own `renewed_at`, so the agent must count itself expired.
+    assert agent._last_renewed is not None and agent._last_renewed <= offered + 0.5
+    assert time.time() - agent._last_renewed_at > _TTL_S
+    assert agent._lease_expired()
+    # and it looks again at that deadline, not a whole interval later
+    assert agent._until_next_check() <= 0.02

@@ -1,0 +1,96 @@
+"""The host's chunk cache, through real restores from a real store: a second
+restore of a save is served from the cache, a cached copy gone bad is fetched
+again, and the cache stays within its limit when a restore is larger than it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+from sandhold.saves import ChunkCache, SaveStore, restore
+
+from tests.saves.conftest import tree, write
+from tests.saves.test_restore import MiB, save
+
+
+def _random_files(root: Path, count: int, size: int) -> None:
+    for i in range(count):
+        write(root / f"f{i}", os.urandom(size))
+
+
+def _cached_files(directory: Path) -> list[Path]:
+    return [p for sub in directory.iterdir() for p in sub.iterdir()]
+
+
+async def test_a_second_restore_of_a_save_comes_from_the_cache(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    _random_files(workspace, 6, 300_000)
+    saved = await save(store, workspace, spool, "sv-cache-1")
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+
+    first = await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    chunks = len(saved.manifest.digests)
+    assert (first.cache_hits, first.fetched_chunks) == (0, chunks)
+    assert cache.stats().chunks == chunks and cache.stats().bytes == first.fetched_bytes
+
+    second = await restore(store, saved.manifest, tmp_path / "two", cache=cache)
+    assert (second.cache_hits, second.fetched_chunks, second.fetched_bytes) == (chunks, 0, 0)
+    assert second.cached_bytes == first.fetched_bytes
+    assert tree(tmp_path / "two") == tree(workspace)
+    assert cache.stats().hits == chunks and cache.stats().hit_ratio == pytest.approx(0.5)
+
+    # what the cache holds outlives the process that filled it
+    reopened = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    assert reopened.stats().chunks == chunks
+
+
+async def test_a_corrupted_cached_chunk_is_fetched_again(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    write(workspace / "a", os.urandom(100_000))
+    write(workspace / "b", os.urandom(100_000))
+    saved = await save(store, workspace, spool, "sv-cache-2")
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+
+    victim = next(e.chunks for e in saved.manifest.entries if e.path == b"a")[0]
+    [copy] = [p for p in _cached_files(tmp_path / "cache") if p.name == victim]
+    damaged = bytearray(copy.read_bytes())
+    damaged[10] ^= 0xFF  # same size, one bit pattern off
+    copy.write_bytes(bytes(damaged))
+
+    again = await restore(store, saved.manifest, tmp_path / "two", cache=cache)
+    chunks = len(saved.manifest.digests)
+    assert (again.cache_hits, again.fetched_chunks) == (chunks - 1, 1)
+    assert (tmp_path / "two" / "a").read_bytes() == (workspace / "a").read_bytes()
+    assert cache.stats().corrupt == 1
+    assert hashlib.sha256(copy.read_bytes()).hexdigest() == victim  # kept anew, good
+
+
+async def test_a_restore_larger_than_the_cache_leaves_it_within_its_limit(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    _random_files(workspace, 12, 256 * 1024)  # ~3 MiB of distinct chunks
+    saved = await save(store, workspace, spool, "sv-cache-3")
+    limit = 1 * MiB
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=limit)
+
+    stats = await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    assert tree(tmp_path / "one") == tree(workspace)
+    held = cache.stats()
+    assert 0 < held.bytes <= limit and held.evictions > 0
+    assert sum(p.stat().st_size for p in _cached_files(tmp_path / "cache")) == held.bytes
+    assert held.chunks + held.evictions == stats.fetched_chunks
+
+    # the least recently used went: what is left is the last restored, and a
+    # restart with a smaller limit evicts down to it
+    smaller = ChunkCache(tmp_path / "cache", limit_bytes=limit // 2)
+    assert 0 < smaller.stats().bytes <= limit // 2
+
+
+def test_a_negative_limit_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        ChunkCache(tmp_path / "cache", limit_bytes=-1)

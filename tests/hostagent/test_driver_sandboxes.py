@@ -189,3 +189,19 @@ async def test_stopping_a_frozen_sandbox_thaws_it_first(driver: ProcessDriver) -
     await driver.freeze(SB)
     exits = await driver.stop_sandbox(SB, grace=2.0)
     assert exits["c1"].reason == "interrupted"
+
+
+async def test_warm_supervisors_are_published_and_never_more_are_kept(
+    make_driver: MakeDriver,
+) -> None:
+    driver = await make_driver(warm=2)
+    assert driver.capabilities()["warm_supervisors"] == 2
+    await driver.create_sandbox(SB, 32 * 1024 * 1024)
+    assert "warm_supervisors" not in driver.sandbox_capabilities(SB)  # the host's figure
+    # A burst of launches takes more supervisors than the pool holds; once they
+    # end and the pool refilled, only the pool's size wait idle.
+    handles = [await driver.launch(SB, f"c{i}", ["true"]) for i in range(6)]
+    for handle in handles:
+        assert (await collect(handle))[2].reason == "exited"
+    await wait_until(lambda: driver._pool.idle == 2, what="the pool refilled")
+    assert not driver._pool._spawning  # and nothing more is on its way

@@ -14,7 +14,7 @@ from sandhold.saves import DEFAULT_CACHE_BYTES
 MiB = 1024 * 1024
 
 
-def _megabytes(text: str) -> int:
+def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (none) or more, got {text!r}")
@@ -53,8 +53,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--capacity", type=int, default=64, help="how many sandboxes fit")
     p.add_argument(
+        "--warm-supervisors",
+        type=_count,
+        default=2,
+        help="idle command supervisors kept ready for the next launch; never more are kept "
+        "(default 2)",
+    )
+    p.add_argument(
         "--chunk-cache-mb",
-        type=_megabytes,
+        type=_count,
         default=DEFAULT_CACHE_BYTES // MiB,
         help="MiB of restored chunks kept under <root>/chunk-cache for the next restores, "
         f"least recently used evicted first; 0: none (default {DEFAULT_CACHE_BYTES // MiB})",
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             root=a.root or Path(".sandhold") / "hosts" / a.host_id,
             capacity_sandboxes=a.capacity,
             chunk_cache_bytes=a.chunk_cache_mb * MiB,
+            warm_supervisors=a.warm_supervisors,
             lease_interval=a.lease_interval,
             lease_ttl=a.lease_ttl,
             stale_copies=a.stale_copies,

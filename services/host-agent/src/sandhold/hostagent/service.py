@@ -80,8 +80,10 @@ class HostAgent:
         interrupt_on_exit: bool = False,
         isolation: Isolation = "namespaces",
         image_roots: list[Path] | None = None,
+        warm_supervisors: int = 2,
     ) -> None:
         self._names = names
+        self._warm = warm_supervisors
         self.host_id = host_id
         connection = f"sandhold-host-agent-{host_id}"
         self._shell = Shell(self.name, nats_url, names, connection_name=connection)
@@ -108,7 +110,11 @@ class HostAgent:
 
     async def run(self) -> None:
         self.driver: SandboxDriver = ProcessDriver(
-            self._root, self.host_id, isolation=self._isolation, image_roots=self._image_roots
+            self._root,
+            self.host_id,
+            warm=self._warm,
+            isolation=self._isolation,
+            image_roots=self._image_roots,
         )
         async with self._shell as shell:
             self._nc, self._js = shell.nc, shell.js

@@ -107,6 +107,7 @@ class ProcessDriver:
         self.host_id = check_id("host id", host_id)
         self.cgroups = cgroups if cgroups is not None else detect_cgroups(host_id)
         self._pool = SupervisorPool(self.layout.root, warm)
+        self._warm = warm
         self._isolate_tmp = isolate_tmp
         self._tmp_probe: tuple[bool, str] = (False, "not probed yet (call start())")
         self._poll_interval_s = poll_interval_s
@@ -174,6 +175,9 @@ class ProcessDriver:
             "disk_quota": False,
             "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
             "connections": "tmpfs" if self.connections.on_tmpfs else "disk",
+            # Idle supervisors kept ready for the next launch: never more (a pool
+            # refilled only up to this), so none beyond it wait to be reaped.
+            "warm_supervisors": self._warm,
         }
         if self.boxes is not None:
             isolation = self.boxes.capabilities()
@@ -203,9 +207,10 @@ class ProcessDriver:
 
     def sandbox_capabilities(self, sandbox_id: str) -> dict[str, Any]:
         """What this host enforces for this sandbox (its network and base included)."""
-        if self.boxes is None:
-            return self.capabilities()
         capabilities = self.capabilities()
+        del capabilities["warm_supervisors"]  # the host's, not the sandbox's
+        if self.boxes is None:
+            return capabilities
         capabilities.update(self.boxes.sandbox_capabilities(sandbox_id))
         return {**capabilities, "message": self.capabilities()["message"]}
 

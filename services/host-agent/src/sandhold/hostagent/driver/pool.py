@@ -199,6 +199,11 @@ class SupervisorPool:
         )
         self._idle.extend(spawned)
 
+    @property
+    def idle(self) -> int:
+        """Supervisors started and waiting for a command now (never more than the size)."""
+        return len(self._idle)
+
     async def take(self) -> WarmSupervisor:
         """An idle supervisor; else one already starting; else a fresh one."""
         while not self._closed:

@@ -21,6 +21,7 @@ SCRIPTS = [
     "exec_roundtrip.py",
     "create_running.py",
     "saves.py",
+    "cold_start.py",
     "recovery.py",
     "tracing_cost.py",
     "isolation.py",

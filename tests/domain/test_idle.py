@@ -24,6 +24,7 @@ from .history import (
     SID,
     T0,
     apply,
+    cancel,
     cmd,
     command_ended,
     command_started,
@@ -244,3 +245,23 @@ def test_a_reaped_sandbox_whose_final_save_failed_starts_from_the_save_before() 
     state = apply(state, [wake], time=at_reap + 11)
     [placement] = plan(state, lambda s: HOST_A).events
     assert isinstance(placement, ev.SandboxPlaced) and placement.restore_save_id == earlier
+
+
+def test_a_cancelled_command_does_not_wake_a_reaped_sandbox() -> None:
+    stopping = reaped()
+    state = apply(stopping, decide(stopping, run("early")), time=T0 + 90)
+    state = apply(state, decide(state, cancel(cmd("early"))), time=T0 + 91)
+    state = apply(state, [stopped()], time=T0 + 92)
+    events = plan(state, lambda s: HOST_A).events
+    assert [type(e) for e in events] == [ev.CommandEnded]  # ended not_launched, no start
+
+
+def test_an_activity_stamped_by_a_clock_behind_does_not_move_the_idle_time_back() -> None:
+    state = given_sandbox(*IDLE_RUNNING)
+    state = apply(state, decide(state, touch()), time=T0 + 500)
+    # a host whose clock is 400 s behind reports a command's start
+    state = apply(state, [*decide(state, run("late")), dispatched("late")], time=T0 + 501)
+    state = apply(state, [command_started("late")], time=T0 + 100)
+    state = apply(state, [command_ended("late")], time=T0 + 101)
+    assert state.last_active_at == T0 + 501
+    assert reap_if_idle(state, now=T0 + 501 + TIMEOUT - 1, cause="1") == []

@@ -17,9 +17,11 @@ from .history import (
     SID,
     T0,
     apply,
+    cancel,
     cmd,
     command_ended,
     command_started,
+    delete,
     dispatched,
     given_sandbox,
     run,
@@ -120,6 +122,16 @@ def test_a_command_queued_just_before_the_loss_brings_the_sandbox_back_once_fenc
     assert isinstance(asked, ev.SandboxRecoveryRequested) and asked.cause == "command"
     state = apply(state, [asked])
     assert plan(state, lambda s: HOST_B).events == [ev.SandboxPlaced(host=HOST_B, generation=2)]
+
+
+def test_a_cancelled_or_deleted_queued_command_recovers_nothing() -> None:
+    state = lost_sandbox(run("waiting"))
+    state = apply(state, policy.declare_fenced(state, host=HOST_A))
+    cancelled = apply(state, when(state, cancel(cmd("waiting"))))
+    assert [type(e) for e in plan(cancelled, lambda s: HOST_B).events] == [ev.CommandEnded]
+    deleted = apply(state, when(state, delete()))
+    kinds = [type(e) for e in plan(deleted, lambda s: HOST_B).events]
+    assert ev.SandboxRecoveryRequested not in kinds and ev.SandboxDeleted in kinds
 
 
 def test_a_snapshot_of_a_lost_sandbox_is_refused() -> None:

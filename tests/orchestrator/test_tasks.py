@@ -189,6 +189,8 @@ async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_fi
     created = (await client.sandbox_records(task.sandbox_id))[0].envelope.event
     assert created.source_snapshot_id == task.seed_save_id
     assert created.source_snapshot_digest == staged.seed_manifest_digest
+    # never reaped for being idle while its task runs: the task says when it stops
+    assert created.idle_timeout_s == 0
 
 
 # --- 2. the CLI ------------------------------------------------------------------------

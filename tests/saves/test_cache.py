@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,15 @@ async def test_a_restore_larger_than_the_cache_leaves_it_within_its_limit(
 def test_a_negative_limit_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must not be negative"):
         ChunkCache(tmp_path / "cache", limit_bytes=-1)
+
+
+async def test_a_cache_whose_directory_went_away_never_fails_a_restore(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    write(workspace / "a", os.urandom(100_000))
+    saved = await save(store, workspace, spool, "sv-cache-4")
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    shutil.rmtree(tmp_path / "cache")  # an operator freeing disk space
+    stats = await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    assert (tmp_path / "one" / "a").read_bytes() == (workspace / "a").read_bytes()
+    assert stats.fetched_chunks == len(saved.manifest.digests)

@@ -45,9 +45,16 @@ def plan(
         elif state.phase == "running" and host is not None and state.connections_current:
             events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
 
-    if state.phase == "stopped" and state.queued and wakes_on_command(state):
+    # Queued commands that will run: not cancelled, not on a sandbox being deleted
+    # (those end above). Only these are demand that wakes or recovers a sandbox.
+    demand = [
+        c.id
+        for c in state.queued_commands()
+        if not c.cancel_requested and not state.delete_requested
+    ]
+    if state.phase == "stopped" and demand and wakes_on_command(state):
         # Started again from its final save, wherever there is room; then they run.
-        first = state.queued[0]
+        first = demand[0]
         events.append(
             ev.SandboxStartRequested(request_key=f"wake:{first}", request_digest="", woken_by=first)
         )
@@ -84,12 +91,17 @@ def plan(
             )
         elif isinstance(chosen, Waiting) and chosen.reason != state.reason:
             events.append(ev.SandboxWaiting(reason=chosen.reason))
-    elif state.phase == "lost" and fenced and state.queued:
+    elif state.phase == "lost" and fenced and demand:
         # A command queued in the moment before the loss is demand, as a new one
         # would be: it brings the sandbox back (else it waits for a command that
         # may never come; decision 043).
         events.append(ev.SandboxRecoveryRequested(cause="command"))
-    elif state.phase == "lost" and fenced and state.recovery_policy == "eager":
+    elif (
+        state.phase == "lost"
+        and fenced
+        and state.recovery_policy == "eager"
+        and not state.delete_requested
+    ):
         events.append(ev.SandboxRecoveryRequested(cause="eager"))
     elif state.phase == "placed" and host is not None:
         start = wk.StartSandboxWork(

@@ -271,7 +271,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 lost=None,
                 recovered_from=recovered,
                 connections_delivered=event.connections_revision,
-                last_active_at=envelope_time,
+                last_active_at=_later(state, envelope_time),
                 last_start=start,
             )
         case ev.SandboxLost():
@@ -335,7 +335,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return replace(state, phase="stopped")
         case ev.SandboxTouched(request_key=key, request_digest=digest):
             return replace(
-                state, requests=_remember(state, key, digest), last_active_at=envelope_time
+                state,
+                requests=_remember(state, key, digest),
+                last_active_at=_later(state, envelope_time),
             )
         case ev.SandboxDeleteRequested(request_key=key, request_digest=digest):
             phase = "stopping" if state.phase in ACTIVE_PHASES else state.phase
@@ -370,13 +372,13 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 state,
                 requests=_remember(state, event.request_key, event.request_digest),
                 unended=state.unended + (0 if before is not None and not before.ended else 1),
-                last_active_at=envelope_time,
+                last_active_at=_later(state, envelope_time),
             )
             return _with_command(state, command)
         case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
             return _update_command(state, cid, state="dispatched", host=host, generation=generation)
         case ev.CommandStarted(command_id=cid, pid=pid):
-            state = replace(state, last_active_at=envelope_time)
+            state = replace(state, last_active_at=_later(state, envelope_time))
             return _update_command(state, cid, state="running", pid=pid, started_at=envelope_time)
         case ev.CommandCancelRequested(command_id=cid, request_key=key, request_digest=digest):
             state = replace(state, requests=_remember(state, key, digest))
@@ -384,7 +386,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.CommandEnded():
             ending = state.commands.get(event.command_id)
             if ending is not None and not ending.ended:
-                state = replace(state, unended=state.unended - 1, last_active_at=envelope_time)
+                state = replace(
+                    state, unended=state.unended - 1, last_active_at=_later(state, envelope_time)
+                )
             return _update_command(
                 state,
                 event.command_id,
@@ -587,6 +591,12 @@ def _create(
             ),
         )
     ]
+
+
+def _later(state: Sandbox, at: float) -> float:
+    """Activity only moves the idle clock forward: events carry their writer's wall
+    clock, and a host whose clock is behind must not make a sandbox look idle."""
+    return max(state.last_active_at, at)
 
 
 def wakes_on_command(state: Sandbox) -> bool:

@@ -43,7 +43,8 @@ class ChunkCache:
         self._dir.mkdir(parents=True, exist_ok=True)
         self._load()
         with self._lock:
-            self._evict()  # a smaller limit than the last run's
+            evicted = self._evict()  # a smaller limit than the last run's
+        self._unlink(evicted)
 
     def _load(self) -> None:
         found: list[tuple[int, str, int]] = []
@@ -106,9 +107,9 @@ class ChunkCache:
             if size > self._limit:
                 return
         path = self._path(digest)
-        path.parent.mkdir(exist_ok=True)
         tmp = path.parent / f".{digest}.{secrets.token_hex(4)}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_bytes(data)
             os.replace(tmp, path)
         except OSError:
@@ -119,19 +120,28 @@ class ChunkCache:
             if digest not in self._sizes:
                 self._sizes[digest] = size
                 self._bytes += size
-            self._evict()
+            evicted = self._evict()
+        self._unlink(evicted)
 
     def _forget(self, digest: str) -> None:
         size = self._sizes.pop(digest, None)
         if size is not None:
             self._bytes -= size
 
-    def _evict(self) -> None:
-        """Under the lock: the least recently used go until the rest fits."""
+    def _evict(self) -> list[str]:
+        """Under the lock: the least recently used go until the rest fits. Their
+        files are unlinked by the caller once the lock is released (`stats` is
+        read on an event loop, which must not wait for a busy disk)."""
+        evicted = []
         while self._bytes > self._limit and self._sizes:
             digest, size = self._sizes.popitem(last=False)
             self._bytes -= size
             self._evictions += 1
+            evicted.append(digest)
+        return evicted
+
+    def _unlink(self, digests: list[str]) -> None:
+        for digest in digests:
             with contextlib.suppress(OSError):
                 self._path(digest).unlink()
 

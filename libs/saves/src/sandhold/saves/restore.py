@@ -309,7 +309,8 @@ class _Writer:
                         if not from_cache:
                             check_chunk(digest, data)
                             if self._cache is not None:
-                                self._cache.keep(digest, data)
+                                with contextlib.suppress(Exception):  # never fails a restore
+                                    self._cache.keep(digest, data)
                         _write_all(self._root, data, places, fds)
                         written += len(data) * len(places)
                     except BaseException as err:  # handed to the loop, raised there

@@ -268,12 +268,14 @@ class HostAgent:
         while True:
             # Checked before renewing: a process that was paused (SIGSTOP) must
             # notice the gap before its first renewal makes it look alive again.
-            if not self._fenced and self._lease_expired():
-                await self._fence()
             try:
-                if self._fenced:
-                    await self._fence()  # one begun elsewhere (a report) is finished first
-                    await self._come_back()
+                # Checked before renewing: a process that was paused (SIGSTOP) must
+                # notice the gap before its first renewal makes it look alive again.
+                if self._fenced or self._lease_expired():
+                    # (One begun elsewhere, by a report, is finished first.) Back
+                    # only once every process here is killed.
+                    if await self._fence():
+                        await self._come_back()
                 else:
                     # Bounded by what is left of the lease: a put that hangs must not
                     # keep this agent from noticing that it has to fence itself.
@@ -293,12 +295,25 @@ class HostAgent:
         deadline = self._last_renewed + self._lease_ttl - time.monotonic()
         return max(0.01, min(self._lease_interval, deadline + 0.01))
 
-    async def _fence(self) -> None:
+    async def _fence(self) -> bool:
         """Fence once, whoever notices first (the renewal loop, a report): the
-        others wait for the same fence instead of running a second one beside it."""
+        others wait for the same fence instead of running a second one beside it.
+        False: the fence failed; still fenced, and the next call fences again."""
         if self._fencing is None:
+            self._fenced = True  # from this moment on, whatever the fence meets
             self._fencing = asyncio.create_task(self._fence_self())
-        await asyncio.shield(self._fencing)
+        fencing = self._fencing
+        try:
+            await asyncio.shield(fencing)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            # Still fenced; the next caller fences again rather than re-raising this.
+            log.error("fencing %s failed, will try again: %r", self.host_id, err)
+            if self._fencing is fencing:
+                self._fencing = None
+            return False
+        return True
 
     async def _fence_self(self) -> None:
         """No renewal for lease_ttl: others may already run our sandboxes elsewhere.
@@ -459,6 +474,10 @@ class HostAgent:
             ):
                 await self._do(work)
         except Rejected as err:
+            if err.code == "self_fenced":
+                # Not stale: fenced midway, it is done (or judged stale) once back.
+                await msg.nak(delay=self._lease_interval)
+                return
             log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
         except _RETRIED as err:
             # The bus not answering (an election, a reconnect) is retried like any
@@ -491,8 +510,8 @@ class HostAgent:
         if allowed is not None and state.phase not in allowed:
             # e.g. a run redelivered after the stop: never launch into a stopped sandbox
             raise Rejected("wrong_phase", f"{type(work).__name__} for a {state.phase} sandbox")
-        if self._fenced:
-            # Fenced while reading: nothing is launched, started or frozen now.
+        if self._fenced or self._lease_expired():
+            # Fenced (or due to) while reading: nothing is launched, started or frozen now.
             raise InfraError(f"{self.host_id} is fenced", retryable=True)
         return state
 
@@ -504,7 +523,8 @@ class HostAgent:
                 await self._report(sid, ev.SandboxStarting(host=me, generation=gen), work.msg_id)
                 try:
                     local = self._local_generation(sid)
-                    if local is not None and local != gen - 1:
+                    # (gen itself: this very start, tried again after a failed report.)
+                    if local is not None and local not in (gen - 1, gen):
                         # The copy here is from an older placement (the sandbox ran
                         # elsewhere since): never reuse it, start from the save.
                         await self.driver.destroy_sandbox(sid)
@@ -718,7 +738,7 @@ class HostAgent:
             output_kept=kept,
             output_complete=complete,
         )
-        pause = 0.5
+        pause, failures = 0.5, 0
         while True:  # until recorded or refused: an end unreported is a command left running
             try:
                 await self._report(sid, ended, f"{cid}:exit")
@@ -729,6 +749,12 @@ class HostAgent:
                     return  # not reported: whoever runs next here decides about it
                 break
             except Exception as err:  # the bus not answering, in whatever words
+                failures += 0 if isinstance(err, _RETRIED) else 1
+                if failures >= _REPORT_BUG_ATTEMPTS:
+                    # Not the bus: retrying would hold up this sandbox's stop (and the
+                    # host's work behind it) for ever. Reported at the next start.
+                    log.error("the end of %s cannot be reported: %r", cid, err)
+                    return
                 log.warning("reporting the end of %s failed, retrying: %r", cid, err)
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
@@ -780,6 +806,8 @@ class HostAgent:
 # Work that failed on these is asked again in a second: infrastructure, or the bus
 # not answering (an election, a reconnect) in nats-py's own words.
 _RETRIED: tuple[type[Exception], ...] = (InfraError, nats.errors.Error, *ELECTING)
+# Failures of any other kind before a command's end report is given up on.
+_REPORT_BUG_ATTEMPTS = 10
 
 _PHASES_FOR: dict[type, frozenset[str]] = {
     wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),

@@ -265,3 +265,48 @@ def test_an_activity_stamped_by_a_clock_behind_does_not_move_the_idle_time_back(
     state = apply(state, [command_ended("late")], time=T0 + 101)
     assert state.last_active_at == T0 + 501
     assert reap_if_idle(state, now=T0 + 501 + TIMEOUT - 1, cause="1") == []
+
+
+def test_a_stop_of_a_reaped_sandbox_keeps_it_stopped_and_ends_what_waited_to_wake_it() -> None:
+    stopping = reaped()
+    final = stopping.final_save_id
+    state = apply(stopping, decide(stopping, run("early")), time=T0 + 90)
+    stop_events = decide(state, stop("user-stop"))
+    assert [type(e) for e in stop_events] == [ev.SandboxStopRequested]
+    state = apply(state, stop_events, time=T0 + 91)
+    # The reaping's stop and final save stand; only the reason changes.
+    assert (state.phase, state.reason, state.final_save_id) == ("stopping", "", final)
+    assert decide(state, stop("user-stop")) == []  # the same Stop again: nothing new
+    state = apply(state, [stopped()], time=T0 + 92)
+    events = plan(state, lambda s: HOST_A).events
+    assert [type(e) for e in events] == [ev.CommandEnded]  # not launched: no wake
+    assert isinstance(events[0], ev.CommandEnded) and events[0].state == "not_launched"
+    state = apply(state, events, time=T0 + 93)
+    then_rejected(when(state, run("late")), "sandbox_not_running")
+
+
+def test_a_cold_command_reports_the_start_it_waited_for_not_a_later_one() -> None:
+    state = apply(reaped(), [stopped()], time=T0 + 100)
+    state = apply(state, decide(state, run("wake-1")), time=T0 + 101)
+    state = apply(state, plan(state, lambda s: HOST_A).events, time=T0 + 102)  # wake
+    state = apply(state, plan(state, lambda s: HOST_A).events, time=T0 + 103)  # placed
+    state = apply(state, [ev.SandboxStarted(host=HOST_A, generation=2)], time=T0 + 104)
+    first = cold_start_of(state, cmd("wake-1"))
+    assert first is not None and first.start_ms == 2000.0
+    # It runs and ends; the sandbox is reaped and woken again by another command.
+    state = apply(
+        state,
+        [dispatched("wake-1", generation=2), command_started("wake-1", generation=2)],
+        time=T0 + 105,
+    )
+    state = apply(state, [command_ended("wake-1", generation=2)], time=T0 + 106)
+    at = T0 + 106 + TIMEOUT
+    state = apply(state, reap_if_idle(state, now=at, cause="2"), time=at)
+    state = apply(state, [stopped(generation=2)], time=at + 1)
+    state = apply(state, decide(state, run("wake-2")), time=at + 2)
+    state = apply(state, plan(state, lambda s: HOST_A).events, time=at + 3)
+    state = apply(state, plan(state, lambda s: HOST_A).events, time=at + 8)
+    state = apply(state, [ev.SandboxStarted(host=HOST_A, generation=3)], time=at + 10)
+    assert cold_start_of(state, cmd("wake-1")) == first
+    second = cold_start_of(state, cmd("wake-2"))
+    assert second is not None and second.start_ms == 7000.0

@@ -111,6 +111,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     queued_at: float = 0.0
     # Queued while its sandbox was stopped for being idle: it waits for a cold start.
     cold: bool = False
+    # The start a cold command waited for (a later reap and wake is not its start).
+    woke_with: StartRecord | None = None
     started_at: float | None = None  # when its host reported it running
     ended_at: float | None = None
 
@@ -197,6 +199,15 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
         return [self.commands[cid] for cid in self.queued]
 
 
+def _woken(state: Sandbox, start: StartRecord) -> Sandbox:
+    """Cold commands still queued get the start they waited for."""
+    for cid in state.queued:
+        command = state.commands[cid]
+        if command.cold and command.woke_with is None:
+            state = _with_command(state, msgspec.structs.replace(command, woke_with=start))
+    return state
+
+
 def _with_command(state: Sandbox, command: Command) -> Sandbox:
     queued = state.queued
     was_queued = command.id in queued
@@ -263,6 +274,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 started_at=envelope_time,
                 restore=event.restore,
             )
+            state = _woken(state, start)
             return replace(
                 state,
                 phase="running",
@@ -308,6 +320,14 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 requests=_remember(state, key, digest),
                 start_requested_at=envelope_time,
             )
+        case ev.SandboxStopRequested(request_key=key, request_digest=digest) if state.phase in (
+            "stopping",
+            "stopped",
+        ):
+            # Someone's Stop of a sandbox reaped for being idle: the stop (and its
+            # final save) already under way stands; only the reason changes, so a
+            # command no longer wakes it (decision 045).
+            return replace(state, requests=_remember(state, key, digest), reason=event.reason)
         case ev.SandboxStopRequested(request_key=key, request_digest=digest):
             # Only a sandbox that holds a place on a host has processes to stop.
             phase = "stopping" if state.phase in ACTIVE_PHASES else "stopped"
@@ -675,6 +695,10 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                 return []
             if state.phase == "deleted":
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
+            if wakes_on_command(state):
+                # Reaped for being idle, and now stopped by someone: it stays
+                # stopped, and commands queued to wake it end unlaunched (decision 045).
+                return [ev.SandboxStopRequested(request_key=request.key, request_digest=digest)]
             if state.phase in ("stopping", "stopped", "failed"):
                 return []
             return stop_requested(state, key=request.key, digest=digest, reason="")

@@ -160,8 +160,8 @@ def command_view(sandbox_id: str, c: Command, sandbox: Sandbox | None = None) ->
 def cold_start_of(s: Sandbox, command_id: str) -> ColdStart | None:
     """The start `command_id` waited for (its sandbox had been reaped), once done."""
     command = s.commands.get(command_id)
-    start = s.last_start
-    if command is None or not command.cold or start is None or start.started_at < command.queued_at:
+    start = command.woke_with if command is not None else None
+    if start is None:
         return None
     restore = start.restore
     return ColdStart(

@@ -104,7 +104,7 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
 # A read model of another version is dropped and rebuilt from the log on open.
-SCHEMA_VERSION = "3"  # 3: a sandbox keeps its queued command ids
+SCHEMA_VERSION = "4"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start
 
 _json = msgspec.json.Encoder(order="deterministic", enc_hook=pmap.enc_hook)
 _command = msgspec.json.Decoder(sb.Command)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.saves import ChunkCache, SaveStore, restore
+from sandhold.saves.cache import HEADER
 
 from tests.saves.conftest import tree, write
 from tests.saves.test_restore import MiB, save
@@ -68,7 +69,7 @@ async def test_a_corrupted_cached_chunk_is_fetched_again(
     assert (again.cache_hits, again.fetched_chunks) == (chunks - 1, 1)
     assert (tmp_path / "two" / "a").read_bytes() == (workspace / "a").read_bytes()
     assert cache.stats().corrupt == 1
-    assert hashlib.sha256(copy.read_bytes()).hexdigest() == victim  # kept anew, good
+    assert hashlib.sha256(copy.read_bytes()[HEADER:]).hexdigest() == victim  # kept anew, good
 
 
 async def test_a_restore_larger_than_the_cache_leaves_it_within_its_limit(
@@ -83,7 +84,8 @@ async def test_a_restore_larger_than_the_cache_leaves_it_within_its_limit(
     assert tree(tmp_path / "one") == tree(workspace)
     held = cache.stats()
     assert 0 < held.bytes <= limit and held.evictions > 0
-    assert sum(p.stat().st_size for p in _cached_files(tmp_path / "cache")) == held.bytes
+    on_disk = _cached_files(tmp_path / "cache")
+    assert sum(p.stat().st_size - HEADER for p in on_disk) == held.bytes
     assert held.chunks + held.evictions == stats.fetched_chunks
 
     # the least recently used went: what is left is the last restored, and a
@@ -107,3 +109,26 @@ async def test_a_cache_whose_directory_went_away_never_fails_a_restore(
     stats = await restore(store, saved.manifest, tmp_path / "one", cache=cache)
     assert (tmp_path / "one" / "a").read_bytes() == (workspace / "a").read_bytes()
     assert stats.fetched_chunks == len(saved.manifest.digests)
+
+
+async def test_a_truncated_cached_chunk_or_one_from_an_older_format_is_fetched_again(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    write(workspace / "a", os.urandom(100_000))
+    write(workspace / "b", os.urandom(100_000))
+    saved = await save(store, workspace, spool, "sv-cache-5")
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    a, b = (next(e.chunks for e in saved.manifest.entries if e.path == n)[0] for n in (b"a", b"b"))
+    copies = {p.name: p for p in _cached_files(tmp_path / "cache")}
+    with open(copies[a], "r+b") as f:  # a write torn by a crash
+        f.truncate(HEADER + 1000)
+    copies[b].write_bytes((workspace / "b").read_bytes())  # the format before headers
+
+    again = await restore(store, saved.manifest, tmp_path / "two", cache=cache)
+    assert (tmp_path / "two" / "a").read_bytes() == (workspace / "a").read_bytes()
+    assert (again.cache_hits, again.fetched_chunks) == (len(saved.manifest.digests) - 2, 2)
+    # an older format's copy is not counted as held once the cache is opened again
+    copies[b].write_bytes((workspace / "b").read_bytes())
+    assert ChunkCache(tmp_path / "cache").stats().chunks == len(saved.manifest.digests) - 1
+    assert not copies[b].exists()

@@ -11,23 +11,34 @@ One directory of files named by digest (`<first two hex digits>/<digest>`);
 the order of use is kept in memory and in the files' mtimes, so it survives a
 restart of the host-agent. Thread-safe: a restore reads in a worker thread and
 keeps from its writer thread.
+
+Each file is a header (`MAGIC`, then the XXH3-128 of the chunk) and the chunk.
+Its SHA-256 was checked before it was kept (it is the chunk's name); on use
+the XXH3 is what is checked, at several GiB/s where SHA-256 here manages one:
+a warm restore is bound by it (decision 046). XXH3-128 catches a torn write,
+a flipped bit or a truncated file as surely; it is not meant to resist a
+forger, and nothing but the host-agent (root, outside every sandbox) can
+write here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import secrets
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
+import xxhash
 from sandhold.domain.host import ChunkCacheStats
 
 # What a host keeps unless told otherwise (`--chunk-cache`): a few restores of a
 # typical workspace, a small part of a host's disk.
 DEFAULT_CACHE_BYTES = 2 * 1024**3
+
+MAGIC = b"shc1"  # a cached chunk, format 1 (files without it are from before: dropped)
+HEADER = len(MAGIC) + 16
 
 
 class ChunkCache:
@@ -58,7 +69,10 @@ class ChunkCache:
                     continue
                 with contextlib.suppress(OSError):
                     st = path.stat()
-                    found.append((st.st_mtime_ns, path.name, st.st_size))
+                    if st.st_size < HEADER or _magic(path) != MAGIC:
+                        path.unlink()  # an older format's copy: fetched again when needed
+                        continue
+                    found.append((st.st_mtime_ns, path.name, st.st_size - HEADER))
         for _, digest, size in sorted(found):
             self._sizes[digest] = size
             self._bytes += size
@@ -66,9 +80,18 @@ class ChunkCache:
     def _path(self, digest: str) -> Path:
         return self._dir / digest[:2] / digest
 
-    def read(self, digest: str) -> bytes | None:
-        """The chunk if the cache holds it and it still hashes to `digest`; a
-        copy that does not is dropped (and fetched again by the caller)."""
+    def lookup(self, digests: list[str]) -> tuple[list[str], list[str]]:
+        """Which of `digests` the cache holds (to `read`), and which it does
+        not (counted as misses now: they are fetched without asking again)."""
+        with self._lock:
+            held = [d for d in digests if d in self._sizes]
+            missing = [d for d in digests if d not in self._sizes]
+            self._misses += len(missing)
+        return held, missing
+
+    def read(self, digest: str) -> memoryview | None:
+        """The chunk if the cache holds it and it is still what was kept; a
+        copy that is not is dropped (and fetched again by the caller)."""
         with self._lock:
             held = digest in self._sizes
             if not held:
@@ -76,10 +99,15 @@ class ChunkCache:
                 return None
         path = self._path(digest)
         try:
-            data = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = _read_all(fd)
+            finally:
+                os.close(fd)
         except OSError:
             data = None
-        if data is None or hashlib.sha256(data).hexdigest() != digest:
+        chunk = _checked(data) if data is not None else None
+        if chunk is None:
             with self._lock:
                 self._forget(digest)
                 self._misses += 1
@@ -94,9 +122,9 @@ class ChunkCache:
                 self._sizes.move_to_end(digest)
         with contextlib.suppress(OSError):
             os.utime(path)  # the order of use, for the next start
-        return data
+        return chunk
 
-    def keep(self, digest: str, data: bytes) -> None:
+    def keep(self, digest: str, data: bytes | memoryview) -> None:
         """Keep a chunk whose hash the caller has checked. Not synced: a copy
         lost or torn by a crash is caught by its hash on use."""
         size = len(data)
@@ -110,7 +138,11 @@ class ChunkCache:
         tmp = path.parent / f".{digest}.{secrets.token_hex(4)}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, MAGIC + xxhash.xxh3_128_digest(data), data)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(OSError):
@@ -158,3 +190,36 @@ class ChunkCache:
                 evictions=self._evictions,
                 corrupt=self._corrupt,
             )
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    data = os.read(fd, size + 1)  # one read for a whole chunk, as a rule
+    if len(data) <= size:
+        parts = [data]
+        while part := os.read(fd, 1 << 20):
+            parts.append(part)
+        data = b"".join(parts)
+    return data
+
+
+def _magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC))
+
+
+def _checked(data: bytes) -> memoryview | None:
+    """The chunk in a cache file, if its header says it is intact."""
+    if len(data) < HEADER or not data.startswith(MAGIC):
+        return None
+    chunk = memoryview(data)[HEADER:]
+    if xxhash.xxh3_128_digest(chunk) != data[len(MAGIC) : HEADER]:
+        return None
+    return chunk
+
+
+def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+    for part in parts:
+        view = memoryview(part)
+        while view:
+            view = view[os.write(fd, view) :]

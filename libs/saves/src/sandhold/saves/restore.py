@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from sandhold.saves._bounded import for_each_sized
@@ -204,39 +205,128 @@ async def _fill(
     progress: Progress | None,
     cache: ChunkCache | None,
 ) -> _Filled:
-    """Fetch each distinct chunk once (unless the cache has it) and hand it to one
-    writer thread, which hash-checks it and writes it everywhere it goes. Fetching
-    never waits for a write, only for room: at most `2 * concurrency` average
-    chunks' worth of bytes are fetched and not yet written."""
+    """Write every distinct chunk wherever it goes: what the host's cache holds
+    is copied from there by a few threads, while the rest is fetched alongside;
+    a cached copy gone bad is fetched after."""
     budget = 2 * concurrency * DEFAULT_CHUNK_SIZE
     writer = _Writer(root, asyncio.get_running_loop(), budget, total, progress, cache)
     filled = _Filled()
+    held, missing = cache.lookup(list(targets)) if cache is not None else ([], list(targets))
+    stop = threading.Event()  # a failure elsewhere: the cache threads stop too
+
+    async def from_cache() -> list[str]:
+        if cache is None or not held:
+            return []
+        slices = _slices(held, _CACHE_THREADS)
+        results = await asyncio.gather(
+            *(
+                asyncio.to_thread(_copy_from_cache, cache, root, targets, part, stop, writer)
+                for part in slices
+            )
+        )
+        for _, hits, hit_bytes in results:
+            filled.cache_hits += hits
+            filled.cached_bytes += hit_bytes
+        return [digest for gone_bad, _, _ in results for digest in gone_bad]
+
+    cached = asyncio.ensure_future(from_cache())
+    fetched = asyncio.ensure_future(_fetch(store, targets, missing, concurrency, writer, filled))
+    both: list[asyncio.Future[Any]] = [cached, fetched]
+    try:
+        await asyncio.wait(both, return_when=asyncio.FIRST_EXCEPTION)
+        for task in both:
+            if task.done():
+                task.result()  # the first failure, raised here
+        gone_bad = await cached
+        await fetched
+        await _fetch(store, targets, gone_bad, concurrency, writer, filled)
+    except BaseException:
+        stop.set()
+        for task in both:
+            task.cancel()
+        await asyncio.gather(*both, return_exceptions=True)
+        await writer.close(raise_error=False)  # the first failure is this one
+        raise
+    await writer.close()
+    return filled
+
+
+# Threads copying cached chunks into place: each reads, hashes and writes, and
+# hashing is the cost (the GIL is released for all three); more than the
+# machine's cores only adds switching.
+_CACHE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _slices(digests: list[str], parts: int) -> list[list[str]]:
+    """Contiguous runs (a file's chunks are next to each other: a thread keeps
+    writing the same few files)."""
+    size = -(-len(digests) // parts)
+    return [digests[i : i + size] for i in range(0, len(digests), size)]
+
+
+def _copy_from_cache(
+    cache: ChunkCache,
+    root: bytes,
+    targets: dict[str, list[_Target]],
+    digests: list[str],
+    stop: threading.Event,
+    writer: _Writer,
+) -> tuple[list[str], int, int]:
+    """In a thread: each chunk read from the cache (hash-checked there) and
+    written where it goes. Returns the chunks whose cached copy was gone or bad
+    (to fetch), the hits and their bytes."""
+    fds: dict[bytes, int] = {}
+    gone_bad: list[str] = []
+    hits = hit_bytes = written = 0
+    try:
+        for digest in digests:
+            if stop.is_set():
+                break
+            places = targets[digest]
+            data = cache.read(digest)
+            if data is None or len(data) != places[0].length:
+                gone_bad.append(digest)  # the fetch reports a wrong length
+                continue
+            _write_all(root, data, places, fds)
+            hits += 1
+            hit_bytes += len(data)
+            written += len(data) * len(places)
+            if hits % _REPORT_EVERY == 0:
+                writer.written_elsewhere(written)
+                written = 0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        writer.written_elsewhere(written)
+    return gone_bad, hits, hit_bytes
+
+
+async def _fetch(
+    store: SaveStore,
+    targets: dict[str, list[_Target]],
+    digests: list[str],
+    concurrency: int,
+    writer: _Writer,
+    filled: _Filled,
+) -> None:
+    """Fetch each chunk once and hand it to the writer thread, which hash-checks
+    it, keeps it in the cache and writes it everywhere it goes. Fetching never
+    waits for a write, only for room: at most `2 * concurrency` average chunks'
+    worth of bytes are fetched and not yet written."""
 
     async def fill(digest: str) -> None:
         wanted = targets[digest][0].length
         await writer.wait_for_room(wanted)
-        if cache is not None:
-            # Hash-checked as it is read: a copy gone bad is fetched instead.
-            cached = await asyncio.to_thread(cache.read, digest)
-            if cached is not None and len(cached) == wanted:
-                filled.cache_hits += 1
-                filled.cached_bytes += len(cached)
-                writer.put(digest, cached, targets[digest], from_cache=True)
-                return
         data = await store.get_chunk(digest, verify=False)
         if len(data) != wanted:
             raise CorruptChunk(digest, f"{len(data)} bytes where the manifest needs {wanted}")
         filled.fetched_bytes += len(data)
         writer.put(digest, data, targets[digest])
 
-    sized = [(digest, places[0].length) for digest, places in targets.items()]
-    try:
-        await for_each_sized(sized, fill, concurrency=concurrency)
-    except BaseException:
-        await writer.close(raise_error=False)  # the first failure is this one
-        raise
-    await writer.close()
-    return filled
+    if digests:
+        await for_each_sized(
+            [(d, targets[d][0].length) for d in digests], fill, concurrency=concurrency
+        )
 
 
 class _Writer:
@@ -267,7 +357,7 @@ class _Writer:
         self._total = total
         self._done = 0
         self._error: BaseException | None = None
-        self._queue: queue.SimpleQueue[tuple[str, bytes, list[_Target], bool] | None] = (
+        self._queue: queue.SimpleQueue[tuple[str, bytes, list[_Target]] | None] = (
             queue.SimpleQueue()
         )
         self._finished = loop.create_future()
@@ -284,11 +374,13 @@ class _Writer:
             raise self._error
         self._free -= size
 
-    def put(
-        self, digest: str, data: bytes, targets: list[_Target], *, from_cache: bool = False
-    ) -> None:
-        """`from_cache`: already hash-checked as the cache read it, and kept there."""
-        self._queue.put((digest, data, targets, from_cache))
+    def put(self, digest: str, data: bytes, targets: list[_Target]) -> None:
+        self._queue.put((digest, data, targets))
+
+    def written_elsewhere(self, written: int) -> None:
+        """From any thread: bytes another thread wrote (progress counts them)."""
+        if written:
+            self._loop.call_soon_threadsafe(self._report, 0, written, None)
 
     async def close(self, *, raise_error: bool = True) -> None:
         """Wait for every chunk handed over to be written; raise the first failure."""
@@ -303,14 +395,13 @@ class _Writer:
         failed: BaseException | None = None
         try:
             while (item := self._queue.get()) is not None:
-                digest, data, places, from_cache = item
+                digest, data, places = item
                 if failed is None:
                     try:
-                        if not from_cache:
-                            check_chunk(digest, data)
-                            if self._cache is not None:
-                                with contextlib.suppress(Exception):  # never fails a restore
-                                    self._cache.keep(digest, data)
+                        check_chunk(digest, data)
+                        if self._cache is not None:
+                            with contextlib.suppress(Exception):  # never fails a restore
+                                self._cache.keep(digest, data)
                         _write_all(self._root, data, places, fds)
                         written += len(data) * len(places)
                     except BaseException as err:  # handed to the loop, raised there
@@ -397,7 +488,9 @@ def _join(root: bytes, rel: bytes) -> bytes:
     return root + b"/" + rel if rel else root
 
 
-def _write_all(root: bytes, data: bytes, targets: list[_Target], fds: dict[bytes, int]) -> None:
+def _write_all(
+    root: bytes, data: bytes | memoryview, targets: list[_Target], fds: dict[bytes, int]
+) -> None:
     """Write `data` at each target, keeping the files open (`fds`, bounded) for the
     next chunks of the same files."""
     for target in targets:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
-from sandhold.saves import ChunkCache, SaveStore, restore
-from sandhold.saves.cache import HEADER
+from sandhold.saves import ChunkCache, SaveStore, capture, restore, store_capture
+from sandhold.saves.cache import HEADER, OFFER_BYTES
+from sandhold.saves.capture import RACY_WINDOW_S
 
 from tests.saves.conftest import tree, write
 from tests.saves.test_restore import MiB, save
@@ -132,3 +134,43 @@ async def test_a_truncated_cached_chunk_or_one_from_an_older_format_is_fetched_a
     copies[b].write_bytes((workspace / "b").read_bytes())
     assert ChunkCache(tmp_path / "cache").stats().chunks == len(saved.manifest.digests) - 1
     assert not copies[b].exists()
+
+
+@pytest.mark.parametrize("hashing", ["spooled", "deferred"])
+async def test_the_chunks_a_host_uploads_serve_its_next_restore(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path, hashing: str
+) -> None:
+    _random_files(workspace, 3, 700_000)
+    write(workspace / "twin", (workspace / "f0").read_bytes())
+    captured = capture(
+        workspace,
+        save_id="sv-cache-6",
+        sandbox_id="sb-1",
+        previous=None,
+        spool=spool,
+        now=time.time() + RACY_WINDOW_S,
+        defer_hashing=hashing == "deferred",
+    )
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    stored, _ = await store_capture(store, captured, cache=cache)
+    await store.put_manifest(stored.manifest)
+    assert cache.settle(timeout=30)  # kept in the cache's own thread
+
+    chunks = set(stored.manifest.digests)
+    assert {p.name for p in _cached_files(tmp_path / "cache")} == chunks
+    restored = await restore(store, stored.manifest, tmp_path / "one", cache=cache)
+    assert (restored.cache_hits, restored.fetched_chunks) == (len(chunks), 0)
+    assert tree(tmp_path / "one") == tree(workspace)
+
+
+def test_offers_beyond_what_the_cache_can_write_soon_are_dropped(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=1024 * MiB)
+    blob = os.urandom(MiB)
+    chunks = [blob + bytes([i]) for i in range(100)]
+    offered = {hashlib.sha256(c).hexdigest(): c for c in chunks}
+    for digest, chunk in offered.items():  # 100 MiB in a moment, more than OFFER_BYTES
+        cache.offer(digest, chunk)
+    assert cache.settle(timeout=60)
+    held = cache.stats().chunks
+    assert OFFER_BYTES // (MiB + 1) <= held < len(offered)
+    assert held == len(_cached_files(tmp_path / "cache"))

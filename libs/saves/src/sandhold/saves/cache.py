@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import secrets
 import threading
 from collections import OrderedDict
@@ -36,6 +37,12 @@ from sandhold.domain.host import ChunkCacheStats
 # What a host keeps unless told otherwise (`--chunk-cache`): a few restores of a
 # typical workspace, a small part of a host's disk.
 DEFAULT_CACHE_BYTES = 2 * 1024**3
+
+# Chunks offered (`offer`) and not yet written, at most: beyond it an offer is
+# dropped (the cache is a help, never a cost the save waits for).
+OFFER_BYTES = 64 * 1024**2
+# The offer thread ends after this long with nothing to do (started again on demand).
+_OFFER_IDLE_S = 5.0
 
 MAGIC = b"shc1"  # a cached chunk, format 1 (files without it are from before: dropped)
 HEADER = len(MAGIC) + 16
@@ -51,6 +58,10 @@ class ChunkCache:
         self._sizes: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._bytes = 0
         self._hits = self._misses = self._evictions = self._corrupt = 0
+        self._offered: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._offered_bytes = 0  # offered and not yet kept (or dropped)
+        self._settled = threading.Condition(self._lock)
+        self._offer_thread: threading.Thread | None = None
         self._dir.mkdir(parents=True, exist_ok=True)
         self._load()
         with self._lock:
@@ -154,6 +165,48 @@ class ChunkCache:
                 self._bytes += size
             evicted = self._evict()
         self._unlink(evicted)
+
+    def offer(self, digest: str, data: bytes) -> None:
+        """Keep a chunk this host uploaded (its hash the caller's), in the cache's
+        own thread: never waits, and drops the offer when `OFFER_BYTES` are
+        already waiting to be written."""
+        with self._lock:
+            if digest in self._sizes or len(data) > self._limit:
+                return
+            if self._offered_bytes + len(data) > OFFER_BYTES:
+                return
+            self._offered_bytes += len(data)
+            self._offered.put((digest, data))
+            if self._offer_thread is None:
+                self._offer_thread = threading.Thread(
+                    target=self._keep_offered, name="chunk-cache-offers", daemon=True
+                )
+                self._offer_thread.start()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every chunk offered so far is kept (or dropped); False if
+        `timeout` passed first."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._offered_bytes == 0, timeout)
+
+    def _keep_offered(self) -> None:
+        while True:
+            try:
+                digest, data = self._offered.get(timeout=_OFFER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._offered.empty():
+                        self._offer_thread = None
+                        return
+                continue
+            try:
+                self.keep(digest, data)
+            except Exception:  # noqa: BLE001 - a cache write never fails anything
+                pass
+            finally:
+                with self._settled:
+                    self._offered_bytes -= len(data)
+                    self._settled.notify_all()
 
     def _forget(self, digest: str) -> None:
         size = self._sizes.pop(digest, None)

@@ -158,6 +158,7 @@ class SaveStore:
         *,
         concurrency: int = 32,
         progress: Progress | None = None,
+        sent: Callable[[str, bytes], None] | None = None,
     ) -> UploadStats:
         """Store the spooled chunks the store lacks; the others are neither read nor sent.
 
@@ -165,6 +166,7 @@ class SaveStore:
             chunks: digest -> file holding exactly that chunk (the capture's spool).
             concurrency: chunks in flight (chunks under 64 KiB: eight times as many).
             progress: called as `progress(done_bytes, total_bytes)` after each chunk.
+            sent: called with each chunk read and stored (the host's cache offer).
         """
         absent = await self.missing(chunks)
         present = [d for d in chunks if d not in absent]
@@ -186,6 +188,8 @@ class SaveStore:
             else:  # stored meanwhile by another save
                 raced_chunks += 1
                 raced_bytes += len(data)
+            if sent is not None:
+                sent(digest, data)
             done += sizes[digest]
             if progress is not None:
                 progress(done, total)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 
 import msgspec
+from sandhold.saves.cache import ChunkCache
 from sandhold.saves.capture import Capture, with_chunks
 from sandhold.saves.chunking import Chunker
 from sandhold.saves.store import Progress, SaveStore, UploadStats, file_size
@@ -31,6 +32,7 @@ async def store_capture(
     *,
     concurrency: int = 32,
     progress: Progress | None = None,
+    cache: ChunkCache | None = None,
 ) -> tuple[Capture, UploadStats]:
     """Upload every chunk the capture read and finish its manifest.
 
@@ -38,7 +40,10 @@ async def store_capture(
     deferred copies are cut, hashed and sent in one pass and removed. Returns
     the capture with every entry's chunks filled in (nothing pending) and what
     was sent. The manifest itself is not stored here: `put_manifest` it next.
+    Each chunk stored is offered to the host's `cache` (kept in the cache's own
+    thread, or dropped when it is behind: a save never waits for it).
     """
+    offer = cache.offer if cache is not None else None
     spooled_bytes = sum(file_size(path) for path in captured.new_chunks.values())
     pending_bytes = sum(captured.manifest.entries[i].size for i, _ in captured.pending)
     total = spooled_bytes + pending_bytes
@@ -49,7 +54,9 @@ async def store_capture(
         report = progress
         return lambda done, _total: report(offset + done, total)
 
-    spooled = await store.upload(captured.new_chunks, concurrency=concurrency, progress=shifted(0))
+    spooled = await store.upload(
+        captured.new_chunks, concurrency=concurrency, progress=shifted(0), sent=offer
+    )
     chunker = Chunker(captured.manifest.chunk_size)
     cuts: dict[int, tuple[list[str], list[int]]] = {}
 
@@ -63,6 +70,8 @@ async def store_capture(
                     for digest, data in batch:
                         chunks.append(digest)
                         lengths.append(len(data))
+                        if offer is not None:
+                            offer(digest, data)
                         yield digest, data
             finally:
                 source.close()

@@ -69,7 +69,7 @@ class HostSaves:
         cache: ChunkCache | None = None,
     ) -> None:
         self._nc = nc
-        self._cache = cache  # chunks restored here before, for the next restore
+        self._cache = cache  # chunks restored or uploaded here, for the next restore
         self._names = names
         self._driver = driver
         self._store = store
@@ -172,7 +172,9 @@ class HostSaves:
         try:
             progress = self._progress(sandbox_id, save_id, "upload")
             # The copies are cut and hashed while their first chunks are sent.
-            captured, uploaded = await store_capture(self._store, captured, progress=progress)
+            captured, uploaded = await store_capture(
+                self._store, captured, progress=progress, cache=self._cache
+            )
             manifest_bytes, manifest_digest = await self._store.put_manifest(captured.manifest)
         except (OSError, SandholdError, TimeoutError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="upload", reason=str(err), **me))

@@ -174,8 +174,9 @@ flight, nothing hashed or written.
 
 {table(["workspace", "raw reads", "restore, empty cache", "restore, warm cache"], rows)}
 
-{goal}. A warm restore still writes every byte and checks every chunk's hash
-(once, as the cache reads it); a cold one also carries every byte over the bus.
+{goal}. A warm restore reads, checks (the XXH3-128 kept with each cached
+chunk) and writes every byte, in up to {min(4, nproc())} threads (decision 046); a
+cold one also carries every byte over the bus and checks its SHA-256.
 """
     emit(args, "cold-start", "(n) Cold start: woken, and restored with and without the cache", body)
 

@@ -105,27 +105,87 @@ async def consume(
     *,
     batch: int,
     what: str,
+    lane: Callable[[Msg], str] | None = None,
+    concurrency: int = 1,
 ) -> None:
-    """Take messages off a durable pull consumer forever, one at a time.
+    """Take messages off a durable pull consumer forever: one at a time, or
+    with `lane`, in lanes: messages of one lane (one sandbox) one after another
+    in the order they came, up to `concurrency` messages of all lanes at once,
+    so one sandbox's long restore or final save holds up no other's command.
 
     Nothing stops the loop: a fetch that fails (a reconnect, a server busy
     electing a leader) is retried, and a handler that raises unexpectedly has
     its message redelivered later instead of taking the consumer down with it.
     """
-    while True:
+    lanes = _Lanes(handle, what, concurrency) if lane is not None else None
+    try:
+        while True:
+            try:
+                # A pull waits at the server until it expires: one left by an instance
+                # that died still takes a message (redelivered only after ack_wait),
+                # so it expires soon; an idle consumer costs a request each time.
+                msgs = await sub.fetch(batch=batch, timeout=FETCH_S)
+            except NatsTimeoutError:
+                continue
+            except Exception as err:
+                log.warning("fetching %s failed, retrying: %r", what, err)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                if lanes is None or lane is None:
+                    await _handle_one(msg, handle, what)
+                else:
+                    await lanes.add(lane(msg), msg)
+    finally:
+        if lanes is not None:
+            await lanes.cancel()
+
+
+# Messages waiting in lanes, per handler allowed to run: a lane held up by a
+# slow message keeps its next ones here, without taking another lane's turn.
+_WAITING_PER_RUNNING = 8
+
+
+class _Lanes:
+    """Messages handled concurrently across lanes, in order within each: at
+    most `limit` handlers run at once, and at most `_WAITING_PER_RUNNING` times
+    that are in hand (running or waiting for their lane)."""
+
+    def __init__(self, handle: Callable[[Msg], Awaitable[None]], what: str, limit: int) -> None:
+        self._handle = handle
+        self._what = what
+        self._running_room = asyncio.Semaphore(max(1, limit))
+        self._room = asyncio.Semaphore(max(1, limit) * _WAITING_PER_RUNNING)
+        self._last: dict[str, asyncio.Task[None]] = {}  # each lane's newest message
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def add(self, key: str, msg: Msg) -> None:
+        """Queue `msg` behind its lane's messages; waits while the lanes hold all
+        they may (no more are fetched meanwhile: the backlog stays on the server)."""
+        await self._room.acquire()
+        task = asyncio.create_task(self._run(self._last.get(key), msg))
+        self._last[key] = task
+        self._running.add(task)
+        task.add_done_callback(lambda t: self._done(key, t))
+
+    async def _run(self, before: asyncio.Task[None] | None, msg: Msg) -> None:
         try:
-            # A pull waits at the server until it expires: one left by an instance
-            # that died still takes a message (redelivered only after ack_wait),
-            # so it expires soon; an idle consumer costs a request each time.
-            msgs = await sub.fetch(batch=batch, timeout=FETCH_S)
-        except NatsTimeoutError:
-            continue
-        except Exception as err:
-            log.warning("fetching %s failed, retrying: %r", what, err)
-            await asyncio.sleep(0.5)
-            continue
-        for msg in msgs:
-            await _handle_one(msg, handle, what)
+            if before is not None:
+                await asyncio.wait([before])  # its outcome is its own
+            async with self._running_room:
+                await _handle_one(msg, self._handle, self._what)
+        finally:
+            self._room.release()
+
+    def _done(self, key: str, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        if self._last.get(key) is task:
+            del self._last[key]
+
+    async def cancel(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
 
 
 async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> None:

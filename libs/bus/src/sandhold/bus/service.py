@@ -148,10 +148,13 @@ class Shell:
         *,
         batch: int,
         what: str,
+        lane: Callable[[Msg], str] | None = None,
+        concurrency: int = 1,
     ) -> asyncio.Task[None]:
-        """A durable consumer on `stream`, handled one message at a time in a loop
-        of the shell; messages it gives up on are answered and counted
-        (`deadletters`). Creating the consumer also updates an existing one."""
+        """A durable consumer on `stream`, handled in a loop of the shell one
+        message at a time, or in lanes (`consume`); messages it gives up on are
+        answered and counted (`deadletters`). Creating the consumer also updates
+        an existing one."""
         durable = config.durable_name
         assert durable is not None
 
@@ -168,7 +171,9 @@ class Shell:
 
         sub = await patiently(make, wait_s=None, pause_s=0.5, on_first_wait=not_yet)
         await deadletters.watch(self.nc, stream, durable, what=what)
-        return self.spawn(consume(sub, handle, batch=batch, what=what), what)
+        return self.spawn(
+            consume(sub, handle, batch=batch, what=what, lane=lane, concurrency=concurrency), what
+        )
 
     def on_stopping(self, wind_down: Callable[[], Awaitable[object]]) -> None:
         """Something to do once a stop began, while the loops still run (a host

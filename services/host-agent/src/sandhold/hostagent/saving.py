@@ -128,7 +128,8 @@ class HostSaves:
         marker.touch()
         try:
             previous = await self._manifest(sandbox_id, parent_id)
-            method = self._driver.capabilities()["freeze"] if freeze else "none"
+            # (Not `capabilities()`: that looks for programs on PATH, every save.)
+            method = self._driver.freeze_method if freeze else "none"
             started = time.monotonic()
             try:
                 # Inside the try: a freeze that timed out leaves the cgroup FREEZING,

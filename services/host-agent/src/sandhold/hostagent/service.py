@@ -47,6 +47,27 @@ from sandhold.telemetry import context, metrics
 log = logging.getLogger("sandhold.host-agent")
 
 _work_decoder = msgspec.json.Decoder(wk.AnyWork)
+
+# Work messages in hand at once, across sandboxes (each sandbox's one at a time).
+WORK_CONCURRENCY = 32
+
+
+class _Lane(msgspec.Struct):
+    sandbox_id: str = ""
+
+
+_lane_decoder = msgspec.json.Decoder(_Lane)
+
+
+def _work_lane(msg: Msg) -> str:
+    """The sandbox a work message is for ("" for what does not decode: handled,
+    and refused, in a lane of its own)."""
+    try:
+        return _lane_decoder.decode(msg.data).sandbox_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+
+
 _lease_decoder = msgspec.json.Decoder(leases.Lease)
 
 
@@ -171,6 +192,10 @@ class HostAgent:
                 self._handle,
                 batch=16,
                 what=f"work for {self.host_id}",
+                # Each sandbox's work in order, sandboxes side by side: a command
+                # never waits behind another sandbox's restore or final save.
+                lane=_work_lane,
+                concurrency=WORK_CONCURRENCY,
             )
             shell.on_stopping(lambda: self._wind_down(working))
             log.info(
@@ -626,14 +651,15 @@ class HostAgent:
         async def report(event: HostReport) -> None:
             await self._report(sid, event, work.msg_id)
 
+        deadline = asyncio.timeout(work.deadline_s)
         try:
-            await asyncio.wait_for(
-                self.saving.save(
+            async with deadline:
+                await self.saving.save(
                     sid, gen, work.final_save_id, work.parent_save_id, freeze=False, report=report
-                ),
-                work.deadline_s,
-            )
+                )
         except TimeoutError:
+            if not deadline.expired():
+                raise  # the bus's timeout (nats-py's subclasses it): tried again, not "late"
             await report(
                 ev.SaveFailed(
                     save_id=work.final_save_id,

@@ -225,7 +225,9 @@ class Saver:
         if save.parent_id:
             with contextlib.suppress(SandholdError):
                 known = (await self.store.get_manifest(save.parent_id)).digests
-        problems = await self.store.verify(manifest, recheck=manifest.digests - known)
+        problems = await self.store.verify(
+            manifest, recheck=manifest.digests - known, read_from_store=True
+        )
         return problems, manifest.total_bytes, manifest.files
 
     # --- garbage collection -----------------------------------------------------

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,9 @@ class Boxes:
         self._seccomp_problem = ""
         self._bwrap = ""
         self._idmapped_base = False
+        # Two sandboxes started side by side (in threads) must not both take a
+        # free id range: looking at what is taken and taking one is one step.
+        self._ids_lock = threading.Lock()
 
     # --- host set-up --------------------------------------------------------
 
@@ -202,13 +206,17 @@ class Boxes:
 
     def id_offset(self, sandbox_id: str) -> int:
         """The sandbox's host id range start, allocated on first use."""
-        taken = {
-            offset
-            for other in self.layout.sandbox_ids()
-            if other != sandbox_id
-            and (offset := read_id_offset(self.layout.sandbox_dir(other))) is not None
-        }
-        return allocate_id_offset(self.layout.sandbox_dir(sandbox_id), self.host_id, taken)
+        known = read_id_offset(self.layout.sandbox_dir(sandbox_id))
+        if known is not None:
+            return known
+        with self._ids_lock:
+            taken = {
+                offset
+                for other in self.layout.sandbox_ids()
+                if other != sandbox_id
+                and (offset := read_id_offset(self.layout.sandbox_dir(other))) is not None
+            }
+            return allocate_id_offset(self.layout.sandbox_dir(sandbox_id), self.host_id, taken)
 
     def settings(self, sandbox_id: str) -> SandboxSettings:
         try:

@@ -163,6 +163,11 @@ class ProcessDriver:
         except (ValueError, KeyError):
             return False, f"probe failed: {done.stderr.decode(errors='replace').strip()}"
 
+    @property
+    def freeze_method(self) -> str:
+        """How a save holds the sandbox still: its cgroup's freezer, else SIGSTOP."""
+        return "cgroup" if self.cgroups.can_freeze else "sigstop"
+
     def capabilities(self) -> dict[str, Any]:
         """What this host enforces, and in words what it does not."""
         tmp_ok, tmp_detail = self._tmp_probe
@@ -173,7 +178,7 @@ class ProcessDriver:
             "cpu_limit": self.cgroups.enforces_cpu_limit,
             # A file system per sandbox (disk.py): namespaced sandboxes only.
             "disk_quota": False,
-            "freeze": "cgroup" if self.cgroups.can_freeze else "sigstop",
+            "freeze": self.freeze_method,
             "connections": "tmpfs" if self.connections.on_tmpfs else "disk",
             # Idle supervisors kept ready for the next launch: never more (a pool
             # refilled only up to this), so none beyond it wait to be reaped.

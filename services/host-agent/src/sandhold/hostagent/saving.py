@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -57,6 +58,10 @@ class Progress(msgspec.Struct):
     total_bytes: int
 
 
+# Saves of running sandboxes one host takes at once (see `HostSaves._turns`).
+SAVES_AT_ONCE = max(2, os.cpu_count() or 2)
+
+
 class HostSaves:
     def __init__(
         self,
@@ -76,6 +81,11 @@ class HostSaves:
         self._root = root
         self._host_id = host_id
         self._running: set[str] = set()  # saves being taken by this agent right now
+        # Saves of running sandboxes taken at once. Each is mostly thread work
+        # (capture, cutting, hashing): unbounded, the saves falling due together
+        # filled every thread and core, and commands waited (docs/benchmarks.md (m)).
+        # A final save (the sandbox is stopping) never waits for one of these.
+        self._turns = asyncio.Semaphore(SAVES_AT_ONCE)
 
     def _spool(self, sandbox_id: str) -> Path:
         return self._root / "spool" / sandbox_id
@@ -95,9 +105,10 @@ class HostSaves:
             return  # a duplicate instruction while this very save is under way
         self._running.add(save_id)
         try:
-            await self._save(
-                sandbox_id, generation, save_id, parent_id, freeze=freeze, report=report
-            )
+            async with self._turns if freeze else contextlib.nullcontext():
+                await self._save(
+                    sandbox_id, generation, save_id, parent_id, freeze=freeze, report=report
+                )
         finally:
             self._running.discard(save_id)
 

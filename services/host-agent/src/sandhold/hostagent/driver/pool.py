@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +184,10 @@ class SupervisorPool:
         self._idle: list[WarmSupervisor] = []
         self._spawning: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Threads of the pool's own: a refill must never queue behind the
+        # default executor's long jobs (64 saves' captures and hashing), or the
+        # next command waits for a supervisor (docs/benchmarks.md (m)).
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="supervisor-spawn")
         self._zygote: Zygote | None = None
 
     async def start(self) -> None:
@@ -191,12 +196,7 @@ class SupervisorPool:
             self._zygote = Zygote(self._root)
         except OSError as err:  # supervisors are then started one interpreter each
             log.warning("no zygote for supervisors: %s", err)
-        spawned = await asyncio.gather(
-            *(
-                asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
-                for _ in range(self._size)
-            )
-        )
+        spawned = await asyncio.gather(*(self._spawn() for _ in range(self._size)))
         self._idle.extend(spawned)
 
     @property
@@ -216,7 +216,7 @@ class SupervisorPool:
             await asyncio.wait(set(self._spawning), return_when=asyncio.FIRST_COMPLETED)
         if self._closed:
             raise SupervisorStartError("the supervisor pool is closed")
-        supervisor = await asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
+        supervisor = await self._spawn()
         self._top_up()
         return supervisor
 
@@ -228,7 +228,7 @@ class SupervisorPool:
 
     async def _spawn_one(self) -> None:
         try:
-            supervisor = await asyncio.to_thread(spawn_supervisor, self._root, self._zygote)
+            supervisor = await self._spawn()
         except SupervisorStartError:
             # take() then starts one itself and surfaces the error there.
             log.exception("refilling the supervisor pool failed")
@@ -242,6 +242,11 @@ class SupervisorPool:
         """Through the zygote (see ``Zygote.start_box``); None where there is none."""
         return None if self._zygote is None else self._zygote.start_box(spec_path)
 
+    def _spawn(self) -> asyncio.Future[WarmSupervisor]:
+        return asyncio.get_running_loop().run_in_executor(
+            self._threads, spawn_supervisor, self._root, self._zygote
+        )
+
     async def close(self) -> None:
         self._closed = True
         # Not cancelled: a cancelled to_thread would leak the supervisor it is
@@ -252,6 +257,7 @@ class SupervisorPool:
         if self._zygote is not None:
             await asyncio.to_thread(self._zygote.close)
             self._zygote = None
+        self._threads.shutdown(wait=False)
 
 
 class Doorbell:

@@ -86,27 +86,34 @@ async def restore_rounds(size_mib: int, rounds: int) -> dict[str, list[float]]:
     return timings
 
 
+def _reaped(state):
+    final = state.saves.get(state.final_save_id or "")
+    done = final is not None and final.state == "completed"
+    return state if state.phase == "stopped" and state.reason == "idle" and done else None
+
+
+async def _idle_sandbox(client, size_mib: int) -> str:
+    """A running sandbox reaped after a second idle, with `size_mib` of random data."""
+    view = await client.create_sandbox(idle_timeout_s=1, save_interval_s=3600)
+    await client.wait_for_phase(view.id, {"running"}, timeout=60)
+    fill = f"head -c {size_mib * MiB} /dev/urandom > data"
+    await client.exec(view.id, ["sh", "-c", fill], wait_timeout=600)
+    return view.id
+
+
 async def woken_rounds(url: str, size_mib: int, rounds: int) -> tuple[list[float], list[float]]:
     """Seconds from `exec true` on a reaped sandbox to its end, and its start_ms."""
     from sandhold.client import connect
-
-    def reaped(state):
-        final = state.saves.get(state.final_save_id or "")
-        done = final is not None and final.state == "completed"
-        return state if state.phase == "stopped" and state.reason == "idle" and done else None
 
     execs: list[float] = []
     starts: list[float] = []
     client = await connect(url)
     try:
-        view = await client.create_sandbox(idle_timeout_s=1, save_interval_s=3600)
-        await client.wait_for_phase(view.id, {"running"}, timeout=60)
-        fill = f"head -c {size_mib * MiB} /dev/urandom > data"
-        await client.exec(view.id, ["sh", "-c", fill], wait_timeout=600)
+        sid = await _idle_sandbox(client, size_mib)
         for _ in range(rounds):
-            await client.wait_for(view.id, reaped, timeout=600, what="reaped")
+            await client.wait_for(sid, _reaped, timeout=600, what="reaped")
             started = time.perf_counter()
-            result = await client.exec(view.id, ["true"], wait_timeout=600)
+            result = await client.exec(sid, ["true"], wait_timeout=600)
             execs.append(time.perf_counter() - started)
             cold = result.command.cold_start
             if result.command.state != "exited" or cold is None or cold.start_ms is None:
@@ -123,29 +130,21 @@ async def restored_rounds(up, size_mib: int, rounds: int) -> dict[str, list[tupl
     cache emptied first ("empty") and as the restore before left it ("warm")."""
     from sandhold.client import connect
 
-    def reaped(state):
-        final = state.saves.get(state.final_save_id or "")
-        done = final is not None and final.state == "completed"
-        return state if state.phase == "stopped" and state.reason == "idle" and done else None
-
     timings: dict[str, list[tuple[float, float]]] = {"empty": [], "warm": []}
     host = up.data_dir / "hosts" / "local"  # sandhold up's one host
     client = await connect(up.url)
     try:
-        view = await client.create_sandbox(idle_timeout_s=1, save_interval_s=3600)
-        await client.wait_for_phase(view.id, {"running"}, timeout=60)
-        fill = f"head -c {size_mib * MiB} /dev/urandom > data"
-        await client.exec(view.id, ["sh", "-c", fill], wait_timeout=600)
+        sid = await _idle_sandbox(client, size_mib)
         for _ in range(rounds):
             for kind in ("empty", "warm"):
-                await client.wait_for(view.id, reaped, timeout=600, what="reaped")
+                await client.wait_for(sid, _reaped, timeout=600, what="reaped")
                 # As if woken on another host: this one's copy is gone (stopped,
                 # nothing of it runs or is mounted), and for "empty" its cache too.
-                await asyncio.to_thread(shutil.rmtree, host / "sandboxes" / view.id)
+                await asyncio.to_thread(shutil.rmtree, host / "sandboxes" / sid)
                 if kind == "empty":
                     await asyncio.to_thread(_empty, host / "chunk-cache")
                 started = time.perf_counter()
-                result = await client.exec(view.id, ["true"], wait_timeout=600)
+                result = await client.exec(sid, ["true"], wait_timeout=600)
                 took = time.perf_counter() - started
                 cold = result.command.cold_start
                 if result.command.state != "exited" or cold is None or cold.from_save is None:

@@ -13,20 +13,26 @@ from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume
 
 
-async def test_a_slow_lane_holds_up_no_other_and_each_lane_keeps_its_order(
-    nc, names: Names
-) -> None:
+async def _queued(nc, names: Names, host: str, bodies: list[bytes]):
+    """Work messages on `host`'s queue, and a new durable pull consumer of it."""
     js = nc.jetstream()
+    for body in bodies:
+        await js.publish(names.work(host), body, stream=names.hostwork_stream)
     consumer = f"lanes-{uuid.uuid4().hex[:6]}"
-    sent = [b"a:1", b"a:2", b"b:1", b"a:3", b"b:2", b"c:1"]
-    for body in sent:
-        await js.publish(names.work("h1"), body, stream=names.hostwork_stream)
     sub = await js.pull_subscribe(
-        names.work("h1"),
+        names.work(host),
         durable=consumer,
         stream=names.hostwork_stream,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
     )
+    return consumer, sub
+
+
+async def test_a_slow_lane_holds_up_no_other_and_each_lane_keeps_its_order(
+    nc, names: Names
+) -> None:
+    sent = [b"a:1", b"a:2", b"b:1", b"a:3", b"b:2", b"c:1"]
+    consumer, sub = await _queued(nc, names, "h1", sent)
     release_a1 = asyncio.Event()
     handled: list[bytes] = []
     in_hand = most_in_hand = 0
@@ -72,16 +78,7 @@ async def test_a_slow_lane_holds_up_no_other_and_each_lane_keeps_its_order(
 
 
 async def test_a_cancelled_consumer_leaves_no_handler_running(nc, names: Names) -> None:
-    js = nc.jetstream()
-    consumer = f"lanes-{uuid.uuid4().hex[:6]}"
-    for body in (b"x:1", b"y:1"):
-        await js.publish(names.work("h2"), body, stream=names.hostwork_stream)
-    sub = await js.pull_subscribe(
-        names.work("h2"),
-        durable=consumer,
-        stream=names.hostwork_stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_deliver=5),
-    )
+    consumer, sub = await _queued(nc, names, "h2", [b"x:1", b"y:1"])
     started: set[bytes] = set()
     cancelled: set[bytes] = set()
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sandhold.saves import ChunkCache, SaveStore, capture, restore, store_capture
+from sandhold.saves import Capture, ChunkCache, SaveStore, capture, restore, store_capture
 from sandhold.saves.cache import HEADER, OFFER_BYTES
 from sandhold.saves.capture import RACY_WINDOW_S
 
@@ -51,14 +51,22 @@ async def test_a_second_restore_of_a_save_comes_from_the_cache(
     assert reopened.stats().chunks == chunks
 
 
+async def _two_files_restored_once(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path, save_id: str
+) -> tuple[Capture, ChunkCache]:
+    """Files `a` and `b` saved, and restored once through a new cache (which now holds them)."""
+    write(workspace / "a", os.urandom(100_000))
+    write(workspace / "b", os.urandom(100_000))
+    saved = await save(store, workspace, spool, save_id)
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    return saved, cache
+
+
 async def test_a_corrupted_cached_chunk_is_fetched_again(
     store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
 ) -> None:
-    write(workspace / "a", os.urandom(100_000))
-    write(workspace / "b", os.urandom(100_000))
-    saved = await save(store, workspace, spool, "sv-cache-2")
-    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
-    await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    saved, cache = await _two_files_restored_once(store, workspace, spool, tmp_path, "sv-cache-2")
 
     victim = next(e.chunks for e in saved.manifest.entries if e.path == b"a")[0]
     [copy] = [p for p in _cached_files(tmp_path / "cache") if p.name == victim]
@@ -116,11 +124,7 @@ async def test_a_cache_whose_directory_went_away_never_fails_a_restore(
 async def test_a_truncated_cached_chunk_or_one_from_an_older_format_is_fetched_again(
     store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
 ) -> None:
-    write(workspace / "a", os.urandom(100_000))
-    write(workspace / "b", os.urandom(100_000))
-    saved = await save(store, workspace, spool, "sv-cache-5")
-    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
-    await restore(store, saved.manifest, tmp_path / "one", cache=cache)
+    saved, cache = await _two_files_restored_once(store, workspace, spool, tmp_path, "sv-cache-5")
     a, b = (next(e.chunks for e in saved.manifest.entries if e.path == n)[0] for n in (b"a", b"b"))
     copies = {p.name: p for p in _cached_files(tmp_path / "cache")}
     with open(copies[a], "r+b") as f:  # a write torn by a crash

@@ -117,7 +117,7 @@ async def consume(
     electing a leader) is retried, and a handler that raises unexpectedly has
     its message redelivered later instead of taking the consumer down with it.
     """
-    lanes = _Lanes(handle, what, concurrency) if lane is not None else None
+    lanes = _Lanes(handle, what, lane, concurrency) if lane is not None else None
     try:
         while True:
             try:
@@ -132,10 +132,10 @@ async def consume(
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                if lanes is None or lane is None:
+                if lanes is None:
                     await _handle_one(msg, handle, what)
                 else:
-                    await lanes.add(lane(msg), msg)
+                    await lanes.add(msg)
     finally:
         if lanes is not None:
             await lanes.cancel()
@@ -151,21 +151,29 @@ class _Lanes:
     most `limit` handlers run at once, and at most `_WAITING_PER_RUNNING` times
     that are in hand (running or waiting for their lane)."""
 
-    def __init__(self, handle: Callable[[Msg], Awaitable[None]], what: str, limit: int) -> None:
+    def __init__(
+        self,
+        handle: Callable[[Msg], Awaitable[None]],
+        what: str,
+        lane: Callable[[Msg], str],
+        limit: int,
+    ) -> None:
         self._handle = handle
         self._what = what
+        self._lane = lane
         self._running_room = asyncio.Semaphore(max(1, limit))
         self._room = asyncio.Semaphore(max(1, limit) * _WAITING_PER_RUNNING)
         self._last: dict[str, asyncio.Task[None]] = {}  # each lane's newest message
-        self._running: set[asyncio.Task[None]] = set()
+        self._in_hand: set[asyncio.Task[None]] = set()  # running or waiting for their lane
 
-    async def add(self, key: str, msg: Msg) -> None:
+    async def add(self, msg: Msg) -> None:
         """Queue `msg` behind its lane's messages; waits while the lanes hold all
         they may (no more are fetched meanwhile: the backlog stays on the server)."""
+        key = self._lane(msg)
         await self._room.acquire()
         task = asyncio.create_task(self._run(self._last.get(key), msg))
         self._last[key] = task
-        self._running.add(task)
+        self._in_hand.add(task)
         task.add_done_callback(lambda t: self._done(key, t))
 
     async def _run(self, before: asyncio.Task[None] | None, msg: Msg) -> None:
@@ -178,14 +186,14 @@ class _Lanes:
             self._room.release()
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:
-        self._running.discard(task)
+        self._in_hand.discard(task)
         if self._last.get(key) is task:
             del self._last[key]
 
     async def cancel(self) -> None:
-        for task in list(self._running):
+        for task in list(self._in_hand):
             task.cancel()
-        await asyncio.gather(*self._running, return_exceptions=True)
+        await asyncio.gather(*self._in_hand, return_exceptions=True)
 
 
 async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> None:

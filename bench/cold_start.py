@@ -24,6 +24,7 @@ Three parts, in one run:
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -143,6 +144,9 @@ async def restored_rounds(up, size_mib: int, rounds: int) -> dict[str, list[tupl
                 await asyncio.to_thread(shutil.rmtree, host / "sandboxes" / sid)
                 if kind == "empty":
                     await asyncio.to_thread(_empty, host / "chunk-cache")
+                # A cold start follows a quiet stretch (the idle timeout): what the
+                # rounds before wrote is on disk by then, not still being written back.
+                await asyncio.to_thread(os.sync)
                 started = time.perf_counter()
                 result = await client.exec(sid, ["true"], wait_timeout=600)
                 took = time.perf_counter() - started

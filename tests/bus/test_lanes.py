@@ -57,9 +57,7 @@ async def test_a_slow_lane_holds_up_no_other_and_each_lane_keeps_its_order(
     def lane(msg) -> str:
         return msg.data.split(b":")[0].decode()
 
-    consuming = asyncio.create_task(
-        consume(sub, handle, batch=8, what=consumer, lane=lane, concurrency=3)
-    )
+    consuming = asyncio.create_task(consume(sub, handle, what=consumer, lane=lane, concurrency=3))
     try:
         # The other lanes finish while a:1 still waits, and a's later messages wait for it.
         async with asyncio.timeout(30):
@@ -91,9 +89,7 @@ async def test_a_cancelled_consumer_leaves_no_handler_running(nc, names: Names) 
             raise
 
     consuming = asyncio.create_task(
-        consume(
-            sub, handle, batch=8, what=consumer, lane=lambda m: m.data[:1].decode(), concurrency=4
-        )
+        consume(sub, handle, what=consumer, lane=lambda m: m.data[:1].decode(), concurrency=4)
     )
     async with asyncio.timeout(30):
         while len(started) < 2:

@@ -178,3 +178,26 @@ def test_offers_beyond_what_the_cache_can_write_soon_are_dropped(tmp_path: Path)
     held = cache.stats().chunks
     assert OFFER_BYTES // (MiB + 1) <= held < len(offered)
     assert held == len(_cached_files(tmp_path / "cache"))
+
+
+def test_a_chunk_read_into_a_buffer_is_the_chunk_kept_whatever_the_buffer_size(
+    tmp_path: Path,
+) -> None:
+    cache = ChunkCache(tmp_path / "cache", limit_bytes=64 * MiB)
+    chunk = os.urandom(300_000)
+    digest = hashlib.sha256(chunk).hexdigest()
+    cache.keep(digest, chunk)
+
+    roomy = bytearray(MiB)
+    assert cache.read(digest, into=roomy) == chunk
+    assert cache.read(digest, into=bytearray(1000)) == chunk  # too small: read on its own
+    assert cache.read(digest) == chunk
+    # A copy that went bad is dropped however it is read, and not counted as held.
+    (copy,) = _cached_files(tmp_path / "cache")
+    with open(copy, "r+b") as f:
+        f.seek(HEADER + 5)
+        f.write(b"\xff" if chunk[5] != 0xFF else b"\x00")
+    assert cache.read(digest, into=roomy) is None
+    assert not copy.exists()
+    stats = cache.stats()
+    assert (stats.hits, stats.corrupt, stats.chunks) == (3, 1, 0)

@@ -62,7 +62,7 @@ async def test_redeliveries_dead_letters_and_latency(nc, names: Names, endpoint:
             await msg.ack()
             done.set()
 
-    consuming = asyncio.create_task(consume(sub, handle, batch=8, what=consumer))
+    consuming = asyncio.create_task(consume(sub, handle, what=consumer))
     try:
         await asyncio.wait_for(done.wait(), 30)
     finally:

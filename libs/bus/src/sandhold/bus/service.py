@@ -3,7 +3,7 @@
     async with Shell("saver", url, names) as shell:
         store = shell.store("sandbox", sb.evolve)     # folded, then followed
         await shell.start_stores()
-        await shell.work_queue(durable, config, handle, batch=32, what="requests")
+        await shell.work_queue(durable, config, handle, what="requests")
         shell.spawn(loop(), "schedule")
         await shell.serve()                           # ready, until stopped or crashed
 
@@ -146,7 +146,6 @@ class Shell:
         config: ConsumerConfig,
         handle: Callable[[Msg], Awaitable[None]],
         *,
-        batch: int,
         what: str,
         lane: Callable[[Msg], str] | None = None,
         concurrency: int = 1,
@@ -171,9 +170,7 @@ class Shell:
 
         sub = await patiently(make, wait_s=None, pause_s=0.5, on_first_wait=not_yet)
         await deadletters.watch(self.nc, stream, durable, what=what)
-        return self.spawn(
-            consume(sub, handle, batch=batch, what=what, lane=lane, concurrency=concurrency), what
-        )
+        return self.spawn(consume(sub, handle, what=what, lane=lane, concurrency=concurrency), what)
 
     def on_stopping(self, wind_down: Callable[[], Awaitable[object]]) -> None:
         """Something to do once a stop began, while the loops still run (a host

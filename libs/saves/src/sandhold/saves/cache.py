@@ -28,6 +28,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -46,6 +47,9 @@ _OFFER_IDLE_S = 5.0
 
 MAGIC = b"shc1"  # a cached chunk, format 1 (files without it are from before: dropped)
 HEADER = len(MAGIC) + 16
+
+# A cached copy's mtime is its last use, kept to this precision (see `read`).
+_USE_STAMP_NS = 60 * 10**9
 
 
 class ChunkCache:
@@ -100,19 +104,27 @@ class ChunkCache:
             self._misses += len(missing)
         return held, missing
 
-    def read(self, digest: str) -> memoryview | None:
+    def read(self, digest: str, into: bytearray | None = None) -> memoryview | None:
         """The chunk if the cache holds it and it is still what was kept; a
-        copy that is not is dropped (and fetched again by the caller)."""
+        copy that is not is dropped (and fetched again by the caller).
+
+        With `into`, the chunk is read into that buffer when it fits (the view
+        returned is valid until the buffer's next use): a restore copying
+        thousands of chunks then allocates (and faults in) no memory per chunk.
+        """
         with self._lock:
             held = digest in self._sizes
             if not held:
                 self._misses += 1
                 return None
         path = self._path(digest)
+        mtime_ns = 0
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                data = _read_all(fd)
+                st = os.fstat(fd)
+                mtime_ns = st.st_mtime_ns
+                data = _read_all(fd, st.st_size, into)
             finally:
                 os.close(fd)
         except OSError:
@@ -131,8 +143,11 @@ class ChunkCache:
             self._hits += 1
             if digest in self._sizes:
                 self._sizes.move_to_end(digest)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # the order of use, for the next start
+        if time.time_ns() - mtime_ns > _USE_STAMP_NS:
+            # The order of use, for the next start. Coarse on purpose: stamping every
+            # read would write an inode per chunk, thousands for one restore.
+            with contextlib.suppress(OSError):
+                os.utime(path)
         return chunk
 
     def keep(self, digest: str, data: bytes | memoryview) -> None:
@@ -245,8 +260,16 @@ class ChunkCache:
             )
 
 
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
+def _read_all(fd: int, size: int, into: bytearray | None = None) -> bytes | memoryview:
+    """The file's bytes (one read as a rule), in `into` when they fit there."""
+    if into is not None and size < len(into):
+        view = memoryview(into)
+        got = 0
+        while got < len(view) and (n := os.readv(fd, [view[got:]])):  # to the end
+            got += n
+        if got < len(view):
+            return view[:got]
+        os.lseek(fd, 0, os.SEEK_SET)  # it grew past the buffer meanwhile: read it whole
     data = os.read(fd, size + 1)  # one read for a whole chunk, as a rule
     if len(data) <= size:
         parts = [data]
@@ -261,12 +284,13 @@ def _magic(path: Path) -> bytes:
         return f.read(len(MAGIC))
 
 
-def _checked(data: bytes) -> memoryview | None:
+def _checked(data: bytes | memoryview) -> memoryview | None:
     """The chunk in a cache file, if its header says it is intact."""
-    if len(data) < HEADER or not data.startswith(MAGIC):
+    view = memoryview(data)
+    if len(view) < HEADER or view[: len(MAGIC)] != MAGIC:
         return None
-    chunk = memoryview(data)[HEADER:]
-    if xxhash.xxh3_128_digest(chunk) != data[len(MAGIC) : HEADER]:
+    chunk = view[HEADER:]
+    if xxhash.xxh3_128_digest(chunk) != view[len(MAGIC) : HEADER]:
         return None
     return chunk
 

@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 from sandhold.saves._bounded import for_each_sized
 from sandhold.saves._xattrs import write_xattrs
-from sandhold.saves.cache import ChunkCache
+from sandhold.saves.cache import HEADER, ChunkCache
 from sandhold.saves.capture import RACY_WINDOW_S
-from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE
+from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE, max_chunk
 from sandhold.saves.errors import CorruptChunk, CorruptManifest, RestoreError
 from sandhold.saves.manifest import (
     Entry,
@@ -255,6 +255,8 @@ async def _fill(
 # hashing is the cost (the GIL is released for all three); more than the
 # machine's cores only adds switching.
 _CACHE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Each one's read buffer: a cache file of the largest chunk of the default size.
+_CACHE_BUFFER = max_chunk(DEFAULT_CHUNK_SIZE) + HEADER + 1
 
 
 def _slices(digests: list[str], parts: int) -> list[list[str]]:
@@ -278,12 +280,15 @@ def _copy_from_cache(
     fds: dict[bytes, int] = {}
     gone_bad: list[str] = []
     hits = hit_bytes = written = 0
+    # One buffer for every chunk this thread copies (a chunk larger than it gets
+    # its own): no memory allocated and faulted in per chunk.
+    buffer = bytearray(_CACHE_BUFFER)
     try:
         for digest in digests:
             if stop.is_set():
                 break
             places = targets[digest]
-            data = cache.read(digest)
+            data = cache.read(digest, into=buffer)
             if data is None or len(data) != places[0].length:
                 gone_bad.append(digest)  # the fetch reports a wrong length
                 continue

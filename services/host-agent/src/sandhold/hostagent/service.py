@@ -190,7 +190,6 @@ class HostAgent:
                 self._names.hostwork_stream,
                 consumer,
                 self._handle,
-                batch=16,
                 what=f"work for {self.host_id}",
                 # Each sandbox's work in order, sandboxes side by side: a command
                 # never waits behind another sandbox's restore or final save.

@@ -119,7 +119,7 @@ class Orchestrator:
             sandbox_store.listen(self._sandbox_changed)
             shell.spawn(self._watch_tasks(), "task claims")
             await shell.work_queue(
-                self._names.requests_stream, consumer, self._handle, batch=16, what="task requests"
+                self._names.requests_stream, consumer, self._handle, what="task requests"
             )
             log.info("%s ready: %d task(s) may need a runner", self._instance, len(self._pending))
             await shell.serve()

@@ -125,7 +125,7 @@ class Scheduler:
                 ],
             )
             await shell.work_queue(
-                self._names.requests_stream, consumer, self._handle, batch=32, what="requests"
+                self._names.requests_stream, consumer, self._handle, what="requests"
             )
             shell.spawn(self._dirty_loop.run(), "reconcile")
             shell.spawn(self._sweep(), "sweep")

@@ -334,6 +334,8 @@ class Runtime:
                     await asyncio.wait_for(got_ready.wait(), 0.5)
                 self._tend()
             print(f"sandhold is up: {url} gateway {self.gateway_url}", flush=True)
+            # On a line of its own: scripts read the line above as it always was.
+            print(f"console: {self.gateway_url}/ (sign in with a token)", flush=True)
             await self._supervise()
             return 0
         finally:

@@ -17,7 +17,7 @@ import msgspec
 from litestar import HttpMethod, Litestar, Request, Response, get, route
 from litestar.exceptions import HTTPException
 from nats.errors import Error as NatsError
-from sandhold.gateway import routes_sandboxes, routes_tasks
+from sandhold.gateway import console, routes_sandboxes, routes_tasks
 from sandhold.gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError
 from sandhold.gateway.web import Context, json_response
 from sandhold.telemetry.asgi import TraceMiddleware
@@ -31,6 +31,7 @@ def create_app(ctx: Context, *, extra_handlers: list | None = None) -> Litestar:
     handlers = [
         *routes_sandboxes.handlers(ctx),
         *routes_tasks.handlers(ctx),
+        *console.handlers(ctx),
         *(extra_handlers or []),
         _openapi_handler(ctx),
         _health_handler(ctx),

@@ -359,27 +359,7 @@ def handlers(ctx: Context) -> list:
     @get("/api/v1/hosts")
     async def list_hosts(request: Request) -> Response:
         tenant_of(ctx, request)
-        await fresh(ctx)
-        rows = await ctx.read_model.query("SELECT state FROM hosts ORDER BY id")
-        kv = await leases.lease_bucket(ctx.js, ctx.names)
-        ttl = (await leases.published_settings(kv))["lease_ttl_s"]
-        items = []
-        for (row,) in rows:
-            host = msgspec.json.decode(row, type=Host)
-            age, interval = await leases.lease_age(kv, host.host, now=time.time())
-            status = liveness(host, lease_age_s=age, ttl_s=ttl, interval_s=interval)
-            view = msgspec.json.decode(row, type=b.HostView)
-            lease = await leases.read_lease(kv, host.host)
-            items.append(
-                msgspec.structs.replace(
-                    view,
-                    status=status,
-                    last_renewal_age_s=age,
-                    lease_interval_s=interval,
-                    chunk_cache=lease.chunk_cache if lease is not None else None,
-                )
-            )
-        return json_response(b.HostList(items=items))
+        return json_response(b.HostList(items=await host_views(ctx)))
 
     return [
         create_sandbox,
@@ -436,7 +416,7 @@ def page_wait(request: Request) -> int:
 
 
 async def event_response(
-    ctx: Context, request: Request, subject: str, after: int, wait_s: int
+    ctx: Context, request: Request, subject: str, after: int, wait_s: int, *, named: bool = True
 ) -> Stream | Response:
     """The events after `after`: a Server-Sent Events stream, or, for a client
     that asks for JSON (a poller, a tenant's NATS API call), one page of them,
@@ -453,6 +433,7 @@ async def event_response(
             subject,
             after=after,
             keepalive_s=ctx.keepalive_s,
+            named=named,
         ),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -474,6 +455,32 @@ async def owned(ctx: Context, tenant: str, kind: str, aggregate_id: str) -> None
 
 async def _owned(ctx: Context, tenant: str, sandbox_id: FromPath[str]) -> None:
     await owned(ctx, tenant, "sandbox", sandbox_id)
+
+
+async def host_views(ctx: Context) -> list[b.HostView]:
+    """Every host as `GET /api/v1/hosts` and the console show it: its record
+    with its lease's liveness and renewal age, and its chunk cache."""
+    await fresh(ctx)
+    rows = await ctx.read_model.query("SELECT state FROM hosts ORDER BY id")
+    kv = await leases.lease_bucket(ctx.js, ctx.names)
+    ttl = (await leases.published_settings(kv))["lease_ttl_s"]
+    items = []
+    for (row,) in rows:
+        host = msgspec.json.decode(row, type=Host)
+        age, interval = await leases.lease_age(kv, host.host, now=time.time())
+        status = liveness(host, lease_age_s=age, ttl_s=ttl, interval_s=interval)
+        view = msgspec.json.decode(row, type=b.HostView)
+        lease = await leases.read_lease(kv, host.host)
+        items.append(
+            msgspec.structs.replace(
+                view,
+                status=status,
+                last_renewal_age_s=age,
+                lease_interval_s=interval,
+                chunk_cache=lease.chunk_cache if lease is not None else None,
+            )
+        )
+    return items
 
 
 async def page(ctx: Context, sql: str, params: list, after, limit: int, order: str):

@@ -128,7 +128,7 @@ def handlers(ctx: Context) -> list:
             sql += " AND state = ?"
             params.append(state)
         rows, next_cursor = await page(ctx, sql, params, after, limit, "submitted_at")
-        decoder = _task_decoder()
+        decoder = task_decoder()
         return json_response(
             TaskPage(items=[task_view(decoder.decode(r[0])) for r in rows], next_cursor=next_cursor)
         )
@@ -160,7 +160,7 @@ def handlers(ctx: Context) -> list:
     return [submit_task, list_tasks, show_task, cancel_task, task_events]
 
 
-def _task_decoder() -> msgspec.json.Decoder:
+def task_decoder() -> msgspec.json.Decoder:
     from sandhold.gateway.readmodel import KINDS
 
     return KINDS["task"].decoder

@@ -39,12 +39,11 @@ class EventPage(msgspec.Struct, kw_only=True):
     last_event_id: int  # the last event's id, or the `after` asked for when none came
 
 
-def frame(record: EventRecord) -> bytes:
-    return (
-        f"id: {record.seq}\nevent: {record.type}\ndata: ".encode()
-        + _encoder.encode(record)
-        + b"\n\n"
-    )
+def frame(record: EventRecord, *, named: bool = True) -> bytes:
+    """One SSE frame; `named`: with the event's type as the SSE event name (else
+    a plain message, for a page that takes every type alike)."""
+    name = f"event: {record.type}\n" if named else ""
+    return f"id: {record.seq}\n{name}data: ".encode() + _encoder.encode(record) + b"\n\n"
 
 
 async def event_frames(
@@ -55,6 +54,7 @@ async def event_frames(
     after: int,
     keepalive_s: float,
     retry_ms: int = 1000,
+    named: bool = True,
 ) -> AsyncIterator[bytes]:
     """SSE frames for every event on `subject` after sequence `after`, then live
     ones, with a keep-alive comment whenever nothing came for `keepalive_s`
@@ -74,7 +74,7 @@ async def event_frames(
                 except msgspec.DecodeError:
                     log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
                     continue
-                yield frame(record)
+                yield frame(record, named=named)
     finally:
         await batches.aclose()
 

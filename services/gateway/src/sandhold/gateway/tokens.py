@@ -113,8 +113,12 @@ class Tokens:
             self._stamp = stamp
 
     def tenant_of(self, token: str) -> str | None:
+        return self.tenant_of_digest(digest(token))
+
+    def tenant_of_digest(self, wanted: str) -> str | None:
+        """The tenant of the token with this digest while it is not revoked (a
+        console session keeps the digest, never the token)."""
         self._reload()
-        wanted = digest(token)
         found = None
         # Compare every digest in constant time (no early exit that leaks which one).
         for known, tenant in self._by_digest.items():

@@ -1,0 +1,184 @@
+"""The web console in a real browser (headless Chromium from Debian's packages,
+driven by Selenium): sign in through the form, open a sandbox, and see a
+command's end arrive on the page without a reload; another tenant's sandbox
+is a "not found" page; the pages fit a phone's width. Each page's screenshot
+is written to `test-artifacts/console/` and checked for content.
+
+Chromium and ChromeDriver come from `apt-get install chromium chromium-driver`
+(`.ci/run` installs them and sets SANDHOLD_REQUIRE_BROWSER=1, under which a
+missing browser fails these tests instead of skipping them).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import Gw, running_sandbox
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "console"
+WAIT_S = 60
+
+
+def _have_browser() -> bool:
+    return all(os.access(p, os.X_OK) for p in (CHROMIUM, CHROMEDRIVER))
+
+
+if not _have_browser():
+    if os.environ.get("SANDHOLD_REQUIRE_BROWSER") == "1":
+        raise RuntimeError(f"SANDHOLD_REQUIRE_BROWSER=1, but {CHROMIUM} or {CHROMEDRIVER} missing")
+    pytest.skip(
+        "no Chromium here (apt-get install chromium chromium-driver)", allow_module_level=True
+    )
+
+from selenium import webdriver  # noqa: E402 - only with a browser to drive
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # root in a container-like VM: Chromium's own sandbox needs userns tricks
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",  # this machine's network is closed
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1280,800",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
+        options.add_argument(flag)
+    service = Service(CHROMEDRIVER)
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        try:
+            driver.quit()
+        finally:
+            service.stop()  # the chromedriver process, by its PID
+            assert service.process is None or service.process.poll() is not None
+
+
+def _shot(driver: webdriver.Chrome, name: str) -> Path:
+    """The page's screenshot, kept as an artifact and checked not to be blank."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    png = driver.get_screenshot_as_png()
+    path.write_bytes(png)
+    assert _distinct_pixels(png) > 8, f"{path} looks blank"
+    return path
+
+
+def _distinct_pixels(png: bytes) -> int:
+    """Distinct RGB(A) values on the first rows of a PNG (a blank page has one)."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, data, width, channels = 8, b"", 0, 4
+    while pos < len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        kind, body = png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width = struct.unpack(">I", body[:4])[0]
+            channels = {2: 3, 6: 4}[body[9]]
+        elif kind == b"IDAT":
+            data += body
+        pos += 12 + length
+    raw = zlib.decompress(data)
+    stride = 1 + width * channels
+    seen: set[bytes] = set()
+    previous = bytearray(stride - 1)
+    for row in range(min(400, len(raw) // stride)):
+        line = raw[row * stride : (row + 1) * stride]
+        current = _unfilter(line[0], bytearray(line[1:]), previous, channels)
+        seen.update(bytes(current[i : i + channels]) for i in range(0, len(current), channels))
+        previous = current
+    return len(seen)
+
+
+def _unfilter(kind: int, line: bytearray, prior: bytearray, bpp: int) -> bytearray:
+    for i in range(len(line)):
+        left = line[i - bpp] if i >= bpp else 0
+        up = prior[i]
+        corner = prior[i - bpp] if i >= bpp else 0
+        if kind == 1:
+            line[i] = (line[i] + left) & 0xFF
+        elif kind == 2:
+            line[i] = (line[i] + up) & 0xFF
+        elif kind == 3:
+            line[i] = (line[i] + (left + up) // 2) & 0xFF
+        elif kind == 4:
+            p = left + up - corner
+            pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+            pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner
+            line[i] = (line[i] + pred) & 0xFF
+    return line
+
+
+def _sign_in(driver: webdriver.Chrome, gw: Gw, tenant: str) -> None:
+    driver.get(gw.url + "/sign-in")
+    driver.find_element(By.ID, "token").send_keys(gw.tokens[tenant])
+    driver.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()
+    WebDriverWait(driver, WAIT_S).until(lambda d: d.current_url.endswith("/sandboxes"))
+
+
+async def test_a_command_run_elsewhere_shows_up_on_the_open_sandbox_page(
+    gw: Gw, acme: httpx.AsyncClient, browser: webdriver.Chrome
+) -> None:
+    sandbox_id = await running_sandbox(acme)
+    _sign_in(browser, gw, "acme")
+    link = browser.find_element(By.LINK_TEXT, sandbox_id)
+    _shot(browser, "sandboxes")
+    link.click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: d.find_element(By.ID, "live").text.startswith("Live")
+    )
+    events = browser.find_element(By.ID, "events")
+    WebDriverWait(browser, WAIT_S).until(lambda d: "sandbox.started" in events.text)
+
+    ran = await acme.post(
+        f"/api/v1/sandboxes/{sandbox_id}/commands",
+        json={"argv": ["sh", "-c", "exit 3"]},
+        headers={"Idempotency-Key": "console-browser-1"},
+    )
+    assert ran.status_code in (200, 201, 202), ran.text
+    # No reload: the event comes over the page's EventSource, the status follows.
+    WebDriverWait(browser, WAIT_S).until(lambda d: "command.ended" in events.text)
+    status = browser.find_element(By.ID, "status")
+    WebDriverWait(browser, WAIT_S).until(lambda d: "exited 1" in status.text)
+    lines = [li.text for li in events.find_elements(By.TAG_NAME, "li")]
+    assert len(lines) == len(set(lines)), "an event shown twice"
+    _shot(browser, "sandbox")
+
+    # A phone's width: nothing wider than the screen.
+    browser.set_window_size(390, 844)
+    browser.refresh()
+    WebDriverWait(browser, WAIT_S).until(lambda d: "command.ended" in d.page_source)
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    )
+    _shot(browser, "sandbox-phone")
+
+
+async def test_another_tenants_sandbox_page_is_not_found(
+    gw: Gw, globex: httpx.AsyncClient, browser: webdriver.Chrome
+) -> None:
+    theirs = await running_sandbox(globex)
+    _sign_in(browser, gw, "acme")
+    browser.get(f"{gw.url}/sandboxes/{theirs}")
+    assert browser.title.startswith("Not found")
+    assert "running" not in browser.find_element(By.TAG_NAME, "main").text
+    _shot(browser, "not-found")

@@ -296,10 +296,15 @@ def _sign_in_form(csrf: str, error: str = "") -> str:
 
 
 def handlers(ctx: Context) -> list:
-    sessions = Sessions.beside(ctx.tokens)
+    made: list[Sessions] = []  # on first use: building the app reads no file
+
+    def sessions() -> Sessions:
+        if not made:
+            made.append(Sessions.beside(ctx.tokens))
+        return made[0]
 
     def session_of(request: Request) -> Session | None:
-        return sessions.open(request.cookies.get(SESSION_COOKIE))
+        return sessions().open(request.cookies.get(SESSION_COOKIE))
 
     async def form_of(request: Request) -> dict[str, str]:
         form = await request.form()
@@ -347,7 +352,7 @@ def handlers(ctx: Context) -> list:
         elif len(token) > MAX_TOKEN or not token.isprintable():
             error = f"That is not a token: at most {MAX_TOKEN} printable characters."
         else:
-            value = sessions.issue(token)
+            value = sessions().issue(token)
             error = "No such token (or it was revoked)."
         if value is None:
             return _page("Sign in", _sign_in_form(expected, error), status=401)

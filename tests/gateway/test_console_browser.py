@@ -101,7 +101,7 @@ def _distinct_pixels(png: bytes) -> int:
     stride = 1 + width * channels
     seen: set[bytes] = set()
     previous = bytearray(stride - 1)
-    for row in range(min(400, len(raw) // stride)):
+    for row in range(min(160, len(raw) // stride)):
         line = raw[row * stride : (row + 1) * stride]
         current = _unfilter(line[0], bytearray(line[1:]), previous, channels)
         seen.update(bytes(current[i : i + channels]) for i in range(0, len(current), channels))

@@ -5,6 +5,7 @@ is signed out, when its token is revoked or when its cookie is tampered with."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import httpx
@@ -51,10 +52,11 @@ async def test_a_session_is_strict_and_httponly_and_shows_only_its_tenants_sandb
     cookie = next(
         c for c in signed.headers.get_list("set-cookie") if c.startswith(SESSION_COOKIE + "=")
     )
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+    assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower(), cookie
+    assert '"' not in cookie  # a value sent as it was set, never quoted
     assert gw.tokens["acme"] not in cookie  # the digest is kept, never the token
 
-    async with browser:
+    async with contextlib.aclosing(browser):
         listing = await browser.get("/sandboxes")
         assert mine in listing.text and theirs not in listing.text
         assert "tenant acme" in listing.text
@@ -73,14 +75,14 @@ async def test_a_session_is_strict_and_httponly_and_shows_only_its_tenants_sandb
 
 async def test_a_form_without_its_csrf_token_is_refused_and_changes_nothing(gw: Gw) -> None:
     browser = _browser(gw)
-    async with browser:
+    async with contextlib.aclosing(browser):
         await browser.get("/sign-in")  # the sign-in cookie, but not its value in the form
         refused = await browser.post("/sign-in", data={"token": gw.tokens["acme"]})
         assert refused.status_code == 403 and "CSRF" in refused.text
         assert SESSION_COOKIE not in browser.cookies
 
     browser, csrf = await _signed_in(gw, gw.tokens["acme"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         wrong = await browser.post("/sign-out", data={"csrf": csrf[:-1] + "0"})
         assert wrong.status_code == 403
         assert (await browser.get("/sandboxes")).status_code == 200  # still signed in
@@ -88,7 +90,7 @@ async def test_a_form_without_its_csrf_token_is_refused_and_changes_nothing(gw: 
 
 async def test_signing_out_ends_the_session(gw: Gw) -> None:
     browser, csrf = await _signed_in(gw, gw.tokens["globex"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         out = await browser.post("/sign-out", data={"csrf": csrf})
         assert (out.status_code, out.headers["location"]) == (303, "/sign-in")
         after = await browser.get("/sandboxes")
@@ -99,7 +101,7 @@ async def test_a_revoked_tokens_session_ends_at_its_next_request(gw: Gw) -> None
     path = gw.up.data_dir / "tokens.json"
     entry, token = tokens.create(path, "acme", name="console-revoked")
     browser, _ = await _signed_in(gw, token)
-    async with browser:
+    async with contextlib.aclosing(browser):
         assert tokens.revoke(path, entry.name)
         after = await browser.get("/sandboxes")
         assert (after.status_code, after.headers["location"]) == (303, "/sign-in")
@@ -107,7 +109,7 @@ async def test_a_revoked_tokens_session_ends_at_its_next_request(gw: Gw) -> None
 
 async def test_a_tampered_or_foreign_session_cookie_counts_as_signed_out(gw: Gw) -> None:
     browser, _ = await _signed_in(gw, gw.tokens["acme"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         value = browser.cookies[SESSION_COOKIE]
         body, _, signature = value.partition(".")
         for forged in (
@@ -123,7 +125,7 @@ async def test_a_tampered_or_foreign_session_cookie_counts_as_signed_out(gw: Gw)
 
 async def test_malformed_sign_in_input_and_filters_get_a_clear_error(gw: Gw) -> None:
     browser = _browser(gw)
-    async with browser:
+    async with contextlib.aclosing(browser):
         (csrf,) = _CSRF.findall((await browser.get("/sign-in")).text)
         for token, says in (
             ("", "Enter a token."),
@@ -136,7 +138,7 @@ async def test_malformed_sign_in_input_and_filters_get_a_clear_error(gw: Gw) -> 
             assert SESSION_COOKIE not in browser.cookies
 
     browser, _ = await _signed_in(gw, gw.tokens["acme"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         bad = await browser.get("/sandboxes", params={"phase": "<script>"})
         assert bad.status_code == 400
         assert "&lt;script&gt;" in bad.text and "<script>" not in bad.text
@@ -165,7 +167,7 @@ async def test_the_tasks_and_hosts_pages_show_this_tenants_part(
     mine = await running_sandbox(acme)
 
     browser, _ = await _signed_in(gw, gw.tokens["acme"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         tasks = await browser.get("/tasks")
         assert tasks.status_code == 200 and task_id in tasks.text and "console-task" in tasks.text
         assert (await browser.get("/tasks", params={"state": "nonsense"})).status_code == 400
@@ -180,7 +182,7 @@ async def test_the_tasks_and_hosts_pages_show_this_tenants_part(
         assert f"<td>{len(on_local)} of " in row.group(0)
 
     other, _ = await _signed_in(gw, gw.tokens["globex"])
-    async with other:
+    async with contextlib.aclosing(other):
         assert task_id not in (await other.get("/tasks")).text
 
 
@@ -190,7 +192,7 @@ async def test_a_sandbox_pages_events_and_status_are_this_tenants_only(
     mine = await running_sandbox(acme)
     theirs = await running_sandbox(globex)
     browser, _ = await _signed_in(gw, gw.tokens["acme"])
-    async with browser:
+    async with contextlib.aclosing(browser):
         page = await browser.get(f"/sandboxes/{mine}")
         assert f'data-events="/sandboxes/{mine}/events"' in page.text
         assert (await browser.get("/console.js")).status_code == 200
@@ -211,6 +213,9 @@ async def test_a_sandbox_pages_events_and_status_are_this_tenants_only(
         assert [e["type"] for e in rest.json()["events"]] == types[
             1 : 1 + len(rest.json()["events"])
         ]
+        async with browser.stream("GET", f"/sandboxes/{mine}/events") as live:
+            # What a browser's EventSource insists on, or it drops the connection.
+            assert live.headers["content-type"].startswith("text/event-stream")
         fragment = await browser.get(f"/sandboxes/{mine}/status")
         assert fragment.status_code == 200 and fragment.text.startswith("<dl>")
         for path in (f"/sandboxes/{theirs}/events", f"/sandboxes/{theirs}/status"):

@@ -143,9 +143,15 @@ async def test_a_command_run_elsewhere_shows_up_on_the_open_sandbox_page(
     link = browser.find_element(By.LINK_TEXT, sandbox_id)
     _shot(browser, "sandboxes")
     link.click()
-    WebDriverWait(browser, WAIT_S).until(
-        lambda d: d.find_element(By.ID, "live").text.startswith("Live")
-    )
+    try:
+        WebDriverWait(browser, WAIT_S).until(
+            lambda d: d.find_element(By.ID, "live").text.startswith("Live")
+        )
+    except Exception:
+        raise AssertionError(
+            f"the page never went live: {browser.find_element(By.ID, 'live').text!r}; "
+            f"console: {browser.get_log('browser')}"
+        ) from None
     events = browser.find_element(By.ID, "events")
     WebDriverWait(browser, WAIT_S).until(lambda d: "sandbox.started" in events.text)
 

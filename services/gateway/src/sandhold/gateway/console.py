@@ -32,6 +32,7 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie
 from litestar.params import FromPath
+from litestar.response import Stream
 from sandhold.domain.task_views import task_view
 from sandhold.domain.views import sandbox_view
 from sandhold.gateway.problems import ProblemError
@@ -104,7 +105,8 @@ class Sessions:
             return None
         expires = (time.time() if now is None else now) + SESSION_S
         body = _encode(_Payload(d=wanted, e=expires, n=secrets.token_hex(16)))
-        return f"{base64.urlsafe_b64encode(body).decode()}.{self._sign(body)}"
+        # No padding: a cookie value with "=" in it would be sent quoted.
+        return f"{base64.urlsafe_b64encode(body).decode().rstrip('=')}.{self._sign(body)}"
 
     def open(self, value: str | None, *, now: float | None = None) -> Session | None:
         """The session a cookie value stands for, if it is intact, current and
@@ -113,7 +115,7 @@ class Sessions:
             return None
         encoded, _, signature = value.partition(".")
         try:
-            body = base64.urlsafe_b64decode(encoded.encode())
+            body = base64.urlsafe_b64decode(encoded.encode() + b"=" * (-len(encoded) % 4))
         except ValueError:
             return None
         if not hmac.compare_digest(self._sign(body), signature):
@@ -447,7 +449,8 @@ def handlers(ctx: Context) -> list:
         )
 
     @get("/sandboxes/{sandbox_id:str}/events", include_in_schema=False)
-    async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Any:
+    async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream | Response:
+        # (Annotated as a Stream: with `Any`, Litestar sends it as application/json.)
         """The sandbox's events as the page's EventSource takes them: from the
         start, then live; a reconnect resumes after its Last-Event-ID."""
         session = session_of(request)
@@ -520,6 +523,12 @@ def handlers(ctx: Context) -> list:
         sandboxes_page,
         sandbox_page,
     ]
+
+
+def _health(health) -> str:
+    if health is None:
+        return "—"
+    return _e(health.state) + (f" — {_e(health.reason)}" if health.reason else "")
 
 
 def _decode_sandbox(state: bytes):
@@ -606,7 +615,7 @@ def _sandbox_table(views: list) -> str:
                 _e(v.phase) + (f" — {_e(v.reason)}" if v.reason else ""),
                 _e(v.host or "—"),
                 _e(v.generation),
-                _e(v.save_health or "—"),
+                _health(v.save_health),
                 _when(last.completed_at if last else None),
                 commands or "—",
             ]
@@ -622,7 +631,7 @@ def _sandbox_status(v) -> str:
         ("Host", _e(v.host or "—")),
         ("Generation", _e(v.generation)),
         ("Created", _when(v.created_at)),
-        ("Save health", _e(v.save_health or "—")),
+        ("Save health", _health(v.save_health)),
         ("Last completed save", _e(last.id) + " " + _when(last.completed_at) if last else "—"),
         ("RPO", f"{v.rpo_s:.0f} s" if v.rpo_s is not None else "—"),
         ("Recoverable from", _e(v.recoverable_from or "—")),

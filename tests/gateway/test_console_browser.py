@@ -51,7 +51,9 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     options.binary_location = CHROMIUM
     for flag in (
         "--headless=new",
-        "--no-sandbox",  # root in a container-like VM: Chromium's own sandbox needs userns tricks
+        # Chromium's own renderer sandbox (not sandhold's isolation, which these
+        # tests run with): Chromium refuses to start it as root.
+        "--no-sandbox",
         "--disable-gpu",
         "--disable-quic",
         "--no-first-run",

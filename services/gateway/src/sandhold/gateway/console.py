@@ -261,6 +261,15 @@ def _page(
     )
 
 
+def _asset(content: str, media_type: str) -> Response:
+    """The stylesheet or the script: served by the gateway itself, like everything a page loads."""
+    return Response(
+        content=content,
+        media_type=f"{media_type}; charset=utf-8",
+        headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"},
+    )
+
+
 def _to(location: str, cookies: list[Cookie] | None = None) -> Response:
     return Response(
         content=b"",
@@ -323,11 +332,7 @@ def handlers(ctx: Context) -> list:
 
     @get("/console.css", include_in_schema=False)
     async def stylesheet() -> Response:
-        return Response(
-            content=_STYLE,
-            media_type="text/css; charset=utf-8",
-            headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"},
-        )
+        return _asset(_STYLE, "text/css")
 
     @get("/", include_in_schema=False)
     async def home(request: Request) -> Response:
@@ -401,12 +406,18 @@ def handlers(ctx: Context) -> list:
         views = [sandbox_view(_decode_sandbox(r[0]), now=now) for r in rows]
         return _page("Sandboxes", _filter(phase) + _sandbox_table(views), session)
 
-    async def sandbox_or_404(session: Session, sandbox_id: str) -> Any:
-        """The sandbox's view, or a 404 page if it is not this tenant's (or none's)."""
+    async def signed_in_sandbox(
+        request: Request, sandbox_id: str
+    ) -> tuple[Session, Any] | Response:
+        """The session and the sandbox's view; else where to go instead: the
+        sign-in, or a 404 page if the sandbox is not this tenant's (or none's)."""
+        session = session_of(request)
+        if session is None:
+            return _to("/sign-in")
         try:
             if not SANDBOX_ID.match(sandbox_id):
                 raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
-            return await call(ctx.client(session.tenant).show_sandbox(sandbox_id))
+            return session, await call(ctx.client(session.tenant).show_sandbox(sandbox_id))
         except ProblemError as err:
             if err.code != "sandbox_not_found":
                 raise
@@ -415,12 +426,10 @@ def handlers(ctx: Context) -> list:
 
     @get("/sandboxes/{sandbox_id:str}", include_in_schema=False)
     async def sandbox_page(request: Request, sandbox_id: FromPath[str]) -> Response:
-        session = session_of(request)
-        if session is None:
-            return _to("/sign-in")
-        view = await sandbox_or_404(session, sandbox_id)
-        if isinstance(view, Response):
-            return view
+        found = await signed_in_sandbox(request, sandbox_id)
+        if isinstance(found, Response):
+            return found
+        session, view = found
         here = f"/sandboxes/{view.id}"
         body = (
             '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
@@ -436,23 +445,20 @@ def handlers(ctx: Context) -> list:
     @get("/sandboxes/{sandbox_id:str}/status", include_in_schema=False)
     async def sandbox_status(request: Request, sandbox_id: FromPath[str]) -> Response:
         """The status block alone: what the page swaps in as events come."""
-        session = session_of(request)
-        if session is None:
-            return _to("/sign-in")
-        view = await sandbox_or_404(session, sandbox_id)
-        if isinstance(view, Response):
-            return view
+        found = await signed_in_sandbox(request, sandbox_id)
+        if isinstance(found, Response):
+            return found
         return Response(
-            content=_sandbox_status(view),
+            content=_sandbox_status(found[1]),
             media_type="text/html; charset=utf-8",
             headers=_SECURITY_HEADERS,
         )
 
     @get("/sandboxes/{sandbox_id:str}/events", include_in_schema=False)
     async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream | Response:
-        # (Annotated as a Stream: with `Any`, Litestar sends it as application/json.)
         """The sandbox's events as the page's EventSource takes them: from the
         start, then live; a reconnect resumes after its Last-Event-ID."""
+        # (Annotated as a Stream: with `Any`, Litestar would send it as application/json.)
         session = session_of(request)
         if session is None:
             return _to("/sign-in")
@@ -464,11 +470,7 @@ def handlers(ctx: Context) -> list:
 
     @get("/console.js", include_in_schema=False)
     async def script() -> Response:
-        return Response(
-            content=_SCRIPT,
-            media_type="text/javascript; charset=utf-8",
-            headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"},
-        )
+        return _asset(_SCRIPT, "text/javascript")
 
     @get("/tasks", include_in_schema=False)
     async def tasks_page(request: Request) -> Response:

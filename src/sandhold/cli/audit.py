@@ -21,6 +21,7 @@ from sandhold.bus.follow import Follower, stream_sequence
 from sandhold.bus.read import read_subjects
 from sandhold.bus.records import EventRecord, record_of
 from sandhold.client import Client
+from sandhold.domain import asof
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Recorded
 from sandhold.domain.errors import Rejected
@@ -30,27 +31,10 @@ from sandhold.domain.views import sandbox_view
 
 def parse_point(at: str | None) -> tuple[int | None, float | None]:
     """`--at`: a stream sequence (digits) or an ISO-8601 time."""
-    if at is None:
-        return None, None
-    if at.isascii() and at.isdigit():
-        return int(at), None
     try:
-        moment = datetime.fromisoformat(at.replace("Z", "+00:00"))
+        return asof.parse_point(at)
     except ValueError as err:
-        raise SystemExit(
-            f"sandhold: --at takes a sequence number or an ISO time, not {at!r}"
-        ) from err
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return None, moment.timestamp()
-
-
-def until(records: list[Recorded], seq: int | None, moment: float | None) -> list[Recorded]:
-    return [
-        r
-        for r in records
-        if (seq is None or r.seq <= seq) and (moment is None or r.envelope.time <= moment)
-    ]
+        raise SystemExit(f"sandhold: --at takes {err}") from None
 
 
 async def replay(
@@ -78,7 +62,7 @@ async def replay(
 
 async def replay_sandbox(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
     seq, moment = parse_point(at)
-    records = until(await client.sandbox_records(sandbox_id), seq, moment)
+    records = asof.until(await client.sandbox_records(sandbox_id), seq, moment)
     state = fold(sb.evolve, (r.envelope for r in records), None)
     if state is None or state.tenant != client.tenant:
         raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id} at that point")
@@ -105,7 +89,7 @@ async def replay_task(client: Client, task_id: str, at: str | None, as_json: boo
     from sandhold.domain import task as tk
 
     seq, moment = parse_point(at)
-    records = until(await _records(client, "task", task_id), seq, moment)
+    records = asof.until(await _records(client, "task", task_id), seq, moment)
     state = fold(tk.evolve, (r.envelope for r in records), None)
     if state is None or state.tenant != client.tenant:
         raise Rejected("task_not_found", f"no task {task_id} at that point")

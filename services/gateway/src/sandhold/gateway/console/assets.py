@@ -17,11 +17,14 @@ dt { font-weight: 600; }
 td, dd, li { overflow-wrap: anywhere; }
 a:focus, button:focus, input:focus, select:focus { outline: 3px solid #48f; }
 @media (max-width: 40rem) { .wide { display: none; } }
+.skip { position: absolute; left: -999rem; }
+.skip:focus { left: 1rem; top: .5rem; background: Canvas; padding: .3rem .6rem; }
 """
 
-# The pages' one script: times in the viewer's zone, and a sandbox's events as
-# they come (EventSource resumes after its Last-Event-ID by itself, so a dropped
-# connection shows what it missed, each event once).
+# The pages' one script: times in the viewer's zone; a page's events as they
+# come (EventSource resumes after its Last-Event-ID by itself, so a dropped
+# connection shows what it missed, each event once), with the page's
+# `data-refresh` blocks fetched again after them.
 SCRIPT = """\
 "use strict";
 function local(t) {
@@ -35,11 +38,23 @@ function summary(fields) {
     .filter(([k, v]) => k !== "type" && v !== null && typeof v !== "object")
     .map(([k, v]) => k + "=" + String(v).slice(0, 80)).join(" ");
 }
+let pending = null;
+function refresh() {
+  if (pending !== null) return;
+  pending = setTimeout(async () => {
+    pending = null;
+    for (const block of document.querySelectorAll("[data-refresh]")) {
+      const answer = await fetch(block.dataset.refresh, {credentials: "same-origin"});
+      if (answer.ok) {
+        block.innerHTML = await answer.text();
+        block.querySelectorAll("time[datetime]").forEach(local);
+      }
+    }
+  }, 150);
+}
 const list = document.querySelector("[data-events]");
 if (list) {
   const live = document.getElementById("live");
-  const status = document.querySelector("[data-refresh]");
-  let pending = null;
   const source = new EventSource(list.dataset.events);
   source.onopen = () => { live.textContent = "Live: new events appear as they happen."; };
   source.onerror = () => {
@@ -57,16 +72,7 @@ if (list) {
     kind.textContent = e.type;
     item.append(t, " ", kind, " ", summary(e.event), " (" + e.actor + ")");
     list.append(item);
-    if (status && pending === null) {
-      pending = setTimeout(async () => {
-        pending = null;
-        const answer = await fetch(status.dataset.refresh, {credentials: "same-origin"});
-        if (answer.ok) {
-          status.innerHTML = await answer.text();
-          status.querySelectorAll("time[datetime]").forEach(local);
-        }
-      }, 150);
-    }
+    refresh();
   };
 }
 """

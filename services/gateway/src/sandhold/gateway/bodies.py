@@ -18,7 +18,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain.host import ChunkCacheStats
 from sandhold.domain.views import CommandView, SandboxView, SaveView
 from sandhold.gateway.problems import FieldError, ProblemError, field_of
-from sandhold.gateway.sse import EventPage, EventRecord
+from sandhold.gateway.sse import EventPage, EventRecord, OutputChunk
 
 # Carried by the header, the token or the path; or set by services, not callers
 # (`seed`: a save staged for the new sandbox, e.g. a task's checkout, which only
@@ -55,7 +55,7 @@ class ConnectionBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     value: rq.ConnectionValue
 
 
-__all__ = ["EventPage", "EventRecord"]  # the SSE payload, documented with the bodies
+__all__ = ["EventPage", "EventRecord", "OutputChunk"]  # the SSE payload, documented with the bodies
 
 
 def request_fields(body: msgspec.Struct) -> dict[str, Any]:

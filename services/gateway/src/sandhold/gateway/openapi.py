@@ -155,6 +155,20 @@ SSE = {
     }
 }
 
+OUTPUT_SSE = {
+    "200": {
+        "description": "JSON: the output kept so far. Server-Sent Events (with `Accept: "
+        "text/event-stream`): `event: output` frames, `id:` the OUTPUT stream's sequence "
+        "(resume with Last-Event-ID), `data:` an OutputChunk (base64 bytes at an offset of "
+        "stdout or stderr); after the command ended and all it kept was sent, one "
+        "`event: end` frame whose `data:` is the CommandView; then the stream closes",
+        "content": {
+            "application/json": {"schema": _ref(b.CommandOutput)},
+            "text/event-stream": {"schema": SSE_EVENT},
+        },
+    }
+}
+
 WRITE = (400, 404, 409, 413, 415, 422, 503)  # 413: a body over 1 MB
 
 
@@ -343,10 +357,11 @@ def paths() -> dict[str, dict[str, Any]]:
         command_path + "/output": {
             "get": _op(
                 "commandOutput",
-                "A command's kept output, and whether any may be missing",
-                _json(200, b.CommandOutput, "the output"),
-                params=[SANDBOX, COMMAND],
-                problems=(404, 503),
+                "A command's kept output, and whether any may be missing; with "
+                "`Accept: text/event-stream`, the output as it comes (Server-Sent Events)",
+                OUTPUT_SSE,
+                params=[SANDBOX, COMMAND, LAST_EVENT_ID],
+                problems=(400, 404, 503),
             )
         },
         sandbox_path + "/events": {
@@ -554,6 +569,7 @@ def document() -> dict[str, Any]:
         b.HostList,
         b.EventRecord,
         b.EventPage,
+        b.OutputChunk,
     ]
     from sandhold.domain.task_manifest import TaskManifest
     from sandhold.domain.task_views import TaskView

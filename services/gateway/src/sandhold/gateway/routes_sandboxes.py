@@ -17,7 +17,7 @@ from sandhold.domain.host import Host, liveness
 from sandhold.domain.views import sandbox_view, save_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import FieldError, ProblemError
-from sandhold.gateway.sse import event_frames, event_page
+from sandhold.gateway.sse import event_frames, event_page, output_frames
 from sandhold.gateway.web import (
     COMMAND_ID,
     COMMAND_STATES,
@@ -338,9 +338,11 @@ def handlers(ctx: Context) -> list:
     @get("/api/v1/sandboxes/{sandbox_id:str}/commands/{command_id:str}/output")
     async def command_output(
         request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
-    ) -> Response:
+    ) -> Stream | Response:
         client = ctx.client(tenant_of(ctx, request))
         command = await call(client.show_command(sid(sandbox_id), cid(command_id)))
+        if wants_stream(request):
+            return output_response(ctx, request, sandbox_id, command_id)
         output = await call(client.read_output(sandbox_id, command_id))
         return json_response(_output(command, output))
 
@@ -438,6 +440,37 @@ async def event_response(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+def output_response(ctx: Context, request: Request, sandbox_id: str, command_id: str) -> Stream:
+    """A command's output as Server-Sent Events (`output_frames`): what it kept
+    so far, then live, then its end; a reconnect resumes after Last-Event-ID.
+    The caller has checked that the command is the tenant's."""
+
+    async def ended() -> b.CommandView | None:
+        rows = await ctx.read_model.query(
+            "SELECT view FROM commands WHERE sandbox_id = ? AND id = ?", (sandbox_id, command_id)
+        )
+        view = msgspec.json.decode(rows[0][0], type=b.CommandView) if rows else None
+        return view if view is not None and view.state in END_STATES else None
+
+    return Stream(
+        output_frames(
+            ctx.js,
+            ctx.names.output_stream,
+            ctx.names.output(sandbox_id, command_id) + ".*",
+            after=last_event_id(request),
+            ended=ended,
+            keepalive_s=ctx.keepalive_s,
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def wants_stream(request: Request) -> bool:
+    """`Accept: text/event-stream` (what a browser's EventSource sends)."""
+    return "text/event-stream" in request.headers.get("accept", "").lower()
 
 
 def _wants_json(request: Request) -> bool:

@@ -12,11 +12,15 @@ memory.
 
 from __future__ import annotations
 
+import base64
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from nats.js import JetStreamContext
+from sandhold.bus.append import last_sequence
+from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.follow import pull_batches
 from sandhold.bus.records import EventRecord, record_of
 
@@ -28,6 +32,7 @@ BATCH_BYTES = 256 * 1024  # ...and about this many bytes: big events come fewer 
 
 _encoder = msgspec.json.Encoder()
 
+OUTPUT_CHECK_S = 1.0  # how often a live output stream asks whether its command ended
 PAGE_BATCH = 16  # events per JSON page at most (a page is one NATS reply: ≤ 1 MB)
 
 
@@ -99,3 +104,63 @@ async def event_page(
         except msgspec.DecodeError:
             log.error("undecodable event at %s seq %d: skipped", msg.subject, seq)
     return EventPage(events=records, last_event_id=batch[-1][0] if batch else after)
+
+
+class OutputChunk(msgspec.Struct, kw_only=True):
+    """One piece of a command's output as an SSE `output` frame: `data` is
+    base64 (a chunk may end inside a UTF-8 character); `offset` is where it
+    starts in its stream's bytes, so a client can tell a gap from a repeat."""
+
+    stream: str
+    offset: int
+    data: str
+
+
+async def output_frames(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    after: int,
+    ended: Callable[[], Awaitable[object | None]],
+    keepalive_s: float,
+    retry_ms: int = 1000,
+) -> AsyncIterator[bytes]:
+    """SSE frames for a command's output chunks after OUTPUT sequence `after`,
+    live, then one `end` frame (the command as `ended()` returns it) once it
+    has ended and every chunk it kept was sent; the stream then closes.
+
+    The host-agent stores every chunk before it reports the end, so once
+    `ended()` answers, the chunks still to send are those up to the subject's
+    last sequence now."""
+    yield f"retry: {retry_ms}\n: resuming after {after}\n\n".encode()
+    batches = pull_batches(
+        js, stream, subject, after=after, batch=BATCH, batch_bytes=BATCH_BYTES,
+        idle_s=min(keepalive_s, OUTPUT_CHECK_S), what="an output stream",
+    )  # fmt: skip
+    position, last_check, final, end_seq = after, 0.0, None, 0
+    try:
+        async for batch in batches:
+            if not batch:
+                yield b": keep-alive\n\n"
+            for seq, msg in batch:
+                position = seq
+                headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
+                chunk = OutputChunk(
+                    stream=headers[STREAM_HEADER],
+                    offset=int(headers[OFFSET_HEADER]),
+                    data=base64.b64encode(msg.data).decode(),
+                )
+                yield (
+                    f"id: {seq}\nevent: output\ndata: ".encode() + _encoder.encode(chunk) + b"\n\n"
+                )
+            if final is None and time.monotonic() - last_check >= OUTPUT_CHECK_S:
+                last_check = time.monotonic()
+                final = await ended()
+                if final is not None:
+                    end_seq = await last_sequence(js, stream, subject)
+            if final is not None and position >= end_seq:
+                yield b"event: end\ndata: " + _encoder.encode(final) + b"\n\n"
+                return
+    finally:
+        await batches.aclose()

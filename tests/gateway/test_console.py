@@ -33,7 +33,7 @@ async def _signed_in(gw: Gw, token: str) -> tuple[httpx.AsyncClient, str]:
     assert signed.headers["location"] == "/sandboxes"
     listing = await browser.get("/sandboxes")
     assert listing.status_code == 200, listing.text
-    (session_csrf,) = _CSRF.findall(listing.text)  # the sign-out form's
+    (session_csrf,) = set(_CSRF.findall(listing.text))  # one per session, in every form
     return browser, session_csrf
 
 

@@ -17,6 +17,15 @@ dt { font-weight: 600; }
 td, dd, li { overflow-wrap: anywhere; }
 a:focus, button:focus, input:focus, select:focus { outline: 3px solid #48f; }
 @media (max-width: 40rem) { .wide { display: none; } }
+.action { display: inline-flex; gap: .4rem; align-items: center; flex-wrap: wrap;
+          margin: 0 1.2rem .6rem 0; }
+.notice { border-left: 4px solid #48f; padding: .3rem .8rem; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; border: 1px solid var(--line);
+      padding: .6rem; min-height: 3rem; max-height: 60vh; overflow: auto; }
+.stderr { color: #c33; text-decoration: underline dotted; }
+.chart { margin: 0 0 .6rem; }
+.chart svg { max-width: 100%; height: auto; }
+figcaption { font-size: .85rem; color: var(--muted); }
 .skip { position: absolute; left: -999rem; }
 .skip:focus { left: 1rem; top: .5rem; background: Canvas; padding: .3rem .6rem; }
 """
@@ -74,5 +83,59 @@ if (list) {
     list.append(item);
     refresh();
   };
+}
+// A command's output: each stream's bytes decoded as they come, placed by their
+// offset, so a reconnect (which resumes after its Last-Event-ID) can neither
+// repeat nor skip a line; bytes the log did not keep are shown as a gap.
+const out = document.querySelector("[data-output]");
+if (out) {
+  const live = document.getElementById("output-live");
+  const decoders = {stdout: new TextDecoder(), stderr: new TextDecoder()};
+  const next = {stdout: 0, stderr: 0};
+  let ended = false;
+  const show = (stream, text) => {
+    if (!text) return;
+    if (stream === "stderr") {
+      const span = document.createElement("span");
+      span.className = "stderr";
+      span.textContent = text;
+      out.append(span);
+    } else {
+      out.append(document.createTextNode(text));
+    }
+  };
+  const source = new EventSource(out.dataset.output);
+  source.onopen = () => { live.textContent = "Live: output appears as the command writes it."; };
+  source.onerror = () => {
+    if (ended) return;
+    live.textContent = "Connection lost: reconnecting; the output resumes where it stopped.";
+  };
+  source.addEventListener("output", (message) => {
+    const chunk = JSON.parse(message.data);
+    const raw = atob(chunk.data);
+    const bytes = new Uint8Array(raw.length);
+    for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+    const have = next[chunk.stream];
+    if (chunk.offset + bytes.length <= have) return;
+    let part = bytes;
+    if (chunk.offset > have) {
+      show(chunk.stream, "[" + (chunk.offset - have) + " bytes not kept]\n");
+    } else {
+      part = bytes.subarray(have - chunk.offset);
+    }
+    next[chunk.stream] = chunk.offset + bytes.length;
+    show(chunk.stream, decoders[chunk.stream].decode(part, {stream: true}));
+  });
+  source.addEventListener("end", (message) => {
+    ended = true;
+    source.close();
+    for (const stream of ["stdout", "stderr"]) show(stream, decoders[stream].decode());
+    const c = JSON.parse(message.data);
+    const how = c.exit_code === null || c.exit_code === undefined
+      ? "" : ", exit code " + c.exit_code;
+    live.textContent = "Ended: " + c.state + how + ".";
+    out.dataset.ended = c.state;
+    refresh();
+  });
 }
 """

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from typing import Any
 
+import msgspec
 from litestar import Request, Response, get
 from litestar.params import FromPath
 from litestar.response import Stream
-from sandhold.domain.views import sandbox_view
+from sandhold.domain import asof
+from sandhold.domain import sandbox as sb
+from sandhold.domain.envelope import Recorded
+from sandhold.domain.fold import fold
+from sandhold.domain.views import CommandView, SaveView, command_view, sandbox_view
+from sandhold.gateway.console.actions import (
+    ACTIONS,
+    action_form,
+    exec_fields,
+    new_key,
+    snapshot_fields,
+)
 from sandhold.gateway.console.html import (
     choices,
+    csrf_field,
     error,
     esc,
     facts,
@@ -21,10 +35,16 @@ from sandhold.gateway.console.html import (
     when,
 )
 from sandhold.gateway.console.kit import Console
+from sandhold.gateway.console.saves import saves_timeline
 from sandhold.gateway.console.sessions import Session
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.routes_sandboxes import event_response, last_event_id, owned
-from sandhold.gateway.web import PHASES, SANDBOX_ID, call, fresh
+from sandhold.gateway.routes_sandboxes import (
+    event_response,
+    last_event_id,
+    output_response,
+    owned,
+)
+from sandhold.gateway.web import COMMAND_ID, PHASES, SANDBOX_ID, call, fresh
 
 LIST_LIMIT = 500
 
@@ -54,7 +74,12 @@ def handlers(console: Console) -> list:
         rows = await ctx.read_model.query(sql, tuple(params))
         now = time.time()
         views = [sandbox_view(_decode_sandbox(r[0]), now=now) for r in rows]
-        return page("Sandboxes", _filter(phase) + _sandbox_table(views), session)
+        create = (
+            '<form method="post" action="/sandboxes" class="action">'
+            f'{csrf_field(session)}<input type="hidden" name="key" value="{new_key()}">'
+            '<button type="submit">Create a sandbox</button></form>'
+        )
+        return page("Sandboxes", create + _filter(phase) + _sandbox_table(views), session)
 
     async def signed_in_sandbox(
         request: Request, sandbox_id: str
@@ -79,16 +104,59 @@ def handlers(console: Console) -> list:
         if isinstance(found, Response):
             return found
         session, view = found
+        at = request.query_params.get("at")
+        if at is not None:
+            return await _as_of(session, view.id, at)
         here = f"/sandboxes/{view.id}"
         body = (
+            f"{_actions(session, view)}"
             '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
             f'<div id="status" data-refresh="{here}/status">{_sandbox_status(view)}</div>'
             "</section>"
+            '<section aria-labelledby="commands-h"><h2 id="commands-h">Commands</h2>'
+            f'<div id="commands" data-refresh="{here}/commands">'
+            f"{await _commands_table(view.id)}</div></section>"
+            '<section aria-labelledby="saves-h"><h2 id="saves-h">Saves</h2>'
+            f'<div id="saves" data-refresh="{here}/saves">{await _saves_timeline(view)}</div>'
+            "</section>"
             '<section aria-labelledby="events-h"><h2 id="events-h">Events</h2>'
+            f"{_history_form(here)}"
             '<p id="live" class="muted" role="status">Loading the history…</p>'
             f'<ol id="events" data-events="{here}/events"></ol></section>'
         )
         return page(f"Sandbox {view.id}", body, session)
+
+    async def _as_of(session: Session, sandbox_id: str, at: str) -> Response:
+        """The sandbox as `sandhold replay --at` shows it: folded from its events up
+        to a point, with those events."""
+        here = f"/sandboxes/{sandbox_id}"
+        try:
+            seq, moment = asof.parse_point(at)
+        except ValueError as err:
+            body = error(f"“at” takes {err}.") + _history_form(here)
+            return page(f"Sandbox {sandbox_id}", body, session, status=400)
+        records = asof.until(
+            await ctx.client(session.tenant).sandbox_records(sandbox_id), seq, moment
+        )
+        state = fold(sb.evolve, (r.envelope for r in records), None)
+        if state is None:
+            body = error(f"{sandbox_id} did not exist yet at {at}.") + _history_form(here, at)
+            return page(f"Sandbox {sandbox_id}", body, session, status=404)
+        last = records[-1]
+        view = sandbox_view(state, now=moment if moment is not None else last.envelope.time)
+        commands = [command_view(sandbox_id, c, state) for c in state.commands.values()]
+        body = (
+            f'<p role="status" class="notice">As of event {last.seq} ({when(last.envelope.time)}):'
+            f' what sandhold knew then. <a href="{here}">Back to now</a></p>'
+            f"{_history_form(here, at)}"
+            f'<section aria-labelledby="status-h"><h2 id="status-h">Status then</h2>'
+            f"{_sandbox_status(view)}</section>"
+            '<section aria-labelledby="commands-h"><h2 id="commands-h">Commands then</h2>'
+            f"{_command_rows(sorted(commands, key=lambda c: -c.queued_at))}</section>"
+            '<section aria-labelledby="events-h"><h2 id="events-h">Events up to then</h2>'
+            f'<ol id="events">{"".join(event_item(r) for r in records)}</ol></section>'
+        )
+        return page(f"Sandbox {sandbox_id}", body, session)
 
     @get("/sandboxes/{sandbox_id:str}/status", include_in_schema=False)
     async def sandbox_status(request: Request, sandbox_id: FromPath[str]) -> Response:
@@ -112,7 +180,193 @@ def handlers(console: Console) -> list:
         subject = ctx.names.events("sandbox", sandbox_id)
         return await event_response(ctx, request, subject, last_event_id(request), 0, named=False)
 
-    return [sandboxes_page, sandbox_page, sandbox_status, sandbox_events]
+    async def owned_row(request: Request, sandbox_id: str) -> tuple[Session, Any] | Response:
+        """For fragments: the session and the read model's sandbox (this tenant's only)."""
+        session = console.signed_in(request)
+        if isinstance(session, Response):
+            return session
+        rows = await ctx.read_model.query(
+            "SELECT state FROM sandboxes WHERE id = ? AND tenant = ?", (sandbox_id, session.tenant)
+        )
+        if not rows:
+            return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
+        return session, sandbox_view(_decode_sandbox(rows[0][0]), now=time.time())
+
+    @get("/sandboxes/{sandbox_id:str}/commands", include_in_schema=False)
+    async def commands_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
+        found = await owned_row(request, sandbox_id)
+        if isinstance(found, Response):
+            return found
+        return fragment(await _commands_table(found[1].id))
+
+    @get("/sandboxes/{sandbox_id:str}/saves", include_in_schema=False)
+    async def saves_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
+        found = await owned_row(request, sandbox_id)
+        if isinstance(found, Response):
+            return found
+        return fragment(await _saves_timeline(found[1]))
+
+    async def signed_in_command(
+        request: Request, sandbox_id: str, command_id: str
+    ) -> tuple[Session, CommandView] | Response:
+        session = console.signed_in(request)
+        if isinstance(session, Response):
+            return session
+        try:
+            if not (SANDBOX_ID.match(sandbox_id) and COMMAND_ID.match(command_id)):
+                raise ProblemError("command_not_found", f"no command {command_id}")
+            client = ctx.client(session.tenant)
+            return session, await call(client.show_command(sandbox_id, command_id))
+        except ProblemError as err:
+            if err.code not in ("sandbox_not_found", "command_not_found"):
+                raise
+            return page("Not found", error(f"No command {command_id}."), session, status=404)
+
+    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}", include_in_schema=False)
+    async def command_page(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Response:
+        found = await signed_in_command(request, sandbox_id, command_id)
+        if isinstance(found, Response):
+            return found
+        session, command = found
+        here = f"/sandboxes/{command.sandbox_id}/commands/{command.id}"
+        body = (
+            f'<p><a href="/sandboxes/{esc(command.sandbox_id)}">Sandbox '
+            f"{esc(command.sandbox_id)}</a></p>"
+            '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
+            f'<div id="status" data-refresh="{here}/status">{_command_status(command)}</div>'
+            "</section>"
+            '<section aria-labelledby="output-h"><h2 id="output-h">Output</h2>'
+            '<p id="output-live" class="muted" role="status">Loading the output…</p>'
+            f'<pre id="output" data-output="{here}/output" tabindex="0" '
+            'aria-label="the command\'s output; standard error is marked"></pre></section>'
+        )
+        return page(f"Command {command.id}", body, session)
+
+    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}/status", include_in_schema=False)
+    async def command_status(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Response:
+        found = await signed_in_command(request, sandbox_id, command_id)
+        if isinstance(found, Response):
+            return found
+        return fragment(_command_status(found[1]))
+
+    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}/output", include_in_schema=False)
+    async def command_output(
+        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
+    ) -> Stream | Response:
+        """The output as the page's EventSource takes it (`output_response`)."""
+        found = await signed_in_command(request, sandbox_id, command_id)
+        if isinstance(found, Response):
+            return found
+        return output_response(ctx, request, sandbox_id, command_id)
+
+    async def _commands_table(sandbox_id: str) -> str:
+        rows = await ctx.read_model.query(
+            "SELECT view FROM commands WHERE sandbox_id = ? ORDER BY queued_at DESC, id LIMIT ?",
+            (sandbox_id, LIST_LIMIT),
+        )
+        return _command_rows([_command_decoder.decode(r[0]) for r in rows])
+
+    async def _saves_timeline(view: Any) -> str:
+        rows = await ctx.read_model.query(
+            "SELECT view FROM saves WHERE sandbox_id = ? ORDER BY requested_at, id", (view.id,)
+        )
+        return saves_timeline(view, [_save_decoder.decode(r[0]) for r in rows], time.time())
+
+    return [
+        sandboxes_page,
+        sandbox_page,
+        sandbox_status,
+        sandbox_events,
+        commands_fragment,
+        saves_fragment,
+        command_page,
+        command_status,
+        command_output,
+    ]
+
+
+_command_decoder = msgspec.json.Decoder(CommandView)
+_save_decoder = msgspec.json.Decoder(SaveView)
+
+
+def _actions(session: Session, view: Any) -> str:
+    if view.phase == "deleted":
+        return ""
+    forms = [action_form(session, view.id, "exec", exec_fields())]
+    for action, fields in (("snapshot", snapshot_fields()), ("stop", ""), ("start", "")):
+        if view.phase in ACTIONS[action].shows_in:
+            forms.append(action_form(session, view.id, action, fields))
+    return (
+        '<section aria-labelledby="act-h"><h2 id="act-h">Do</h2>'
+        f'{"".join(forms)}<p class="muted">Each asks you to confirm first.</p></section>'
+    )
+
+
+def _history_form(here: str, at: str = "") -> str:
+    return (
+        f'<form method="get" action="{esc(here)}"><label for="at">Show as of</label> '
+        f'<input id="at" name="at" value="{esc(at)}" size="24" '
+        'placeholder="event number or 2026-12-03T12:00:00Z" required> '
+        '<button type="submit">Show</button></form>'
+    )
+
+
+def event_item(record: Recorded) -> str:
+    """One event as the history shows it: when, what, with its fields, and who."""
+    e = record.envelope
+    fields = msgspec.to_builtins(e.event)
+    summary = " ".join(
+        f"{k}={str(v)[:80]}"
+        for k, v in fields.items()
+        if k != "type" and v is not None and not isinstance(v, dict | list)
+    )
+    return (
+        f'<li id="ev-{record.seq}">{when(e.time)} <strong>{esc(fields.get("type", ""))}</strong> '
+        f"{esc(summary)} ({esc(e.actor)})</li>"
+    )
+
+
+def _ended_how(c: CommandView) -> str:
+    if c.exit_code is not None:
+        how = f"exit code {c.exit_code}"
+    elif c.signal is not None:
+        how = f"signal {c.signal}"
+    else:
+        how = ""
+    return state_and_reason(c.state, ", ".join(x for x in (how, c.reason) if x))
+
+
+def _command_rows(commands: list[CommandView]) -> str:
+    rows = [
+        [
+            f'<a href="/sandboxes/{esc(c.sandbox_id)}/commands/{esc(c.id)}">{esc(c.id)}</a>',
+            f"<code>{esc(shlex.join(c.argv))[:200]}</code>",
+            _ended_how(c),
+            when(c.queued_at),
+            when(c.ended_at),
+        ]
+        for c in commands
+    ]
+    head = ["Command", "Argv", "State", "Queued", "Ended"]
+    return table(head, rows, "No commands yet.", wide=frozenset({3, 4}))
+
+
+def _command_status(c: CommandView) -> str:
+    kept = ", ".join(f"{esc(k)} {n} bytes" for k, n in sorted(c.output_kept.items()))
+    return facts(
+        [
+            ("Argv", f"<code>{esc(shlex.join(c.argv))}</code>"),
+            ("State", _ended_how(c)),
+            ("Host", esc(c.host or "—")),
+            ("Queued", when(c.queued_at)),
+            ("Ended", when(c.ended_at)),
+            ("Output kept", (kept or "none") + ("" if c.output_complete else " (incomplete)")),
+        ]
+    )
 
 
 def _decode_sandbox(state: bytes):

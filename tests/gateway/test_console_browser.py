@@ -12,7 +12,9 @@ missing browser fails these tests instead of skipping them).
 from __future__ import annotations
 
 import os
+import signal
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,3 +192,107 @@ async def test_another_tenants_sandbox_page_is_not_found(
     assert browser.title.startswith("Not found")
     assert "running" not in browser.find_element(By.TAG_NAME, "main").text
     _shot(browser, "not-found")
+
+
+def _wait(driver: webdriver.Chrome, check, what: str, timeout: float = WAIT_S):
+    """WebDriverWait, failing with what was awaited and the browser's console."""
+    try:
+        return WebDriverWait(driver, timeout).until(check)
+    except Exception:
+        raise AssertionError(
+            f"not within {timeout}s: {what}; at {driver.current_url}; "
+            f"console: {driver.get_log('browser')}"
+        ) from None
+
+
+def _confirm(driver: webdriver.Chrome) -> None:
+    _wait(driver, lambda d: d.title.startswith("Confirm"), "the confirmation page")
+    _shot(driver, "confirm")
+    driver.find_element(By.CSS_SELECTOR, "main form button[type=submit]").click()
+
+
+async def test_create_a_sandbox_and_run_a_command_from_the_pages(
+    gw: Gw, acme: httpx.AsyncClient, browser: webdriver.Chrome
+) -> None:
+    _sign_in(browser, gw, "acme")
+    browser.find_element(By.XPATH, "//button[text()='Create a sandbox']").click()
+    _wait(browser, lambda d: "/sandboxes/sb-" in d.current_url, "the new sandbox's page")
+    sandbox_id = browser.current_url.rsplit("/", 1)[1]
+    status = browser.find_element(By.ID, "status")
+    # Placed and started while the page is open: the status follows without a reload.
+    _wait(browser, lambda d: "running" in status.text, "the sandbox running")
+    if not browser.find_elements(By.ID, "line"):  # drawn while it was still pending
+        browser.refresh()
+    browser.find_element(By.ID, "line").send_keys("echo made by the console; exit 7")
+    browser.find_element(By.XPATH, "//button[text()='Run']").click()
+    _confirm(browser)
+    _wait(browser, lambda d: "/commands/cmd-" in d.current_url, "the command's page")
+    live = browser.find_element(By.ID, "output-live")
+    _wait(browser, lambda d: live.text.startswith("Ended"), "the command's end")
+    assert live.text == "Ended: exited, exit code 7."
+    assert browser.find_element(By.ID, "output").text == "made by the console"
+    _wait(browser, lambda d: "exit code 7" in d.find_element(By.ID, "status").text, "status")
+    _shot(browser, "command")
+    commands = (await acme.get(f"/api/v1/sandboxes/{sandbox_id}/commands")).json()["items"]
+    assert [c["exit_code"] for c in commands] == [7]  # one click, one run
+
+    listed = (await acme.get("/api/v1/sandboxes", params={"phase": "running"})).json()["items"]
+    browser.get(f"{gw.url}/hosts")
+    mine = sum(1 for s in listed if s["host"] == "local")
+    assert f"{mine} of" in browser.find_element(By.TAG_NAME, "table").text
+    _shot(browser, "hosts")
+
+
+async def test_output_resumes_without_gap_or_repeat_after_the_gateway_is_killed(
+    gw: Gw, acme: httpx.AsyncClient, browser: webdriver.Chrome
+) -> None:
+    sandbox_id = await running_sandbox(acme)
+    lines = 150
+    ran = await acme.post(
+        f"/api/v1/sandboxes/{sandbox_id}/commands",
+        json={"argv": ["sh", "-c", f"for i in $(seq 1 {lines}); do echo line $i; sleep 0.1; done"]},
+        headers={"Idempotency-Key": "console-browser-kill"},
+    )
+    assert ran.status_code == 202, ran.text
+    _sign_in(browser, gw, "acme")
+    browser.get(f"{gw.url}/sandboxes/{sandbox_id}/commands/{ran.json()['id']}")
+    output = browser.find_element(By.ID, "output")
+    _wait(browser, lambda d: output.text.count("\n") >= 10, "some output")
+    browser.execute_script("window.sandholdMark = 'not reloaded';")
+
+    old = gw.up.service_pid("gateway")
+    os.kill(old, signal.SIGKILL)  # `sandhold up` starts it again
+    live = browser.find_element(By.ID, "output-live")
+    _wait(browser, lambda d: live.text.startswith("Ended"), "the end, through the restart")
+    assert gw.up.service_pid("gateway") != old
+    assert browser.execute_script("return window.sandholdMark") == "not reloaded"
+    assert output.text.split("\n") == [f"line {i}" for i in range(1, lines + 1)]
+    assert live.text == "Ended: exited, exit code 0."
+
+
+async def test_a_form_without_its_csrf_token_is_refused_in_the_browser(
+    gw: Gw, acme: httpx.AsyncClient, browser: webdriver.Chrome
+) -> None:
+    sandbox_id = await running_sandbox(acme)
+    _sign_in(browser, gw, "acme")
+    browser.get(f"{gw.url}/sandboxes/{sandbox_id}")
+    _wait(browser, lambda d: d.find_element(By.ID, "live").text.startswith("Live"), "live")
+    _shot(browser, "sandbox-actions")
+    form = browser.find_element(By.CSS_SELECTOR, f"form[action='/sandboxes/{sandbox_id}/stop']")
+    browser.execute_script("arguments[0].querySelector('[name=csrf]').remove();", form)
+    form.find_element(By.TAG_NAME, "button").click()
+    _wait(browser, lambda d: d.title.startswith("Refused"), "the refusal")
+    assert "Nothing was done" in browser.find_element(By.TAG_NAME, "main").text
+    _shot(browser, "refused")
+    shown = await acme.get(f"/api/v1/sandboxes/{sandbox_id}")
+    assert shown.json()["phase"] == "running"
+
+    # The history: the sandbox as of its start, from the page's own form.
+    browser.get(f"{gw.url}/sandboxes/{sandbox_id}")
+    browser.find_element(By.ID, "at").send_keys(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    browser.find_element(By.XPATH, "//button[text()='Show']").click()
+    _wait(browser, lambda d: "at=" in d.current_url, "the history view")
+    notice = browser.find_element(By.CSS_SELECTOR, "main [role=status]").text
+    assert notice.startswith("As of event"), notice
+    assert "running" in browser.find_element(By.TAG_NAME, "dl").text
+    _shot(browser, "history")

@@ -119,7 +119,7 @@ if (out) {
     if (chunk.offset + bytes.length <= have) return;
     let part = bytes;
     if (chunk.offset > have) {
-      show(chunk.stream, "[" + (chunk.offset - have) + " bytes not kept]\n");
+      show(chunk.stream, "[" + (chunk.offset - have) + " bytes not kept]\\n");
     } else {
       part = bytes.subarray(have - chunk.offset);
     }

@@ -5,8 +5,10 @@ is signed out, when its token is revoked or when its cookie is tampered with."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
+import time
 
 import httpx
 from sandhold.gateway import tokens
@@ -171,15 +173,22 @@ async def test_the_tasks_and_hosts_pages_show_this_tenants_part(
         tasks = await browser.get("/tasks")
         assert tasks.status_code == 200 and task_id in tasks.text and "console-task" in tasks.text
         assert (await browser.get("/tasks", params={"state": "nonsense"})).status_code == 400
-        listed = (await acme.get("/api/v1/sandboxes", params={"limit": 500})).json()["items"]
-        gone = ("stopped", "deleted", "failed")
-        on_local = [v["id"] for v in listed if v["host"] == "local" and v["phase"] not in gone]
-        assert mine in on_local
-        hosts = await browser.get("/hosts")
-        assert hosts.status_code == 200
-        row = re.search(r"<td>local</td><td>live</td>.*?</tr>", hosts.text)
-        assert row is not None, hosts.text
-        assert f"<td>{len(on_local)} of " in row.group(0)
+        # The page and the API agree (the task's own sandbox may still be moving:
+        # compared again until both are read with nothing changing in between).
+        deadline = time.monotonic() + 60
+        while True:
+            listed = (await acme.get("/api/v1/sandboxes", params={"limit": 500})).json()["items"]
+            gone = ("stopped", "deleted", "failed")
+            on_local = [v["id"] for v in listed if v["host"] == "local" and v["phase"] not in gone]
+            assert mine in on_local
+            hosts = await browser.get("/hosts")
+            assert hosts.status_code == 200
+            row = re.search(r"<td>local</td><td>live</td>.*?</tr>", hosts.text)
+            assert row is not None, hosts.text
+            if f"<td>{len(on_local)} of " in row.group(0):
+                break
+            assert time.monotonic() < deadline, (on_local, row.group(0))
+            await asyncio.sleep(0.2)
 
     other, _ = await _signed_in(gw, gw.tokens["globex"])
     async with contextlib.aclosing(other):

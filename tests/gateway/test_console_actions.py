@@ -208,3 +208,34 @@ async def test_a_sandbox_as_of_a_point_in_its_history(gw: Gw, acme: httpx.AsyncC
         assert before.status_code == 404 and "did not exist yet" in before.text
         bad = await browser.get(here, params={"at": "yesterday"})
         assert bad.status_code == 400 and "ISO time" in bad.text
+
+
+async def test_the_list_changes_stream_names_only_the_tenants_own_sandboxes(
+    gw: Gw, acme: httpx.AsyncClient, globex: httpx.AsyncClient
+) -> None:
+    browser, _ = await _signed_in(gw, gw.tokens["acme"])
+    seen: list[str] = []
+    async with contextlib.aclosing(browser):
+        assert (await browser.get("/changes/nothing")).status_code == 404
+        async with browser.stream(
+            "GET", "/changes/sandbox", timeout=httpx.Timeout(60, connect=10)
+        ) as stream:
+            assert stream.status_code == 200
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            lines = stream.aiter_lines()
+            assert await anext(lines) == "retry: 1000"  # the stream is following now
+            theirs = (await globex.post("/api/v1/sandboxes")).json()["id"]
+            mine = (await acme.post("/api/v1/sandboxes")).json()["id"]
+            async for line in lines:
+                if line.startswith("data:"):
+                    seen.append(line[5:].strip())
+                    if seen[-1] == mine:
+                        break
+    assert theirs not in seen and set(seen) == {mine}, seen
+    # The list's table alone, as the page fetches it again.
+    listing = await acme.get("/api/v1/sandboxes")
+    assert listing.status_code == 200
+    browser, _ = await _signed_in(gw, gw.tokens["acme"])
+    async with contextlib.aclosing(browser):
+        table = await browser.get("/sandboxes", params={"part": "table"})
+        assert table.text.startswith("<table>") and mine in table.text and theirs not in table.text

@@ -142,11 +142,18 @@ def _sign_in(driver: webdriver.Chrome, gw: Gw, tenant: str) -> None:
 async def test_a_command_run_elsewhere_shows_up_on_the_open_sandbox_page(
     gw: Gw, acme: httpx.AsyncClient, browser: webdriver.Chrome
 ) -> None:
-    sandbox_id = await running_sandbox(acme)
     _sign_in(browser, gw, "acme")
-    link = browser.find_element(By.LINK_TEXT, sandbox_id)
+    _wait(browser, lambda d: d.find_element(By.ID, "live").text.startswith("Live"), "list live")
+    # Made while the list is open: it appears without a reload.
+    sandbox_id = await running_sandbox(acme)
+    _wait(browser, lambda d: d.find_elements(By.LINK_TEXT, sandbox_id), "the new row")
     _shot(browser, "sandboxes")
-    link.click()
+    # Clicked in the page's own script: the live table may be redrawn between a
+    # lookup here and a click sent from here.
+    browser.execute_script(
+        "document.querySelector(`a[href='/sandboxes/${arguments[0]}']`).click()", sandbox_id
+    )
+    _wait(browser, lambda d: d.current_url.endswith(sandbox_id), "the sandbox's page")
     try:
         WebDriverWait(browser, WAIT_S).until(
             lambda d: d.find_element(By.ID, "live").text.startswith("Live")

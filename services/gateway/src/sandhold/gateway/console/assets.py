@@ -84,6 +84,18 @@ if (list) {
     refresh();
   };
 }
+// A list: fetched again when one of its rows changed.
+const changes = document.querySelector("[data-changes]");
+if (changes) {
+  const live = document.getElementById("live");
+  const source = new EventSource(changes.dataset.changes);
+  source.onopen = () => {
+    live.textContent = "Live: the list follows changes as they happen.";
+    refresh();  // what changed while the connection was away
+  };
+  source.onerror = () => { live.textContent = "Connection lost: reconnecting."; };
+  source.onmessage = () => refresh();
+}
 // A command's output: each stream's bytes decoded as they come, placed by their
 // offset, so a reconnect (which resumes after its Last-Event-ID) can neither
 // repeat nor skip a line; bytes the log did not keep are shown as a gap.

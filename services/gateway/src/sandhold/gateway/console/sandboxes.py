@@ -61,9 +61,27 @@ def handlers(console: Console) -> list:
         if phase is not None and phase not in PHASES:
             body = error(f"No phase “{phase}”.") + _filter(None)
             return page("Sandboxes", body, session, status=400)
+        table_ = await _sandbox_list(session.tenant, phase)
+        if request.query_params.get("part") == "table":
+            return fragment(table_)
+        create = (
+            '<form method="post" action="/sandboxes" class="action">'
+            f'{csrf_field(session)}<input type="hidden" name="key" value="{new_key()}">'
+            '<button type="submit">Create a sandbox</button></form>'
+        )
+        here = "/sandboxes?part=table" + (f"&phase={phase}" if phase else "")
+        body = (
+            f"{create}{_filter(phase)}"
+            '<p id="live" class="muted" role="status">Connecting…</p>'
+            f'<div id="list" data-refresh="{esc(here)}" data-changes="/changes/sandbox">'
+            f"{table_}</div>"
+        )
+        return page("Sandboxes", body, session)
+
+    async def _sandbox_list(tenant: str, phase: str | None) -> str:
         await fresh(ctx)
         sql = "SELECT state FROM sandboxes WHERE tenant = ?"
-        params: list = [session.tenant]
+        params: list = [tenant]
         if phase is not None:
             sql += " AND phase = ?"
             params.append(phase)
@@ -74,12 +92,16 @@ def handlers(console: Console) -> list:
         rows = await ctx.read_model.query(sql, tuple(params))
         now = time.time()
         views = [sandbox_view(_decode_sandbox(r[0]), now=now) for r in rows]
-        create = (
-            '<form method="post" action="/sandboxes" class="action">'
-            f'{csrf_field(session)}<input type="hidden" name="key" value="{new_key()}">'
-            '<button type="submit">Create a sandbox</button></form>'
-        )
-        return page("Sandboxes", create + _filter(phase) + _sandbox_table(views), session)
+        if views:  # commands are rows of their own: counted there, as the API does
+            by_id = {view.id: view for view in views}
+            counts = await ctx.read_model.query(
+                "SELECT sandbox_id, state, count(*) FROM commands "
+                f"WHERE sandbox_id IN ({', '.join('?' * len(views))}) GROUP BY sandbox_id, state",
+                tuple(by_id),
+            )
+            for sandbox, state, n in counts:
+                by_id[sandbox].commands[state] = n
+        return _sandbox_table(views)
 
     async def signed_in_sandbox(
         request: Request, sandbox_id: str
@@ -387,6 +409,18 @@ def _commands(counts: dict[str, int]) -> str:
     return ", ".join(f"{esc(state)} {n}" for state, n in sorted(counts.items()))
 
 
+def _isolation(v) -> str:
+    iso = v.isolation
+    if not iso.get("driver"):
+        return esc(f"network {iso.get('network', '—')}")
+    walls = "unisolated (development driver)" if iso.get("unisolated") else str(iso["driver"])
+    return esc(f"{walls}, network {iso.get('network', '—')}")
+
+
+def _rpo(v) -> str:
+    return "—" if v.rpo_s is None else f"{v.rpo_s:.0f} s"
+
+
 def _sandbox_table(views: list) -> str:
     rows = []
     for v in views:
@@ -397,13 +431,18 @@ def _sandbox_table(views: list) -> str:
                 state_and_reason(v.phase, v.reason),
                 esc(v.host or "—"),
                 esc(v.generation),
+                _isolation(v),
                 _health(v.save_health),
+                _rpo(v),
                 when(last.completed_at if last else None),
                 _commands(v.commands) or "—",
             ]
         )
-    head = ["Sandbox", "Phase", "Host", "Generation", "Save health", "Last save", "Commands"]
-    return table(head, rows, "No sandboxes.", wide=frozenset({3, 5, 6}))
+    head = [
+        "Sandbox", "Phase", "Host", "Generation", "Isolation", "Save health", "RPO",
+        "Last save", "Commands",
+    ]  # fmt: skip
+    return table(head, rows, "No sandboxes.", wide=frozenset({3, 4, 6, 7, 8}))
 
 
 def _sandbox_status(v) -> str:
@@ -416,7 +455,8 @@ def _sandbox_status(v) -> str:
             ("Created", when(v.created_at)),
             ("Save health", _health(v.save_health)),
             ("Last completed save", esc(last.id) + " " + when(last.completed_at) if last else "—"),
-            ("RPO", f"{v.rpo_s:.0f} s" if v.rpo_s is not None else "—"),
+            ("Isolation", _isolation(v)),
+            ("RPO", _rpo(v)),
             ("Recoverable from", esc(v.recoverable_from or "—")),
             ("Commands", _commands(v.commands) or "none"),
         ]

@@ -61,6 +61,9 @@ function refresh() {
     }
   }, 150);
 }
+for (const block of document.querySelectorAll("[data-every]")) {
+  setInterval(refresh, Number(block.dataset.every) * 1000);
+}
 const list = document.querySelector("[data-events]");
 if (list) {
   const live = document.getElementById("live");

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from litestar import Request, Response, get
-from sandhold.gateway.console.html import esc, page, table, when
+from sandhold.gateway.console.html import esc, fragment, page, table, when
 from sandhold.gateway.console.kit import Console
 from sandhold.gateway.routes_sandboxes import host_views
+
+REFRESH_S = 5
 
 
 def handlers(console: Console) -> list:
@@ -25,9 +27,26 @@ def handlers(console: Console) -> list:
                 (session.tenant,),
             )
         )
-        return page("Hosts", _host_table(hosts, counts), session)
+        table_ = _host_table(hosts, counts)
+        if request.query_params.get("part") == "table":
+            return fragment(table_)
+        # Leases are renewed, not logged: the table is fetched again every few seconds.
+        body = (
+            f'<div id="hosts" data-refresh="/hosts?part=table" data-every="{REFRESH_S}">'
+            f"{table_}</div>"
+            '<p class="muted">Status: live, suspect or down from the lease\'s age; lost or '
+            "fenced as recovery declared it. Refreshed every few seconds.</p>"
+        )
+        return page("Hosts", body, session)
 
     return [hosts_page]
+
+
+def _cache(c) -> str:
+    if c is None:
+        return "none"
+    ratio = "—" if c.hit_ratio is None else f"{c.hit_ratio:.0%} hits"
+    return esc(f"{c.bytes / 2**20:.0f} of {c.limit_bytes / 2**20:.0f} MiB, {ratio}")
 
 
 def _host_table(hosts: list, counts: dict[str, int]) -> str:
@@ -37,10 +56,15 @@ def _host_table(hosts: list, counts: dict[str, int]) -> str:
             esc(h.status),
             esc(h.epoch),
             f"{h.last_renewal_age_s:.1f} s ago" if h.last_renewal_age_s is not None else "—",
+            when(h.registered_at),
             when(h.fence_at),
             f"{counts.get(h.host, 0)} of {h.capacity_sandboxes}",
+            _cache(h.chunk_cache),
         ]
         for h in hosts
     ]
-    head = ["Host", "Status", "Epoch", "Lease renewed", "Fenced at", "Your sandboxes"]
-    return table(head, rows, "No hosts.", wide=frozenset({2, 4}))
+    head = [
+        "Host", "Status", "Epoch", "Lease renewed", "Registered", "Fenced at",
+        "Your sandboxes", "Chunk cache",
+    ]  # fmt: skip
+    return table(head, rows, "No hosts.", wide=frozenset({2, 4, 5, 7}))

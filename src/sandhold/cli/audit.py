@@ -62,11 +62,10 @@ async def replay(
 
 async def replay_sandbox(client: Client, sandbox_id: str, at: str | None, as_json: bool) -> int:
     seq, moment = parse_point(at)
-    records = asof.until(await client.sandbox_records(sandbox_id), seq, moment)
-    state = fold(sb.evolve, (r.envelope for r in records), None)
-    if state is None or state.tenant != client.tenant:
+    found = asof.state_at(sb.evolve, await client.sandbox_records(sandbox_id), seq, moment)
+    if found is None or found[0].tenant != client.tenant:
         raise Rejected("sandbox_not_found", f"no sandbox {sandbox_id} at that point")
-    as_of = records[-1]
+    state, as_of = found
     view = sandbox_view(state, now=moment if moment is not None else as_of.envelope.time)
     if as_json:
         out = {
@@ -89,11 +88,10 @@ async def replay_task(client: Client, task_id: str, at: str | None, as_json: boo
     from sandhold.domain import task as tk
 
     seq, moment = parse_point(at)
-    records = asof.until(await _records(client, "task", task_id), seq, moment)
-    state = fold(tk.evolve, (r.envelope for r in records), None)
-    if state is None or state.tenant != client.tenant:
+    found = asof.state_at(tk.evolve, await _records(client, "task", task_id), seq, moment)
+    if found is None or found[0].tenant != client.tenant:
         raise Rejected("task_not_found", f"no task {task_id} at that point")
-    as_of = records[-1]
+    state, as_of = found
     if as_json:
         out = {"as_of": {"seq": as_of.seq, "time": as_of.envelope.time}, "task": state}
         sys.stdout.write(msgspec.json.encode(out).decode() + "\n")

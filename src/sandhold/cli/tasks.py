@@ -19,7 +19,7 @@ from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
-from sandhold.saves import SaveStore
+from sandhold.saves import SaveStore, artifacts
 
 from sandhold.cli.secret_args import secrets_of
 
@@ -74,16 +74,9 @@ async def read_artifact(client: Client, task_id: str, path: str) -> bytes:
     """An artifact's bytes, from the task's Snapshot in the save store (each
     chunk checked against its digest)."""
     view = await client.show_task(task_id)
-    found = next((a for a in view.artifacts if a.path == path), None)
-    if found is None:
-        raise Rejected("artifact_not_found", f"task {task_id} has no artifact {path!r}")
-    store = SaveStore(client.nc, client.names)
-    manifest = await store.get_manifest(found.save_id)
-    entries = manifest.workspace_entries()
-    entry = next((e for e in entries if e.path.decode("utf-8", "replace") == path), None)
-    if entry is None:
-        raise Rejected("artifact_not_found", f"{path!r} is not in the snapshot {found.save_id}")
-    return b"".join([await store.get_chunk(digest) for digest in entry.chunks])
+    return await artifacts.read_artifact(
+        SaveStore(client.nc, client.names), task_id, view.artifacts, path
+    )
 
 
 def _read_manifest(path: str):

@@ -204,6 +204,9 @@ def row(
                 *_read(out),
                 *_read(leases),
                 _api("STREAM.INFO", saves),
+                # a task's artifacts for the console's download: single messages
+                # (a manifest, its chunks), never a consumer
+                *_direct(saves),
             ]
             sub = [f"{p}.ev.*.*", f"{p}.admin.rebuild-read-model", names.all_api]
         case "metrics":

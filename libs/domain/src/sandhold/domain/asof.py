@@ -3,9 +3,14 @@ stream sequence or a moment; and the records up to it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import TypeVar
 
-from sandhold.domain.envelope import Recorded
+from sandhold.domain.envelope import Envelope, Recorded
+from sandhold.domain.fold import fold
+
+S = TypeVar("S")  # an aggregate's folded state
 
 
 def parse_point(at: str | None) -> tuple[int | None, float | None]:
@@ -31,3 +36,17 @@ def until(records: list[Recorded], seq: int | None, moment: float | None) -> lis
         for r in records
         if (seq is None or r.seq <= seq) and (moment is None or r.envelope.time <= moment)
     ]
+
+
+def state_at(
+    evolve: Callable[[S | None, Envelope], S | None],
+    records: list[Recorded],
+    seq: int | None,
+    moment: float | None,
+) -> tuple[S, Recorded] | None:
+    """The aggregate folded from its records up to the point, with the record it
+    is as of (the last one folded); None if it did not exist yet. What `replay
+    --at` prints and the console's history shows: the services' own evolve."""
+    kept = until(records, seq, moment)
+    state = fold(evolve, (r.envelope for r in kept), None)
+    return None if state is None else (state, kept[-1])

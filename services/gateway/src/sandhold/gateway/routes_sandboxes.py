@@ -340,6 +340,7 @@ def handlers(ctx: Context) -> list:
         request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
     ) -> Stream | Response:
         client = ctx.client(tenant_of(ctx, request))
+        last_event_id(request)  # refused when malformed, whichever answer is asked for
         command = await call(client.show_command(sid(sandbox_id), cid(command_id)))
         if wants_stream(request):
             return output_response(ctx, request, sandbox_id, command_id)

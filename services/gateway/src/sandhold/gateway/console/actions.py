@@ -26,7 +26,7 @@ from sandhold.gateway.console.sessions import Session
 from sandhold.gateway.problems import ProblemError
 from sandhold.gateway.web import SANDBOX_ID, call
 
-_KEY = re.compile(r"^console-[0-9a-f]{32}$")
+FORM_KEY = re.compile(r"^console-[0-9a-f]{32}$")  # what `new_key` makes
 MAX_LINE = 8192  # a command line typed into the page
 
 
@@ -88,7 +88,7 @@ def handlers(console: Console) -> list:
             return posted
         session, form = posted
         key = form.get("key", "")
-        if not _KEY.match(key):
+        if not FORM_KEY.match(key):
             return _refused(session, "This form has no valid key: reload the page and try again.")
         try:
             reply = await call(
@@ -107,7 +107,7 @@ def handlers(console: Console) -> list:
         if action not in ACTIONS or not SANDBOX_ID.match(sandbox_id):
             return page("Not found", error("No such page."), session, status=404)
         key = form.get("key", "")
-        if not _KEY.match(key):
+        if not FORM_KEY.match(key):
             return _refused(session, "This form has no valid key: reload the page and try again.")
         try:
             made = _request(action, form, key, session.tenant, sandbox_id)

@@ -14,7 +14,8 @@ th { font-weight: 600; }
 .error { border: 2px solid #c33; padding: .6rem .9rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .3rem 1rem; }
 dt { font-weight: 600; }
-td, dd, li { overflow-wrap: anywhere; }
+dd, li { overflow-wrap: anywhere; }
+td { overflow-wrap: break-word; }
 a:focus, button:focus, input:focus, select:focus { outline: 3px solid #48f; }
 @media (max-width: 40rem) { .wide { display: none; } }
 .action { display: inline-flex; gap: .4rem; align-items: center; flex-wrap: wrap;

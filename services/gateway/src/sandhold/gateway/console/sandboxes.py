@@ -13,7 +13,6 @@ from litestar.response import Stream
 from sandhold.domain import asof
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Recorded
-from sandhold.domain.fold import fold
 from sandhold.domain.views import CommandView, SaveView, command_view, sandbox_view
 from sandhold.gateway.console.actions import (
     ACTIONS,
@@ -157,14 +156,13 @@ def handlers(console: Console) -> list:
         except ValueError as err:
             body = error(f"“at” takes {err}.") + _history_form(here)
             return page(f"Sandbox {sandbox_id}", body, session, status=400)
-        records = asof.until(
-            await ctx.client(session.tenant).sandbox_records(sandbox_id), seq, moment
-        )
-        state = fold(sb.evolve, (r.envelope for r in records), None)
-        if state is None:
+        everything = await ctx.client(session.tenant).sandbox_records(sandbox_id)
+        found = asof.state_at(sb.evolve, everything, seq, moment)
+        if found is None:
             body = error(f"{sandbox_id} did not exist yet at {at}.") + _history_form(here, at)
             return page(f"Sandbox {sandbox_id}", body, session, status=404)
-        last = records[-1]
+        state, last = found
+        records = [r for r in everything if r.seq <= last.seq]
         view = sandbox_view(state, now=moment if moment is not None else last.envelope.time)
         commands = [command_view(sandbox_id, c, state) for c in state.commands.values()]
         body = (

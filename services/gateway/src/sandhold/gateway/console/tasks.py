@@ -1,5 +1,5 @@
 """The tasks pages: a table by state; a task's status, timeline and step ledger,
-live or as of any point in its log (what `sandhold replay --kind task --at`
+live or as of any point in its log (what `sandhold replay task <id> --at`
 shows); cancelling it; downloading its artifacts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope, Recorded
 from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.task_views import TaskView, task_view
-from sandhold.gateway.console.actions import new_key
+from sandhold.gateway.console.actions import FORM_KEY, new_key
 from sandhold.gateway.console.html import (
     SECURITY_HEADERS,
     choices,
@@ -42,10 +42,6 @@ from sandhold.saves import SaveStore
 from sandhold.saves.artifacts import artifact_entry, entry_chunks
 
 LIST_LIMIT = 500
-# The idempotency key a cancel form carries (`new_key`, made when the form is
-# drawn): a second click, or the form sent again, is the same request and
-# cancels once.
-_KEY = re.compile(r"^console-[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,16 @@ def handlers(console: Console) -> list:
         rows = await ctx.read_model.query(sql, tuple(params))
         decoder = task_decoder()
         views = [task_view(decoder.decode(r[0])) for r in rows]
-        return page("Tasks", filter_ + _task_table(views), session)
+        if request.query_params.get("part") == "table":
+            return fragment(_task_table(views))
+        here = "/tasks?part=table" + (f"&state={state}" if state else "")
+        body = (
+            f"{filter_}"
+            '<p id="live" class="muted" role="status">Connecting…</p>'
+            f'<div id="list" data-refresh="{esc(here)}" data-changes="/changes/task">'
+            f"{_task_table(views)}</div>"
+        )
+        return page("Tasks", body, session)
 
     async def signed_in_task(request: Request, task_id: str) -> Shown | Response:
         """The task folded from its log, up to `?at=` when given (as `replay
@@ -184,7 +189,7 @@ def handlers(console: Console) -> list:
             return not_found(session, task_id)
         back = f'<p><a href="/tasks/{task_id}">Back to the task</a></p>'
         key = form.get("key", "")
-        if not _KEY.match(key):
+        if not FORM_KEY.match(key):
             message = "This form has no valid key: reload the task and try again. Nothing was done."
             return page("Not cancelled", error(message) + back, session, status=400)
         if form.get("confirmed") != "yes":

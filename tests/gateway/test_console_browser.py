@@ -303,3 +303,24 @@ async def test_a_form_without_its_csrf_token_is_refused_in_the_browser(
     assert notice.startswith("As of event"), notice
     assert "running" in browser.find_element(By.TAG_NAME, "dl").text
     _shot(browser, "history")
+
+
+async def test_sign_in_and_reach_the_content_by_keyboard_alone(
+    gw: Gw, browser: webdriver.Chrome
+) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(gw.url + "/sign-in")
+    keys = ActionChains(browser)
+    # The token field has the focus; Enter sends the form.
+    assert browser.switch_to.active_element.get_attribute("id") == "token"
+    keys.send_keys(gw.tokens["acme"], Keys.ENTER).perform()
+    _wait(browser, lambda d: d.current_url.endswith("/sandboxes"), "signed in by keyboard")
+    # The first Tab reaches the skip link, and following it moves past the header.
+    ActionChains(browser).send_keys(Keys.TAB).perform()
+    first = browser.switch_to.active_element
+    assert first.text == "Skip to the content" and first.is_displayed()
+    ActionChains(browser).send_keys(Keys.ENTER, Keys.TAB).perform()
+    focused = browser.switch_to.active_element
+    assert browser.execute_script("return arguments[0].closest('main') !== null", focused)

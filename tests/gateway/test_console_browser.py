@@ -199,6 +199,12 @@ async def test_another_tenants_sandbox_page_is_not_found(
     assert browser.title.startswith("Not found")
     assert "running" not in browser.find_element(By.TAG_NAME, "main").text
     _shot(browser, "not-found")
+    # Nor any piece of it that a page fetches.
+    for part in ("status", "commands", "saves", "events"):
+        browser.get(f"{gw.url}/sandboxes/{theirs}/{part}")
+        body = browser.find_element(By.TAG_NAME, "body").text
+        assert "running" not in body and "sandbox.created" not in body, (part, body)
+        assert "not found" in body.lower() or "No sandbox" in body, (part, body)
 
 
 def _wait(driver: webdriver.Chrome, check, what: str, timeout: float = WAIT_S):

@@ -194,9 +194,12 @@ def handlers(console: Console) -> list:
         session = console.signed_in(request)
         if isinstance(session, Response):
             return session
-        if not SANDBOX_ID.match(sandbox_id):
-            raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
-        await owned(ctx, session.tenant, "sandbox", sandbox_id)
+        try:
+            if not SANDBOX_ID.match(sandbox_id):
+                raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
+            await owned(ctx, session.tenant, "sandbox", sandbox_id)
+        except ProblemError:
+            return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
         subject = ctx.names.events("sandbox", sandbox_id)
         return await event_response(ctx, request, subject, last_event_id(request), 0, named=False)
 

@@ -5,6 +5,7 @@ shows); cancelling it; downloading its artifacts."""
 from __future__ import annotations
 
 import re
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from sandhold.gateway.console.html import (
 )
 from sandhold.gateway.console.kit import Console
 from sandhold.gateway.console.sessions import Session
+from sandhold.gateway.console.task_chart import task_chart
 from sandhold.gateway.problems import ProblemError
 from sandhold.gateway.routes_sandboxes import event_response, last_event_id, owned
 from sandhold.gateway.routes_tasks import TASK_STATES, task_decoder
@@ -140,7 +142,7 @@ def handlers(console: Console) -> list:
             '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
             f"{block('status', status)}</section>"
             '<section aria-labelledby="timeline-h"><h2 id="timeline-h">Timeline</h2>'
-            f"{block('timeline', _timeline(here, shown.records, v))}</section>"
+            f"{block('timeline', _timeline(here, shown.records, v, _now(shown)))}</section>"
             + _history_form(here, request.query_params.get("at") or "")
         )
         if live:
@@ -165,7 +167,7 @@ def handlers(console: Console) -> list:
         shown = await signed_in_task(request, task_id)
         if isinstance(shown, Response):
             return shown
-        return fragment(_timeline(f"/tasks/{task_id}", shown.records, shown.view))
+        return fragment(_timeline(f"/tasks/{task_id}", shown.records, shown.view, _now(shown)))
 
     @get("/tasks/{task_id:str}/events", include_in_schema=False)
     async def task_events(request: Request, task_id: FromPath[str]) -> Stream | Response:
@@ -308,9 +310,14 @@ def _artifacts(v: TaskView) -> str:
     return f"<ul>{items}</ul>"
 
 
-def _timeline(here: str, records: list[Recorded], v: TaskView) -> str:
-    """Every event in words, oldest first, each a link to the task as of it; then the
-    step ledger as the orchestrator keeps it."""
+def _now(shown: Shown) -> float:
+    """Where the chart of a task not ended stops: now, or the point shown."""
+    return time.time() if shown.as_of is None else shown.as_of.envelope.time
+
+
+def _timeline(here: str, records: list[Recorded], v: TaskView, now: float) -> str:
+    """The task's lifecycle on a time axis; every event in words, oldest first, each a
+    link to the task as of it; then the step ledger as the orchestrator keeps it."""
     rows = [
         [
             f'<a href="{here}?at={r.seq}" title="the task as of this event">{r.seq}</a>',
@@ -321,7 +328,8 @@ def _timeline(here: str, records: list[Recorded], v: TaskView) -> str:
         for r in records
     ]
     timeline = table(["Seq", "Time", "What happened", "Who"], rows, "No events.", frozenset({0}))
-    return timeline + '<h3 id="steps-h">Step ledger</h3>' + _ledger(v)
+    chart = task_chart(records, now)
+    return chart + timeline + '<h3 id="steps-h">Step ledger</h3>' + _ledger(v)
 
 
 def _happened(e: Envelope) -> str:

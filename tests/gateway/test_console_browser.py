@@ -249,6 +249,17 @@ async def test_create_a_sandbox_and_run_a_command_from_the_pages(
     commands = (await acme.get(f"/api/v1/sandboxes/{sandbox_id}/commands")).json()["items"]
     assert [c["exit_code"] for c in commands] == [7]  # one click, one run
 
+    # A snapshot from its button: on the saves timeline once completed, as the recovery point.
+    browser.find_element(By.LINK_TEXT, f"Sandbox {sandbox_id}").click()
+    browser.find_element(By.XPATH, "//button[text()='Take a snapshot']").click()
+    _confirm(browser)
+    _wait(browser, lambda d: d.current_url.endswith(sandbox_id), "back on the sandbox's page")
+    saves = browser.find_element(By.ID, "saves")
+    _wait(browser, lambda d: "snapshot “console”: completed" in saves.text, "the snapshot")
+    assert "recovery point" in saves.text
+    browser.execute_script("document.getElementById('saves-h').scrollIntoView()")
+    _shot(browser, "saves")
+
     listed = (await acme.get("/api/v1/sandboxes", params={"phase": "running"})).json()["items"]
     browser.get(f"{gw.url}/hosts")
     mine = sum(1 for s in listed if s["host"] == "local")
@@ -275,6 +286,8 @@ async def test_output_resumes_without_gap_or_repeat_after_the_gateway_is_killed(
 
     old = gw.up.service_pid("gateway")
     os.kill(old, signal.SIGKILL)  # `sandhold up` starts it again
+    # Killed mid-stream: the command was still writing (else this proves nothing).
+    assert not browser.find_element(By.ID, "output-live").text.startswith("Ended")
     live = browser.find_element(By.ID, "output-live")
     _wait(browser, lambda d: live.text.startswith("Ended"), "the end, through the restart")
     assert gw.up.service_pid("gateway") != old

@@ -79,13 +79,13 @@ def _chart(saves: list[SaveView], point: str | None, now: float) -> str:
         'stroke="currentColor" stroke-opacity=".35"/>'
     )
     summary = (
-        f"{len(saves)} saves since {when(start)}: "
+        f"{len(saves)} save{'' if len(saves) == 1 else 's'} since {when(start)}: "
         f"{sum(s.state == _DONE for s in saves)} completed, "
         f"{sum(s.state in _FAILED for s in saves)} failed"
     )
     return (
         f'<figure class="chart"><svg viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-        f'aria-label="saves on a time axis up to now" width="100%">{axis}{"".join(marks)}</svg>'
+        f'aria-label="saves on a time axis up to now" width="{WIDTH}">{axis}{"".join(marks)}</svg>'
         f"<figcaption>{summary}. Dot: completed (bigger: a snapshot); cross: failed; ring: under"
         " way; pointer: the recovery point.</figcaption></figure>"
     )

@@ -10,7 +10,7 @@ makes them live over SSE.
 
 from __future__ import annotations
 
-from sandhold.gateway.console import actions, auth, hosts, live, sandboxes, tasks
+from sandhold.gateway.console import actions, auth, commands, hosts, live, sandboxes, tasks
 from sandhold.gateway.console.kit import Console
 from sandhold.gateway.console.sessions import SESSION_COOKIE, SESSION_S, Session, Sessions
 from sandhold.gateway.web import Context
@@ -23,6 +23,7 @@ def handlers(ctx: Context) -> list:
     return [
         *auth.handlers(console),
         *sandboxes.handlers(console),
+        *commands.handlers(console),
         *actions.handlers(console),
         *tasks.handlers(console),
         *hosts.handlers(console),

@@ -1,8 +1,8 @@
-"""The sandboxes pages: a table by phase; a sandbox's status and events, live."""
+"""The sandboxes pages: a table by phase, live; a sandbox's status, commands, saves
+and events, live, or as of any point in its log."""
 
 from __future__ import annotations
 
-import shlex
 import time
 from typing import Any
 
@@ -13,7 +13,7 @@ from litestar.response import Stream
 from sandhold.domain import asof
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Recorded
-from sandhold.domain.views import CommandView, SaveView, command_view, sandbox_view
+from sandhold.domain.views import SaveView, command_view, sandbox_view
 from sandhold.gateway.console.actions import (
     ACTIONS,
     action_form,
@@ -21,6 +21,7 @@ from sandhold.gateway.console.actions import (
     new_key,
     snapshot_fields,
 )
+from sandhold.gateway.console.commands import command_rows, commands_table
 from sandhold.gateway.console.html import (
     choices,
     csrf_field,
@@ -40,10 +41,9 @@ from sandhold.gateway.problems import ProblemError
 from sandhold.gateway.routes_sandboxes import (
     event_response,
     last_event_id,
-    output_response,
     owned,
 )
-from sandhold.gateway.web import COMMAND_ID, PHASES, SANDBOX_ID, call, fresh
+from sandhold.gateway.web import PHASES, SANDBOX_ID, call, fresh
 
 LIST_LIMIT = 500
 
@@ -136,7 +136,7 @@ def handlers(console: Console) -> list:
             "</section>"
             '<section aria-labelledby="commands-h"><h2 id="commands-h">Commands</h2>'
             f'<div id="commands" data-refresh="{here}/commands">'
-            f"{await _commands_table(view.id)}</div></section>"
+            f"{await commands_table(ctx, view.id)}</div></section>"
             '<section aria-labelledby="saves-h"><h2 id="saves-h">Saves</h2>'
             f'<div id="saves" data-refresh="{here}/saves">{await _saves_timeline(view)}</div>'
             "</section>"
@@ -172,7 +172,7 @@ def handlers(console: Console) -> list:
             f'<section aria-labelledby="status-h"><h2 id="status-h">Status then</h2>'
             f"{_sandbox_status(view)}</section>"
             '<section aria-labelledby="commands-h"><h2 id="commands-h">Commands then</h2>'
-            f"{_command_rows(sorted(commands, key=lambda c: -c.queued_at))}</section>"
+            f"{command_rows(sorted(commands, key=lambda c: -c.queued_at))}</section>"
             '<section aria-labelledby="events-h"><h2 id="events-h">Events up to then</h2>'
             f'<ol id="events">{"".join(event_item(r) for r in records)}</ol></section>'
         )
@@ -220,7 +220,7 @@ def handlers(console: Console) -> list:
         found = await owned_row(request, sandbox_id)
         if isinstance(found, Response):
             return found
-        return fragment(await _commands_table(found[1].id))
+        return fragment(await commands_table(ctx, found[1].id))
 
     @get("/sandboxes/{sandbox_id:str}/saves", include_in_schema=False)
     async def saves_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
@@ -228,70 +228,6 @@ def handlers(console: Console) -> list:
         if isinstance(found, Response):
             return found
         return fragment(await _saves_timeline(found[1]))
-
-    async def signed_in_command(
-        request: Request, sandbox_id: str, command_id: str
-    ) -> tuple[Session, CommandView] | Response:
-        session = console.signed_in(request)
-        if isinstance(session, Response):
-            return session
-        try:
-            if not (SANDBOX_ID.match(sandbox_id) and COMMAND_ID.match(command_id)):
-                raise ProblemError("command_not_found", f"no command {command_id}")
-            client = ctx.client(session.tenant)
-            return session, await call(client.show_command(sandbox_id, command_id))
-        except ProblemError as err:
-            if err.code not in ("sandbox_not_found", "command_not_found"):
-                raise
-            return page("Not found", error(f"No command {command_id}."), session, status=404)
-
-    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}", include_in_schema=False)
-    async def command_page(
-        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
-    ) -> Response:
-        found = await signed_in_command(request, sandbox_id, command_id)
-        if isinstance(found, Response):
-            return found
-        session, command = found
-        here = f"/sandboxes/{command.sandbox_id}/commands/{command.id}"
-        body = (
-            f'<p><a href="/sandboxes/{esc(command.sandbox_id)}">Sandbox '
-            f"{esc(command.sandbox_id)}</a></p>"
-            '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
-            f'<div id="status" data-refresh="{here}/status">{_command_status(command)}</div>'
-            "</section>"
-            '<section aria-labelledby="output-h"><h2 id="output-h">Output</h2>'
-            '<p id="output-live" class="muted" role="status">Loading the output…</p>'
-            f'<pre id="output" data-output="{here}/output" tabindex="0" '
-            'aria-label="the command\'s output; standard error is marked"></pre></section>'
-        )
-        return page(f"Command {command.id}", body, session)
-
-    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}/status", include_in_schema=False)
-    async def command_status(
-        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
-    ) -> Response:
-        found = await signed_in_command(request, sandbox_id, command_id)
-        if isinstance(found, Response):
-            return found
-        return fragment(_command_status(found[1]))
-
-    @get("/sandboxes/{sandbox_id:str}/commands/{command_id:str}/output", include_in_schema=False)
-    async def command_output(
-        request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
-    ) -> Stream | Response:
-        """The output as the page's EventSource takes it (`output_response`)."""
-        found = await signed_in_command(request, sandbox_id, command_id)
-        if isinstance(found, Response):
-            return found
-        return output_response(ctx, request, sandbox_id, command_id)
-
-    async def _commands_table(sandbox_id: str) -> str:
-        rows = await ctx.read_model.query(
-            "SELECT view FROM commands WHERE sandbox_id = ? ORDER BY queued_at DESC, id LIMIT ?",
-            (sandbox_id, LIST_LIMIT),
-        )
-        return _command_rows([_command_decoder.decode(r[0]) for r in rows])
 
     async def _saves_timeline(view: Any) -> str:
         rows = await ctx.read_model.query(
@@ -306,13 +242,9 @@ def handlers(console: Console) -> list:
         sandbox_events,
         commands_fragment,
         saves_fragment,
-        command_page,
-        command_status,
-        command_output,
     ]
 
 
-_command_decoder = msgspec.json.Decoder(CommandView)
 _save_decoder = msgspec.json.Decoder(SaveView)
 
 
@@ -350,45 +282,6 @@ def event_item(record: Recorded) -> str:
     return (
         f'<li id="ev-{record.seq}">{when(e.time)} <strong>{esc(fields.get("type", ""))}</strong> '
         f"{esc(summary)} ({esc(e.actor)})</li>"
-    )
-
-
-def _ended_how(c: CommandView) -> str:
-    if c.exit_code is not None:
-        how = f"exit code {c.exit_code}"
-    elif c.signal is not None:
-        how = f"signal {c.signal}"
-    else:
-        how = ""
-    return state_and_reason(c.state, ", ".join(x for x in (how, c.reason) if x))
-
-
-def _command_rows(commands: list[CommandView]) -> str:
-    rows = [
-        [
-            f'<a href="/sandboxes/{esc(c.sandbox_id)}/commands/{esc(c.id)}">{esc(c.id)}</a>',
-            f"<code>{esc(shlex.join(c.argv))[:200]}</code>",
-            _ended_how(c),
-            when(c.queued_at),
-            when(c.ended_at),
-        ]
-        for c in commands
-    ]
-    head = ["Command", "Argv", "State", "Queued", "Ended"]
-    return table(head, rows, "No commands yet.", wide=frozenset({3, 4}))
-
-
-def _command_status(c: CommandView) -> str:
-    kept = ", ".join(f"{esc(k)} {n} bytes" for k, n in sorted(c.output_kept.items()))
-    return facts(
-        [
-            ("Argv", f"<code>{esc(shlex.join(c.argv))}</code>"),
-            ("State", _ended_how(c)),
-            ("Host", esc(c.host or "—")),
-            ("Queued", when(c.queued_at)),
-            ("Ended", when(c.ended_at)),
-            ("Output kept", (kept or "none") + ("" if c.output_complete else " (incomplete)")),
-        ]
     )
 
 

@@ -231,3 +231,63 @@ async def test_a_sandbox_pages_events_and_status_are_this_tenants_only(
             assert (
                 await browser.get(path, headers={"Accept": "application/json"})
             ).status_code == 404
+
+
+async def test_a_revoked_tokens_open_streams_end_too(gw: Gw, acme: httpx.AsyncClient) -> None:
+    sandbox_id = await running_sandbox(acme)
+    path = gw.up.data_dir / "tokens.json"
+    entry, token = tokens.create(path, "acme", name="console-revoked-stream")
+    browser, _ = await _signed_in(gw, token)
+    urls = [f"/sandboxes/{sandbox_id}/events", "/changes/sandbox"]
+    connected = {url: asyncio.Event() for url in urls}
+
+    async def follow(url: str) -> None:
+        async with browser.stream("GET", url, timeout=httpx.Timeout(120, connect=10)) as stream:
+            assert stream.status_code == 200
+            async for _ in stream.aiter_lines():
+                connected[url].set()
+
+    async with contextlib.aclosing(browser):
+        followers = {url: asyncio.create_task(follow(url)) for url in urls}
+        try:
+            for url in urls:
+                await asyncio.wait_for(connected[url].wait(), 30)
+            assert tokens.revoke(path, entry.name)
+            # Each closes at its next frame after a check (keep-alives come every
+            # few seconds), without the client going away.
+            done, _ = await asyncio.wait(followers.values(), timeout=60)
+            still = [url for url, task in followers.items() if task not in done]
+            assert not still, f"still open after the revocation: {still}"
+            for task in done:
+                task.result()
+        finally:
+            for task in followers.values():
+                task.cancel()
+
+
+async def test_a_form_from_another_origin_or_with_strange_input_is_refused_cleanly(
+    gw: Gw, acme: httpx.AsyncClient
+) -> None:
+    sandbox_id = await running_sandbox(acme)
+    browser, csrf = await _signed_in(gw, gw.tokens["acme"])
+    async with contextlib.aclosing(browser):
+        form = {"csrf": csrf, "key": "console-" + "1" * 32, "confirmed": "yes"}
+        # A page on another port of this host is the same site, not the same origin.
+        other = await browser.post(
+            f"/sandboxes/{sandbox_id}/stop", data=form, headers={"Origin": "http://127.0.0.1:1"}
+        )
+        assert other.status_code == 403 and "Nothing was done" in other.text
+        odd = await browser.post(f"/sandboxes/{sandbox_id}/stop", data={**form, "csrf": "é"})
+        assert odd.status_code == 403  # not a 500
+        (await browser.get("/sign-in"))
+        signed_in_odd = await browser.post("/sign-in", data={"token": "x", "csrf": "é"})
+        assert signed_in_odd.status_code == 403
+        assert (await acme.get(f"/api/v1/sandboxes/{sandbox_id}")).json()["phase"] == "running"
+        # An id with a trailing newline is no id: the same 404 as any other.
+        for url in (
+            f"/sandboxes/{sandbox_id}%0A",
+            f"/sandboxes/{sandbox_id}%0A/status",
+        ):
+            assert (await browser.get(url)).status_code == 404, url
+        missing = await acme.get(f"/api/v1/sandboxes/{sandbox_id}%0A")
+        assert missing.status_code == 404 and missing.json()["code"] == "sandbox_not_found"

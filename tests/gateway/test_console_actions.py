@@ -129,6 +129,9 @@ async def test_snapshot_stop_and_start_from_the_page_show_on_the_saves_timeline(
             return page if f'action="{here}/start"' in page else None
 
         await _until(stopped)
+        # The page's buttons follow the phase without a reload: the block it fetches.
+        offered = (await browser.get(f"{here}/actions")).text
+        assert f'action="{here}/start"' in offered and f'action="{here}/stop"' not in offered
         timeline = (await browser.get(f"{here}/saves")).text
         assert "final: completed" in timeline
         await act("start")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from litestar import Request, Response, delete, get, post, put
@@ -418,32 +419,55 @@ def page_wait(request: Request) -> int:
     return query_int(request, "wait", 0, 0, MAX_WAIT_S)
 
 
-async def event_response(
-    ctx: Context, request: Request, subject: str, after: int, wait_s: int, *, named: bool = True
-) -> Stream | Response:
-    """The events after `after`: a Server-Sent Events stream, or, for a client
-    that asks for JSON (a poller, a tenant's NATS API call), one page of them,
-    waiting up to `wait_s` seconds for the first when there are none."""
-    if _wants_json(request):
-        page = await event_page(
-            ctx.js, ctx.names.events_stream, subject, after=after, wait_s=wait_s
-        )
-        return json_response(page)
+Frames = AsyncIterator[bytes]
+
+
+def sse_stream(frames: Frames) -> Stream:
     return Stream(
-        event_frames(
-            ctx.js,
-            ctx.names.events_stream,
-            subject,
-            after=after,
-            keepalive_s=ctx.keepalive_s,
-            named=named,
-        ),
+        frames,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-def output_response(ctx: Context, request: Request, sandbox_id: str, command_id: str) -> Stream:
+def _as_is(frames: Frames) -> Frames:
+    return frames
+
+
+async def event_response(
+    ctx: Context,
+    request: Request,
+    subject: str,
+    after: int,
+    wait_s: int,
+    *,
+    named: bool = True,
+    hold: Callable[[Frames], Frames] = _as_is,
+) -> Stream | Response:
+    """The events after `after`: a Server-Sent Events stream, or, for a client
+    that asks for JSON (a poller, a tenant's NATS API call), one page of them,
+    waiting up to `wait_s` seconds for the first when there are none. `hold`
+    wraps the stream's frames (the console's: for as long as the session holds)."""
+    if _wants_json(request):
+        page = await event_page(
+            ctx.js, ctx.names.events_stream, subject, after=after, wait_s=wait_s
+        )
+        return json_response(page)
+    frames = event_frames(
+        ctx.js, ctx.names.events_stream, subject, after=after, keepalive_s=ctx.keepalive_s,
+        named=named,
+    )  # fmt: skip
+    return sse_stream(hold(frames))
+
+
+def output_response(
+    ctx: Context,
+    request: Request,
+    sandbox_id: str,
+    command_id: str,
+    *,
+    hold: Callable[[Frames], Frames] = _as_is,
+) -> Stream:
     """A command's output as Server-Sent Events (`output_frames`): what it kept
     so far, then live, then its end; a reconnect resumes after Last-Event-ID.
     The caller has checked that the command is the tenant's."""
@@ -455,18 +479,15 @@ def output_response(ctx: Context, request: Request, sandbox_id: str, command_id:
         view = msgspec.json.decode(rows[0][0], type=b.CommandView) if rows else None
         return view if view is not None and view.state in END_STATES else None
 
-    return Stream(
-        output_frames(
-            ctx.js,
-            ctx.names.output_stream,
-            ctx.names.output(sandbox_id, command_id) + ".*",
-            after=last_event_id(request),
-            ended=ended,
-            keepalive_s=ctx.keepalive_s,
-        ),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    frames = output_frames(
+        ctx.js,
+        ctx.names.output_stream,
+        ctx.names.output(sandbox_id, command_id) + ".*",
+        after=last_event_id(request),
+        ended=ended,
+        keepalive_s=ctx.keepalive_s,
     )
+    return sse_stream(hold(frames))
 
 
 def wants_stream(request: Request) -> bool:

@@ -158,7 +158,9 @@ async def output_frames(
                 last_check = time.monotonic()
                 final = await ended()
                 if final is not None:
-                    end_seq = await last_sequence(js, stream, subject)
+                    # From the leader: a replica a moment behind would end the stream
+                    # before its last chunks.
+                    end_seq = await last_sequence(js, stream, subject, from_leader=True)
             if final is not None and position >= end_seq:
                 yield b"event: end\ndata: " + _encoder.encode(final) + b"\n\n"
                 return

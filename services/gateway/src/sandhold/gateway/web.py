@@ -23,11 +23,12 @@ from sandhold.gateway.tokens import Tokens
 log = logging.getLogger("sandhold.gateway")
 
 _encoder = msgspec.json.Encoder()
-SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{16}$")
-COMMAND_ID = re.compile(r"^cmd-[0-9a-f]{16}$")
-SAVE_ID = re.compile(r"^sv-[0-9a-f]{16}$")
-TASK_ID = re.compile(r"^tk-[0-9a-f]{16}$")
-_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+# \Z, not $: `$` also matches before a final newline, and "sb-…\n" is no id.
+SANDBOX_ID = re.compile(r"^sb-[0-9a-f]{16}\Z")
+COMMAND_ID = re.compile(r"^cmd-[0-9a-f]{16}\Z")
+SAVE_ID = re.compile(r"^sv-[0-9a-f]{16}\Z")
+TASK_ID = re.compile(r"^tk-[0-9a-f]{16}\Z")
+_KEY = re.compile(r"^[\x21-\x7e]{1,200}\Z")
 MAX_LIMIT = 500
 
 

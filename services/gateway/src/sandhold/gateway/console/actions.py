@@ -24,9 +24,9 @@ from sandhold.gateway.console.html import csrf_field, error, esc, page, redirect
 from sandhold.gateway.console.kit import Console
 from sandhold.gateway.console.sessions import Session
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.web import SANDBOX_ID, call
+from sandhold.gateway.web import PHASES, SANDBOX_ID, call
 
-FORM_KEY = re.compile(r"^console-[0-9a-f]{32}$")  # what `new_key` makes
+FORM_KEY = re.compile(r"^console-[0-9a-f]{32}\Z")  # what `new_key` makes
 MAX_LINE = 8192  # a command line typed into the page
 
 
@@ -38,7 +38,9 @@ class Action:
 
 
 ACTIONS: dict[str, Action] = {
-    "exec": Action("Run", "Run this command in {id}?", frozenset({"running"})),
+    # Offered whenever the sandbox exists: the scheduler decides (a sandbox stopped
+    # for being idle starts again for it) and its refusal is shown as it is.
+    "exec": Action("Run", "Run this command in {id}?", PHASES - {"deleted"}),
     "snapshot": Action("Take a snapshot", "Take a snapshot of {id} now?", frozenset({"running"})),
     "stop": Action(
         "Stop",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 import secrets
 
 from litestar import Request, Response, get, post
 from sandhold.gateway.console.assets import SCRIPT, STYLE
 from sandhold.gateway.console.html import asset, cookie, esc, page, redirect
-from sandhold.gateway.console.kit import Console, forbidden
+from sandhold.gateway.console.kit import Console, forbidden, same, same_origin
 from sandhold.gateway.console.sessions import SESSION_COOKIE, SESSION_S, SIGN_IN_COOKIE
 
 MAX_TOKEN = 200  # longer than any token `sandhold token create` makes
@@ -55,7 +54,7 @@ def handlers(console: Console) -> list:
     async def sign_in(request: Request) -> Response:
         form = await console.form_of(request)
         expected = request.cookies.get(SIGN_IN_COOKIE, "")
-        if not expected or not hmac.compare_digest(form.get("csrf", ""), expected):
+        if not expected or not same_origin(request) or not same(form.get("csrf", ""), expected):
             return forbidden(None)
         token = form.get("token", "").strip()
         value = None

@@ -90,7 +90,7 @@ def handlers(console: Console) -> list:
         found = await signed_in_command(request, sandbox_id, command_id)
         if isinstance(found, Response):
             return found
-        return output_response(ctx, request, sandbox_id, command_id)
+        return output_response(ctx, request, sandbox_id, command_id, hold=console.hold(request))
 
     return [command_page, command_status, command_output]
 

@@ -19,6 +19,7 @@ from sandhold.bus.append import last_sequence
 from sandhold.bus.follow import pull_batches
 from sandhold.gateway.console.html import error, page
 from sandhold.gateway.console.kit import Console
+from sandhold.gateway.routes_sandboxes import sse_stream
 from sandhold.gateway.web import Context
 
 KINDS = frozenset({"sandbox", "task"})
@@ -62,10 +63,7 @@ def handlers(console: Console) -> list:
             return session
         if kind not in KINDS:
             return page("Not found", error("No such page."), session, status=404)
-        return Stream(
-            changes(console.ctx, session.tenant, kind),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        frames = changes(console.ctx, session.tenant, kind)
+        return sse_stream(console.while_signed_in(request, frames))
 
     return [changes_stream]

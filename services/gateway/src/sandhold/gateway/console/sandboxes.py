@@ -91,7 +91,12 @@ def handlers(console: Console) -> list:
         rows = await ctx.read_model.query(sql, tuple(params))
         now = time.time()
         views = [sandbox_view(_decode_sandbox(r[0]), now=now) for r in rows]
-        if views:  # commands are rows of their own: counted there, as the API does
+        return _sandbox_table(await with_command_counts(views))
+
+    async def with_command_counts(views: list) -> list:
+        """Views from the read model, with their commands counted by state: they
+        are rows of their own there (counted as the API's list counts them)."""
+        if views:
             by_id = {view.id: view for view in views}
             counts = await ctx.read_model.query(
                 "SELECT sandbox_id, state, count(*) FROM commands "
@@ -100,7 +105,7 @@ def handlers(console: Console) -> list:
             )
             for sandbox, state, n in counts:
                 by_id[sandbox].commands[state] = n
-        return _sandbox_table(views)
+        return views
 
     async def signed_in_sandbox(
         request: Request, sandbox_id: str
@@ -130,7 +135,8 @@ def handlers(console: Console) -> list:
             return await _as_of(session, view.id, at)
         here = f"/sandboxes/{view.id}"
         body = (
-            f"{_actions(session, view)}"
+            f'<div id="actions" data-refresh="{here}/actions" data-swap="when-forms-change">'
+            f"{_actions(session, view)}</div>"
             '<section aria-labelledby="status-h"><h2 id="status-h">Status</h2>'
             f'<div id="status" data-refresh="{here}/status">{_sandbox_status(view)}</div>'
             "</section>"
@@ -180,8 +186,9 @@ def handlers(console: Console) -> list:
 
     @get("/sandboxes/{sandbox_id:str}/status", include_in_schema=False)
     async def sandbox_status(request: Request, sandbox_id: FromPath[str]) -> Response:
-        """The status block alone: what the page swaps in as events come."""
-        found = await signed_in_sandbox(request, sandbox_id)
+        """The status block alone: what the page swaps in as events come (from
+        the read model: not a fold of the whole log after every event)."""
+        found = await owned_row(request, sandbox_id)
         if isinstance(found, Response):
             return found
         return fragment(_sandbox_status(found[1]))
@@ -201,19 +208,34 @@ def handlers(console: Console) -> list:
         except ProblemError:
             return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
         subject = ctx.names.events("sandbox", sandbox_id)
-        return await event_response(ctx, request, subject, last_event_id(request), 0, named=False)
+        after = last_event_id(request)
+        hold = console.hold(request)
+        return await event_response(ctx, request, subject, after, 0, named=False, hold=hold)
 
     async def owned_row(request: Request, sandbox_id: str) -> tuple[Session, Any] | Response:
         """For fragments: the session and the read model's sandbox (this tenant's only)."""
         session = console.signed_in(request)
         if isinstance(session, Response):
             return session
+        # What the log had when asked: the page's events come from the log itself
+        # and may be ahead of the read model, and a block drawn after the last of
+        # them is not drawn again.
+        await fresh(ctx)
         rows = await ctx.read_model.query(
             "SELECT state FROM sandboxes WHERE id = ? AND tenant = ?", (sandbox_id, session.tenant)
         )
         if not rows:
             return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
-        return session, sandbox_view(_decode_sandbox(rows[0][0]), now=time.time())
+        view = sandbox_view(_decode_sandbox(rows[0][0]), now=time.time())
+        return session, (await with_command_counts([view]))[0]
+
+    @get("/sandboxes/{sandbox_id:str}/actions", include_in_schema=False)
+    async def actions_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
+        """The buttons for what the sandbox's phase allows now (stopped: start)."""
+        found = await owned_row(request, sandbox_id)
+        if isinstance(found, Response):
+            return found
+        return fragment(_actions(*found))
 
     @get("/sandboxes/{sandbox_id:str}/commands", include_in_schema=False)
     async def commands_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
@@ -240,6 +262,7 @@ def handlers(console: Console) -> list:
         sandbox_page,
         sandbox_status,
         sandbox_events,
+        actions_fragment,
         commands_fragment,
         saves_fragment,
     ]
@@ -249,12 +272,18 @@ _save_decoder = msgspec.json.Decoder(SaveView)
 
 
 def _actions(session: Session, view: Any) -> str:
-    if view.phase == "deleted":
+    forms = [
+        action_form(session, view.id, action, fields)
+        for action, fields in (
+            ("exec", exec_fields()),
+            ("snapshot", snapshot_fields()),
+            ("stop", ""),
+            ("start", ""),
+        )
+        if view.phase in ACTIONS[action].shows_in
+    ]
+    if not forms:
         return ""
-    forms = [action_form(session, view.id, "exec", exec_fields())]
-    for action, fields in (("snapshot", snapshot_fields()), ("stop", ""), ("start", "")):
-        if view.phase in ACTIONS[action].shows_in:
-            forms.append(action_form(session, view.id, action, fields))
     return (
         '<section aria-labelledby="act-h"><h2 id="act-h">Do</h2>'
         f'{"".join(forms)}<p class="muted">Each asks you to confirm first.</p></section>'

@@ -97,7 +97,7 @@ class Sessions:
             body = base64.urlsafe_b64decode(encoded.encode() + b"=" * (-len(encoded) % 4))
         except ValueError:
             return None
-        if not hmac.compare_digest(self._sign(body), signature):
+        if not hmac.compare_digest(self._sign(body).encode(), signature.encode()):
             return None
         try:
             payload = _payload.decode(body)

@@ -179,7 +179,9 @@ def handlers(console: Console) -> list:
         if not await tenants(session.tenant, task_id):
             return not_found(session, task_id)
         subject = ctx.names.events("task", task_id)
-        return await event_response(ctx, request, subject, last_event_id(request), 0, named=False)
+        after = last_event_id(request)
+        hold = console.hold(request)
+        return await event_response(ctx, request, subject, after, 0, named=False, hold=hold)
 
     @post("/tasks/{task_id:str}/cancel", include_in_schema=False)
     async def cancel_task(request: Request, task_id: FromPath[str]) -> Response:

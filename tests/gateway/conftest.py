@@ -97,23 +97,30 @@ async def sse_events(
     async with http.stream(
         "GET", url, headers=headers, timeout=httpx.Timeout(timeout, connect=10)
     ) as response:
-        assert response.status_code == 200, await response.aread()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        fields: dict[str, str] = {}
-        async for line in response.aiter_lines():
-            if line.startswith(":"):
-                if comments is not None:
-                    comments.append(line)
-                continue
-            if line:
-                name, _, value = line.partition(":")
-                fields[name] = value.removeprefix(" ")
-                continue
-            if "data" in fields:
-                data = json.loads(fields["data"])
-                assert int(fields["id"]) == data["seq"] and fields["event"] == data["type"]
-                yield data
-            fields = {}
+        async for fields in sse_frames(response, comments=comments):
+            data = json.loads(fields["data"])
+            assert int(fields["id"]) == data["seq"] and fields["event"] == data["type"]
+            yield data
+
+
+async def sse_frames(response: httpx.Response, *, comments: list[str] | None = None):
+    """Each SSE frame with data of a streamed answer, as its fields (`id`,
+    `event`, `data`); comment lines go to `comments` when given."""
+    assert response.status_code == 200, await response.aread()
+    assert response.headers["content-type"].startswith("text/event-stream")
+    fields: dict[str, str] = {}
+    async for line in response.aiter_lines():
+        if line.startswith(":"):
+            if comments is not None:
+                comments.append(line)
+            continue
+        if line:
+            name, _, value = line.partition(":")
+            fields[name] = value.removeprefix(" ")
+            continue
+        if "data" in fields:
+            yield fields
+        fields = {}
 
 
 def problem(response: httpx.Response, status: int, code: str) -> dict:

@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from tests.gateway.conftest import Gw, problem, running_sandbox
+from tests.gateway.conftest import Gw, problem, running_sandbox, sse_frames
 
 SSE = {"Accept": "text/event-stream"}
 
@@ -25,20 +25,9 @@ async def output_frames(
     async with http.stream(
         "GET", path, headers=headers, timeout=httpx.Timeout(timeout, connect=10)
     ) as response:
-        assert response.status_code == 200, await response.aread()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        fields: dict[str, str] = {}
-        async for line in response.aiter_lines():
-            if line.startswith(":"):
-                continue
-            if line:
-                name, _, value = line.partition(":")
-                fields[name] = value.removeprefix(" ")
-                continue
-            if "data" in fields:
-                seq = int(fields["id"]) if "id" in fields else None
-                frames.append((fields["event"], json.loads(fields["data"]), seq))
-            fields = {}
+        async for fields in sse_frames(response):
+            seq = int(fields["id"]) if "id" in fields else None
+            frames.append((fields["event"], json.loads(fields["data"]), seq))
     return frames
 
 

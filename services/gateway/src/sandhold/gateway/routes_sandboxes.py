@@ -84,17 +84,9 @@ def handlers(ctx: Context) -> list:
             sql += " AND phase != 'deleted'"
         rows, next_cursor = await page(ctx, sql, params, after, limit, "created_at")
         now = time.time()
-        items = [sandbox_view(_sandbox(r[0]), now=now) for r in rows]
-        if items:  # commands are rows of their own: count them there
-            marks = ", ".join("?" * len(items))
-            counts = await ctx.read_model.query(
-                "SELECT sandbox_id, state, count(*) FROM commands "
-                f"WHERE sandbox_id IN ({marks}) GROUP BY sandbox_id, state",
-                tuple(view.id for view in items),
-            )
-            by_id = {view.id: view for view in items}
-            for sandbox, state, n in counts:
-                by_id[sandbox].commands[state] = n
+        items = await count_commands(
+            ctx, [sandbox_view(decode_sandbox(r[0]), now=now) for r in rows]
+        )
         return json_response(b.SandboxPage(items=items, next_cursor=next_cursor))
 
     @get("/api/v1/sandboxes/{sandbox_id:str}")
@@ -512,6 +504,21 @@ async def _owned(ctx: Context, tenant: str, sandbox_id: FromPath[str]) -> None:
     await owned(ctx, tenant, "sandbox", sandbox_id)
 
 
+async def count_commands(ctx: Context, views: list[b.SandboxView]) -> list[b.SandboxView]:
+    """Views from the read model with their commands counted by state: commands
+    are rows of their own there, so they are counted there."""
+    if views:
+        by_id = {view.id: view for view in views}
+        counts = await ctx.read_model.query(
+            "SELECT sandbox_id, state, count(*) FROM commands "
+            f"WHERE sandbox_id IN ({', '.join('?' * len(views))}) GROUP BY sandbox_id, state",
+            tuple(by_id),
+        )
+        for sandbox, state, n in counts:
+            by_id[sandbox].commands[state] = n
+    return views
+
+
 async def host_views(ctx: Context) -> list[b.HostView]:
     """Every host as `GET /api/v1/hosts` and the console show it: its record
     with its lease's liveness and renewal age, and its chunk cache."""
@@ -550,7 +557,8 @@ async def page(ctx: Context, sql: str, params: list, after, limit: int, order: s
     return rows[:limit], (encode_cursor(last[1], last[2]) if last else None)
 
 
-def _sandbox(state: bytes):
+def decode_sandbox(state: bytes):
+    """A sandbox's state as the read model keeps it (without its commands)."""
     from sandhold.gateway.readmodel import KINDS
 
     return KINDS["sandbox"].decoder.decode(state)

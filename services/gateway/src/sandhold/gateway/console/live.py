@@ -17,10 +17,11 @@ from litestar.response import Stream
 from sandhold.bus import ownership
 from sandhold.bus.append import last_sequence
 from sandhold.bus.follow import pull_batches
-from sandhold.gateway.console.html import error, page
+from sandhold.gateway.console.html import error, esc, page
 from sandhold.gateway.console.kit import Console
-from sandhold.gateway.routes_sandboxes import sse_stream
-from sandhold.gateway.web import Context
+from sandhold.gateway.problems import ProblemError
+from sandhold.gateway.routes_sandboxes import event_response, last_event_id, owned, sse_stream
+from sandhold.gateway.web import SANDBOX_ID, TASK_ID, Context
 
 KINDS = frozenset({"sandbox", "task"})
 _CACHED = 10_000  # aggregates whose tenant a connection remembers
@@ -53,6 +54,41 @@ async def changes(ctx: Context, tenant: str, kind: str) -> AsyncIterator[bytes]:
                 yield f"data: {aggregate}\n\n".encode()
     finally:
         await batches.aclose()
+
+
+def live_list(kind: str, here: str, table: str) -> str:
+    """A list page's table, fetched again from `here` whenever one of the
+    tenant's sandboxes or tasks (`kind`) changes."""
+    return (
+        '<p id="live" class="muted" role="status">Connecting…</p>'
+        f'<div id="list" data-refresh="{esc(here)}" data-changes="/changes/{kind}">{table}</div>'
+    )
+
+
+_IDS = {"sandbox": SANDBOX_ID, "task": TASK_ID}
+
+
+async def aggregate_events(
+    console: Console, request: Request, kind: str, aggregate_id: str
+) -> Stream | Response:
+    """A sandbox's or task's events as a page's EventSource takes them: from the
+    start, then live, for as long as the session holds; a reconnect resumes
+    after its Last-Event-ID. Missing, malformed or another tenant's: one and the
+    same not-found page (a malformed id is never put in a subject)."""
+    session = console.signed_in(request)
+    if isinstance(session, Response):
+        return session
+    ctx = console.ctx
+    try:
+        if not _IDS[kind].match(aggregate_id):
+            raise ProblemError(f"{kind}_not_found", f"no {kind} {aggregate_id}")
+        await owned(ctx, session.tenant, kind, aggregate_id)
+    except ProblemError:
+        return page("Not found", error(f"No {kind} {aggregate_id}."), session, status=404)
+    subject = ctx.names.events(kind, aggregate_id)
+    after = last_event_id(request)
+    hold = console.hold(request)
+    return await event_response(ctx, request, subject, after, 0, named=False, hold=hold)
 
 
 def handlers(console: Console) -> list:

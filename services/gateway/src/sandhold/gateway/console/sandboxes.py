@@ -35,14 +35,11 @@ from sandhold.gateway.console.html import (
     when,
 )
 from sandhold.gateway.console.kit import Console
+from sandhold.gateway.console.live import aggregate_events, live_list
 from sandhold.gateway.console.saves import saves_timeline
 from sandhold.gateway.console.sessions import Session
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.routes_sandboxes import (
-    event_response,
-    last_event_id,
-    owned,
-)
+from sandhold.gateway.routes_sandboxes import count_commands, decode_sandbox
 from sandhold.gateway.web import PHASES, SANDBOX_ID, call, fresh
 
 LIST_LIMIT = 500
@@ -69,12 +66,7 @@ def handlers(console: Console) -> list:
             '<button type="submit">Create a sandbox</button></form>'
         )
         here = "/sandboxes?part=table" + (f"&phase={phase}" if phase else "")
-        body = (
-            f"{create}{_filter(phase)}"
-            '<p id="live" class="muted" role="status">Connecting…</p>'
-            f'<div id="list" data-refresh="{esc(here)}" data-changes="/changes/sandbox">'
-            f"{table_}</div>"
-        )
+        body = f"{create}{_filter(phase)}{live_list('sandbox', here, table_)}"
         return page("Sandboxes", body, session)
 
     async def _sandbox_list(tenant: str, phase: str | None) -> str:
@@ -90,22 +82,8 @@ def handlers(console: Console) -> list:
         params.append(LIST_LIMIT)
         rows = await ctx.read_model.query(sql, tuple(params))
         now = time.time()
-        views = [sandbox_view(_decode_sandbox(r[0]), now=now) for r in rows]
-        return _sandbox_table(await with_command_counts(views))
-
-    async def with_command_counts(views: list) -> list:
-        """Views from the read model, with their commands counted by state: they
-        are rows of their own there (counted as the API's list counts them)."""
-        if views:
-            by_id = {view.id: view for view in views}
-            counts = await ctx.read_model.query(
-                "SELECT sandbox_id, state, count(*) FROM commands "
-                f"WHERE sandbox_id IN ({', '.join('?' * len(views))}) GROUP BY sandbox_id, state",
-                tuple(by_id),
-            )
-            for sandbox, state, n in counts:
-                by_id[sandbox].commands[state] = n
-        return views
+        views = [sandbox_view(decode_sandbox(r[0]), now=now) for r in rows]
+        return _sandbox_table(await count_commands(ctx, views))
 
     async def signed_in_sandbox(
         request: Request, sandbox_id: str
@@ -195,22 +173,8 @@ def handlers(console: Console) -> list:
 
     @get("/sandboxes/{sandbox_id:str}/events", include_in_schema=False)
     async def sandbox_events(request: Request, sandbox_id: FromPath[str]) -> Stream | Response:
-        """The sandbox's events as the page's EventSource takes them: from the
-        start, then live; a reconnect resumes after its Last-Event-ID."""
         # (Annotated as a Stream: with `Any`, Litestar would send it as application/json.)
-        session = console.signed_in(request)
-        if isinstance(session, Response):
-            return session
-        try:
-            if not SANDBOX_ID.match(sandbox_id):
-                raise ProblemError("sandbox_not_found", f"no sandbox {sandbox_id}")
-            await owned(ctx, session.tenant, "sandbox", sandbox_id)
-        except ProblemError:
-            return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
-        subject = ctx.names.events("sandbox", sandbox_id)
-        after = last_event_id(request)
-        hold = console.hold(request)
-        return await event_response(ctx, request, subject, after, 0, named=False, hold=hold)
+        return await aggregate_events(console, request, "sandbox", sandbox_id)
 
     async def owned_row(request: Request, sandbox_id: str) -> tuple[Session, Any] | Response:
         """For fragments: the session and the read model's sandbox (this tenant's only)."""
@@ -226,8 +190,8 @@ def handlers(console: Console) -> list:
         )
         if not rows:
             return page("Not found", error(f"No sandbox {sandbox_id}."), session, status=404)
-        view = sandbox_view(_decode_sandbox(rows[0][0]), now=time.time())
-        return session, (await with_command_counts([view]))[0]
+        view = sandbox_view(decode_sandbox(rows[0][0]), now=time.time())
+        return session, (await count_commands(ctx, [view]))[0]
 
     @get("/sandboxes/{sandbox_id:str}/actions", include_in_schema=False)
     async def actions_fragment(request: Request, sandbox_id: FromPath[str]) -> Response:
@@ -312,12 +276,6 @@ def event_item(record: Recorded) -> str:
         f'<li id="ev-{record.seq}">{when(e.time)} <strong>{esc(fields.get("type", ""))}</strong> '
         f"{esc(summary)} ({esc(e.actor)})</li>"
     )
-
-
-def _decode_sandbox(state: bytes):
-    from sandhold.gateway.readmodel import KINDS
-
-    return KINDS["sandbox"].decoder.decode(state)
 
 
 def _filter(phase: str | None) -> str:

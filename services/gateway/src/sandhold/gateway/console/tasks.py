@@ -34,10 +34,11 @@ from sandhold.gateway.console.html import (
     when,
 )
 from sandhold.gateway.console.kit import Console
+from sandhold.gateway.console.live import aggregate_events, live_list
 from sandhold.gateway.console.sessions import Session
 from sandhold.gateway.console.task_chart import task_chart
 from sandhold.gateway.problems import ProblemError
-from sandhold.gateway.routes_sandboxes import event_response, last_event_id, owned
+from sandhold.gateway.routes_sandboxes import owned
 from sandhold.gateway.routes_tasks import TASK_STATES, task_decoder
 from sandhold.gateway.web import TASK_ID, call, fresh
 from sandhold.saves import SaveStore
@@ -82,12 +83,7 @@ def handlers(console: Console) -> list:
         if request.query_params.get("part") == "table":
             return fragment(_task_table(views))
         here = "/tasks?part=table" + (f"&state={state}" if state else "")
-        body = (
-            f"{filter_}"
-            '<p id="live" class="muted" role="status">Connecting…</p>'
-            f'<div id="list" data-refresh="{esc(here)}" data-changes="/changes/task">'
-            f"{_task_table(views)}</div>"
-        )
+        body = f"{filter_}{live_list('task', here, _task_table(views))}"
         return page("Tasks", body, session)
 
     async def signed_in_task(request: Request, task_id: str) -> Shown | Response:
@@ -173,15 +169,7 @@ def handlers(console: Console) -> list:
     async def task_events(request: Request, task_id: FromPath[str]) -> Stream | Response:
         """The task's events as the page's EventSource takes them: from the
         start, then live; a reconnect resumes after its Last-Event-ID."""
-        session = console.signed_in(request)
-        if isinstance(session, Response):
-            return session
-        if not await tenants(session.tenant, task_id):
-            return not_found(session, task_id)
-        subject = ctx.names.events("task", task_id)
-        after = last_event_id(request)
-        hold = console.hold(request)
-        return await event_response(ctx, request, subject, after, 0, named=False, hold=hold)
+        return await aggregate_events(console, request, "task", task_id)
 
     @post("/tasks/{task_id:str}/cancel", include_in_schema=False)
     async def cancel_task(request: Request, task_id: FromPath[str]) -> Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import saver as policy
@@ -9,10 +10,28 @@ from sandhold.domain import saves as sv
 from sandhold.domain import work as wk
 from sandhold.domain.reconcile import plan
 from sandhold.domain.reports import decide_report
-from sandhold.domain.sandbox import decide
+from sandhold.domain.sandbox import Sandbox, decide
 from sandhold.domain.views import sandbox_view
 
-from .history import HOST_A, RUNNING, SID, T0, TENANT, apply, given, given_sandbox, stop, when
+from .history import (
+    HOST_A,
+    RUNNING,
+    SID,
+    T0,
+    TENANT,
+    apply,
+    command_ended,
+    command_started,
+    dispatched,
+    given,
+    given_sandbox,
+    placed,
+    run,
+    started,
+    starting,
+    stop,
+    when,
+)
 from .history import then_rejected as refused
 
 
@@ -197,3 +216,79 @@ def test_sandboxes_started_together_are_not_first_saved_together() -> None:
     fractions = [policy.first_save_fraction(f"sb-{i:016x}") for i in range(64)]
     assert all(0.5 <= f < 1.0 for f in fractions)
     assert max(fractions) - min(fractions) > 0.4  # spread over most of the half interval
+
+
+# --- a sandbox whose files cannot have changed is not saved again (decision 051) ---
+
+
+def _saved(state: Sandbox, at: float, *, quiet: bool) -> tuple[Sandbox, str]:
+    """A scheduled save requested at `at`, captured (quiet or not) and completed."""
+    [due] = policy.due_save(state, now=at, cause=f"at{at}")
+    capture = msgspec.structs.replace(captured(due.save_id), quiet=quiet)
+    state = apply(state, [due], time=at)
+    state = apply(state, [capture, uploaded(due.save_id)], time=at + 1)
+    return apply(state, [completed(due.save_id)], time=at + 2), due.save_id
+
+
+def _queued_and_ended(state: Sandbox, at: float, key: str) -> Sandbox:
+    [queued] = decide(state, run(key))
+    state = apply(state, [queued], time=at)
+    state = apply(state, [dispatched(key), command_started(key)], time=at + 0.5)
+    return apply(state, [command_ended(key)], time=at + 1)
+
+
+def test_a_quiet_save_holds_the_files_until_a_command_runs() -> None:
+    state, save_id = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    # Hours later, nothing ran: no scheduled save, nothing at risk, health ok.
+    later = T0 + 10_000
+    assert policy.due_save(state, now=later, cause="x") == []
+    view = sandbox_view(state, now=later)
+    assert view.unchanged_since_save == save_id
+    assert view.rpo_s == 0.0
+    assert view.save_health is not None and view.save_health.state == "ok"
+
+    # A command ran at T0+9000: from then on the files may differ from the save.
+    state = _queued_and_ended(state, T0 + 9000, "run-9")
+    view = sandbox_view(state, now=later)
+    assert view.unchanged_since_save is None
+    assert view.rpo_s == later - (T0 + 9000)
+    # The interval counts from that change, not from the old request.
+    assert policy.due_save(state, now=T0 + 9000 + 29, cause="y") == []
+    [due] = policy.due_save(state, now=T0 + 9000 + 30, cause="y")
+    assert due.parent_id == save_id
+
+
+def test_a_save_taken_while_something_ran_is_followed_by_the_next() -> None:
+    state, _ = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    [due] = policy.due_save(state, now=T0 + 100 + 30, cause="x")
+    assert due.kind == "scheduled"
+    assert sandbox_view(state, now=T0 + 200).unchanged_since_save is None
+
+
+def test_a_command_between_the_request_and_the_capture_keeps_saves_coming() -> None:
+    """A command queued before the request but started after the capture was not
+    in the quiet capture: the count moved, so the save no longer holds the files."""
+    state = given_sandbox(*RUNNING)
+    [queued] = decide(state, run("early"))
+    state = apply(state, [queued], time=T0 + 99)
+    [due] = policy.due_save(state, now=T0 + 100, cause="x")
+    state = apply(state, [due], time=T0 + 100)
+    state = apply(
+        state, [msgspec.structs.replace(captured(due.save_id), quiet=True)], time=T0 + 101
+    )
+    state = apply(state, [dispatched("early"), command_started("early")], time=T0 + 102)
+    state = apply(state, [command_ended("early"), uploaded(due.save_id)], time=T0 + 103)
+    state = apply(state, [completed(due.save_id)], time=T0 + 104)
+    assert sandbox_view(state, now=T0 + 200).unchanged_since_save is None
+    assert policy.due_save(state, now=T0 + 102 + 30, cause="y") != []
+
+
+def test_a_running_command_or_a_new_placement_is_never_unchanged() -> None:
+    state, _ = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    [queued] = decide(state, run("long"))
+    running = apply(state, [queued, dispatched("long")], time=T0 + 200)
+    assert sandbox_view(running, now=T0 + 300).unchanged_since_save is None
+    # Placed again (a recovery onto another host): its first save is taken.
+    moved = apply(state, [placed(generation=2), starting(generation=2), started(generation=2)])
+    assert sandbox_view(moved, now=T0 + 5000).unchanged_since_save is None
+    assert policy.due_save(moved, now=T0 + 5000, cause="z") != []

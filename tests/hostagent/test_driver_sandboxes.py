@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
+from sandhold.hostagent.driver.boxes import BOX_CGROUP
 
 from tests.support.waiting import wait_until
 
@@ -205,3 +208,38 @@ async def test_warm_supervisors_are_published_and_never_more_are_kept(
         assert (await collect(handle))[2].reason == "exited"
     await wait_until(lambda: driver._pool.idle == 2, what="the pool refilled")
     assert not driver._pool._spawning  # and nothing more is on its way
+
+
+async def test_a_sandbox_is_quiet_only_while_nothing_but_its_box_runs(
+    driver: ProcessDriver,
+) -> None:
+    """What a save records as `quiet` (decision 051): a command, or a job a
+    finished command left behind, is something that can still change files."""
+    if driver.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    assert driver.quiet(SB)
+    leaver = await driver.launch(
+        SB, "leaver", ["sh", "-c", "setsid sleep 100 > /dev/null 2>&1 < /dev/null &"]
+    )
+    assert (await leaver.wait()).reason == "exited"
+    assert not driver.quiet(SB)  # its job still runs
+    left = set(driver.cgroups.pids(SB)) - set(driver.cgroups.pids(SB, BOX_CGROUP))
+    assert left
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: driver.quiet(SB), what="the job is gone")
+    running = await driver.launch(SB, "c1", ["sleep", "100"])
+    assert isinstance(await running.started(), int)
+    assert not driver.quiet(SB)
+    assert await driver.interrupt(SB, "c1", grace_s=1.0)
+    assert (await running.wait()).reason == "interrupted"
+    await wait_until(lambda: driver.quiet(SB), what="the command is gone")
+
+
+async def test_without_cgroups_a_sandbox_is_never_known_to_be_quiet(
+    make_driver: MakeDriver,
+) -> None:
+    driver = await make_driver(cgroups=NoCgroups("no cgroups in this test"))
+    await driver.create_sandbox(SB, None)
+    assert not driver.quiet(SB)  # it cannot tell, so every scheduled save is taken

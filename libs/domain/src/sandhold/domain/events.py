@@ -255,6 +255,9 @@ class SaveCaptured(Event, tag="save.captured", frozen=True):
     scanned_files: int = 0
     changed_files: int = 0
     changed_bytes: int = 0
+    # Nothing but the sandbox's box ran while it was frozen: no command, and no
+    # process a command left behind. Until a command runs, its files stay these.
+    quiet: bool = False
 
 
 class SaveUploaded(Event, tag="save.uploaded", frozen=True):

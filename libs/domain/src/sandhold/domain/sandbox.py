@@ -164,6 +164,13 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     idle_timeout_s: float = 0.0
     last_active_at: float = 0.0  # started, a command queued/started/ended, a touch
     unended: int = 0  # commands queued, dispatched or running: never idle while any
+    # Counts what can change its files (a placement started, a command queued,
+    # started or ended, connections delivered or dropped): a save requested at
+    # the same count, captured quiet, still holds them (`unchanged_since`).
+    activity: int = 0
+    # The saves requested since the count last moved: the next move stamps
+    # their `changed_at` (from then on their files may differ from the sandbox's).
+    requested_since_activity: tuple[str, ...] = ()
     start_requested_at: float | None = None
     last_start: StartRecord | None = None
 
@@ -206,6 +213,29 @@ def _woken(state: Sandbox, start: StartRecord) -> Sandbox:
         if command.cold and command.woke_with is None:
             state = _with_command(state, msgspec.structs.replace(command, woke_with=start))
     return state
+
+
+def _save_requested(state: Sandbox, event: ev.SaveRequested, at: float) -> Sandbox:
+    if event.save_id in state.saves:
+        return state
+    return msgspec.structs.replace(
+        state,
+        saves=sv.apply(state.saves, event, at, activity=state.activity),
+        requested_since_activity=(*state.requested_since_activity, event.save_id),
+    )
+
+
+def _changed(state: Sandbox, at: float) -> Sandbox:
+    """Something that can change its files happened at `at`: the saves requested
+    since the last such thing are stamped, and the count moves on."""
+    saves = state.saves
+    for save_id in state.requested_since_activity:
+        record = saves.get(save_id)
+        if record is not None and record.changed_at is None:
+            saves = {**saves, save_id: msgspec.structs.replace(record, changed_at=at)}
+    return msgspec.structs.replace(
+        state, saves=saves, activity=state.activity + 1, requested_since_activity=()
+    )
 
 
 def _with_command(state: Sandbox, command: Command) -> Sandbox:
@@ -274,7 +304,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 started_at=envelope_time,
                 restore=event.restore,
             )
-            state = _woken(state, start)
+            state = _changed(_woken(state, start), envelope_time)
             return replace(
                 state,
                 phase="running",
@@ -341,7 +371,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                     generation=state.generation,
                     parent_id=latest.id if latest else None,
                 )
-                saves = sv.apply(saves, requested, envelope_time)
+                saves = sv.apply(saves, requested, envelope_time, activity=state.activity)
             return replace(
                 state,
                 phase=phase,
@@ -389,7 +419,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             )
             before = state.commands.get(event.command_id)
             state = replace(
-                state,
+                _changed(state, envelope_time),
                 requests=_remember(state, event.request_key, event.request_digest),
                 unended=state.unended + (0 if before is not None and not before.ended else 1),
                 last_active_at=_later(state, envelope_time),
@@ -398,7 +428,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.CommandDispatched(command_id=cid, host=host, generation=generation):
             return _update_command(state, cid, state="dispatched", host=host, generation=generation)
         case ev.CommandStarted(command_id=cid, pid=pid):
-            state = replace(state, last_active_at=_later(state, envelope_time))
+            state = replace(
+                _changed(state, envelope_time), last_active_at=_later(state, envelope_time)
+            )
             return _update_command(state, cid, state="running", pid=pid, started_at=envelope_time)
         case ev.CommandCancelRequested(command_id=cid, request_key=key, request_digest=digest):
             state = replace(state, requests=_remember(state, key, digest))
@@ -407,7 +439,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             ending = state.commands.get(event.command_id)
             if ending is not None and not ending.ended:
                 state = replace(
-                    state, unended=state.unended - 1, last_active_at=_later(state, envelope_time)
+                    _changed(state, envelope_time),
+                    unended=state.unended - 1,
+                    last_active_at=_later(state, envelope_time),
                 )
             return _update_command(
                 state,
@@ -440,19 +474,20 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.ConnectionsDelivered(generation=generation, revision=revision):
             if generation != state.generation:
                 return state
-            return replace(state, connections_delivered=revision)
+            return replace(_changed(state, envelope_time), connections_delivered=revision)
         case ev.ConnectionsDropped(generation=generation):
             if generation != state.generation:
                 return state
-            return replace(state, connections_delivered=None)
+            return replace(_changed(state, envelope_time), connections_delivered=None)
         case ev.RequestNoted(request_key=key, request_digest=digest):
             return replace(state, requests=_remember(state, key, digest))
         case ev.SaveRequested(request_key=key, request_digest=digest) if key and digest:
-            saves = sv.apply(state.saves, event, envelope_time)
-            return replace(state, saves=saves, requests=_remember(state, key, digest))
+            state = _save_requested(state, event, envelope_time)
+            return replace(state, requests=_remember(state, key, digest))
+        case ev.SaveRequested():
+            return _save_requested(state, event, envelope_time)
         case (
-            ev.SaveRequested()
-            | ev.SaveCaptured()
+            ev.SaveCaptured()
             | ev.SaveUploaded()
             | ev.SaveCompleted()
             | ev.SaveFailed()
@@ -643,6 +678,42 @@ def reaps_at(state: Sandbox) -> float | None:
     if state.delete_requested:
         return None
     return state.last_active_at + state.idle_timeout_s
+
+
+def unchanged_since(state: Sandbox) -> sv.SaveRecord | None:
+    """The completed save whose files the running sandbox still has, if that is
+    known: one of this placement, captured while nothing but the sandbox's box
+    ran, with nothing since that could change a file (a command queued, started
+    or ended, connections delivered). Another scheduled save would copy the same
+    files again; with a thousand idle sandboxes such saves kept both cores of a
+    host busy (docs/benchmarks.md (j), decision 051)."""
+    latest = state.last_completed_save
+    if (
+        state.phase != "running"
+        or latest is None
+        or not latest.quiet
+        or latest.generation != state.generation
+        or latest.changed_at is not None
+        or latest.activity != state.activity
+    ):
+        return None
+    return latest
+
+
+def saved_until(state: Sandbox, *, now: float) -> float | None:
+    """Up to when the sandbox's files are in a completed save, so that a failure
+    now would not lose them: when its last save completed or, for a save taken
+    while it was quiet, the first moment after it that a command could have
+    changed them (`now` while nothing has). None: no save has completed."""
+    latest = state.last_completed_save
+    if latest is None or latest.completed_at is None:
+        return None
+    if latest.quiet and latest.generation == state.generation:
+        if unchanged_since(state) is not None:
+            return now
+        if latest.changed_at is not None:
+            return max(latest.completed_at, latest.changed_at)
+    return latest.completed_at
 
 
 def reap_if_idle(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:

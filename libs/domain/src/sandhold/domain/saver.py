@@ -12,7 +12,7 @@ from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import saves as sv
 from sandhold.domain import work as wk
-from sandhold.domain.sandbox import Sandbox
+from sandhold.domain.sandbox import Sandbox, unchanged_since
 
 
 def first_save_fraction(sandbox_id: str) -> float:
@@ -27,19 +27,25 @@ def first_save_fraction(sandbox_id: str) -> float:
 
 def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
     """A scheduled save when the interval has passed since the last request (the
-    placement's first: a fraction of it, `first_save_fraction`)."""
+    placement's first: a fraction of it, `first_save_fraction`), and none while
+    the sandbox's files are still those of its last save (`unchanged_since`):
+    then the interval counts from when they could first have changed."""
     if state.phase != "running" or state.host is None or sv.in_flight(state.saves):
         return []
+    if unchanged_since(state) is not None:
+        return []
+    latest = state.last_completed_save
     requested = [s.requested_at for s in state.saves.values() if s.generation == state.generation]
     if requested:
         wait = state.save_interval_s
         since = max(requested)
+        if latest is not None and latest.quiet and latest.changed_at is not None:
+            since = max(since, latest.changed_at)
     else:
         wait = state.save_interval_s * first_save_fraction(state.id)
         since = state.running_since or now
     if now - since < wait:
         return []
-    latest = state.last_completed_save
     return [
         ev.SaveRequested(
             save_id=rq.save_id_for(state.id, cause),

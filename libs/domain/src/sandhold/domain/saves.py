@@ -40,6 +40,12 @@ class SaveRecord(msgspec.Struct, frozen=True, kw_only=True):
     stage: str = ""
     reason: str = ""
     manifest_digest: str = ""  # recorded with `save.uploaded` ("" before digests were)
+    # The sandbox's `activity` count when this save was requested (-1: unknown),
+    # and whether nothing but its box ran when it was captured: together, whether
+    # its files can have changed since (`unchanged_since`).
+    activity: int = -1
+    quiet: bool = False
+    changed_at: float | None = None  # when the sandbox's count first moved after it
 
 
 class SaveHealth(msgspec.Struct, kw_only=True):
@@ -48,8 +54,11 @@ class SaveHealth(msgspec.Struct, kw_only=True):
     reason: str = ""
 
 
-def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[str, SaveRecord]:
-    """A new saves map with one save event applied (others leave it as is)."""
+def apply(
+    saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float, *, activity: int = -1
+) -> dict[str, SaveRecord]:
+    """A new saves map with one save event applied (others leave it as is);
+    `activity`: the sandbox's count when a save is requested."""
     replace = msgspec.structs.replace
     match event:
         case ev.SaveRequested():
@@ -64,6 +73,7 @@ def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[s
                 generation=event.generation,
                 parent_id=event.parent_id,
                 snapshot_name=event.snapshot_name,
+                activity=activity,
             )
             return {**saves, record.id: record}
         case ev.SaveCaptured(save_id=save_id):
@@ -73,6 +83,7 @@ def apply(saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float) -> dict[s
                 "freeze_ms": event.freeze_ms,
                 "freeze_method": event.freeze_method,
                 "changed_bytes": event.changed_bytes,
+                "quiet": event.quiet,
             }
         case ev.SaveUploaded(save_id=save_id):
             changes = {
@@ -132,10 +143,17 @@ def consecutive_failures(saves: dict[str, SaveRecord]) -> list[SaveRecord]:
 
 
 def health(
-    saves: dict[str, SaveRecord], *, interval_s: float, running_since: float | None, now: float
+    saves: dict[str, SaveRecord],
+    *,
+    interval_s: float,
+    running_since: float | None,
+    now: float,
+    saved_until: float | None = None,
 ) -> SaveHealth:
     """ok / delayed (no completed save for more than twice the interval) /
-    failing (the last attempts failed), with since when and why."""
+    failing (the last attempts failed), with since when and why. `saved_until`:
+    up to when the files are known to be in a save, if later than its completion
+    (`sandbox.saved_until`: a quiet sandbox's save holds them until a change)."""
     failures = consecutive_failures(saves)
     if len(failures) >= FAILING_AFTER:
         return SaveHealth(
@@ -145,6 +163,8 @@ def health(
         )
     latest = last_completed(saves)
     reference = latest.completed_at if latest is not None else running_since
+    if saved_until is not None and reference is not None:
+        reference = max(reference, saved_until)
     if reference is not None and now - reference > DELAYED_AFTER_INTERVALS * interval_s:
         reason = f"no completed save for {now - reference:.0f}s (interval {interval_s:.0f}s)"
         if failures:

@@ -6,7 +6,14 @@ from datetime import UTC, datetime
 
 import msgspec
 from sandhold.domain import saves as sv
-from sandhold.domain.sandbox import Command, RecoveredFrom, Sandbox, reaps_at
+from sandhold.domain.sandbox import (
+    Command,
+    RecoveredFrom,
+    Sandbox,
+    reaps_at,
+    saved_until,
+    unchanged_since,
+)
 
 
 class CommandView(msgspec.Struct, kw_only=True):
@@ -86,7 +93,12 @@ class SandboxView(msgspec.Struct, kw_only=True):
     stop_deadline_s: float = 60.0
     last_completed_save: SaveView | None = None
     save_health: sv.SaveHealth | None = None
-    rpo_s: float | None = None  # now - last completed save: what a failure now would lose
+    # What a failure now would lose: now - when the files were last all in a
+    # completed save (0 while they are still those of the last save).
+    rpo_s: float | None = None
+    # The save whose files the sandbox still has (nothing ran since it was taken
+    # with nothing but the box running): scheduled saves wait for a change.
+    unchanged_since_save: str | None = None
     recoverable_from: str = ""  # what a host failure now would bring back
     save_in_progress: SaveView | None = None
     final_save: SaveView | None = None  # of the latest stop
@@ -238,10 +250,16 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
     latest = s.last_completed_save
     in_flight = sv.in_flight(s.saves)
     final = s.saves.get(s.final_save_id) if s.final_save_id else None
+    saved = saved_until(s, now=now)
+    unchanged = unchanged_since(s)
     health = None
     if s.phase == "running" or in_flight or sv.consecutive_failures(s.saves):
         health = sv.health(
-            s.saves, interval_s=s.save_interval_s, running_since=s.running_since, now=now
+            s.saves,
+            interval_s=s.save_interval_s,
+            running_since=s.running_since,
+            now=now,
+            saved_until=saved,
         )
     return SandboxView(
         id=s.id,
@@ -263,7 +281,8 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
         stop_deadline_s=s.stop_deadline_s,
         last_completed_save=save_view(s.id, latest) if latest else None,
         save_health=health,
-        rpo_s=(now - latest.completed_at) if latest and latest.completed_at else None,
+        rpo_s=None if saved is None else now - saved,
+        unchanged_since_save=unchanged.id if unchanged is not None else None,
         recoverable_from=_recoverable_from(s),
         save_in_progress=save_view(s.id, in_flight[-1]) if in_flight else None,
         final_save=save_view(s.id, final) if final else None,

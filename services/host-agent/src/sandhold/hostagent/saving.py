@@ -142,11 +142,15 @@ class HostSaves:
             # (Not `capabilities()`: that looks for programs on PATH, every save.)
             method = self._driver.freeze_method if freeze else "none"
             started = time.monotonic()
+            quiet = False
             try:
                 # Inside the try: a freeze that timed out leaves the cgroup FREEZING,
                 # and only a thaw undoes that.
                 if freeze:
                     await self._driver.freeze(sandbox_id)
+                    # Frozen, nothing forks: if only the box runs now, the files
+                    # stay as captured until a command runs (`unchanged_since`).
+                    quiet = await asyncio.to_thread(self._driver.quiet, sandbox_id)
                 captured = await asyncio.to_thread(
                     capture,
                     self._driver.save_root(sandbox_id),
@@ -177,6 +181,7 @@ class HostSaves:
                 scanned_files=captured.scanned_files,
                 changed_files=captured.changed_files,
                 changed_bytes=captured.changed_bytes,
+                quiet=quiet,
                 **me,
             )
         )

@@ -64,7 +64,10 @@ class Cgroups(Protocol):
     ) -> None: ...
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup: ...
     def oom_kills(self, sandbox_id: str, command_id: str) -> int: ...
-    def pids(self, sandbox_id: str) -> list[int]: ...
+    def pids(self, sandbox_id: str, child: str | None = None) -> list[int]:
+        """The processes in the sandbox's cgroups (or in one child cgroup of it)."""
+        ...
+
     def cpu_stat(self, sandbox_id: str) -> dict[str, int]: ...
     def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def thaw(self, sandbox_id: str) -> None: ...
@@ -281,8 +284,9 @@ class V1Cgroups:
             _read(self._memory_host / sandbox_id / command_id / "memory.oom_control")
         )
 
-    def pids(self, sandbox_id: str) -> list[int]:
-        return _pids_below(self._memory_host / sandbox_id)
+    def pids(self, sandbox_id: str, child: str | None = None) -> list[int]:
+        top = self._memory_host / sandbox_id
+        return _pids_below(top if child is None else top / child)
 
     def cpu_stat(self, sandbox_id: str) -> dict[str, int]:
         """The sandbox's cpu.stat (throttling counts); empty without the cpu controller."""
@@ -416,8 +420,9 @@ class V2Cgroups:
     def oom_kills(self, sandbox_id: str, command_id: str) -> int:
         return parse_oom_kills(_read(self._host / sandbox_id / command_id / "memory.events"))
 
-    def pids(self, sandbox_id: str) -> list[int]:
-        return _pids_below(self._host / sandbox_id)
+    def pids(self, sandbox_id: str, child: str | None = None) -> list[int]:
+        top = self._host / sandbox_id
+        return _pids_below(top if child is None else top / child)
 
     def cpu_stat(self, sandbox_id: str) -> dict[str, int]:
         if not self.enforces_cpu_limit:
@@ -485,7 +490,7 @@ class NoCgroups:
     def oom_kills(self, sandbox_id: str, command_id: str) -> int:
         return 0
 
-    def pids(self, sandbox_id: str) -> list[int]:
+    def pids(self, sandbox_id: str, child: str | None = None) -> list[int]:
         return []
 
     def cpu_stat(self, sandbox_id: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from sandhold.hostagent.driver.boxes import (
+    BOX_CGROUP,
     Boxes,
     IsolationUnavailable,
     SandboxSettings,
@@ -392,6 +393,15 @@ class ProcessDriver:
             await asyncio.to_thread(self.cgroups.freeze, sandbox_id)
         else:
             self._signal_groups(sandbox_id, signal.SIGSTOP)
+
+    def quiet(self, sandbox_id: str) -> bool:
+        """Nothing runs in the sandbox but its box: no command, and no process a
+        command left behind. Asked while it is frozen (nothing forks meanwhile);
+        False where this host cannot tell (no cgroups to list its processes)."""
+        if self.cgroups.kind == "none":
+            return False
+        box = set(self.cgroups.pids(sandbox_id, BOX_CGROUP)) if self.boxes is not None else set()
+        return set(self.cgroups.pids(sandbox_id)) <= box
 
     async def thaw(self, sandbox_id: str) -> None:
         if self.cgroups.can_freeze:

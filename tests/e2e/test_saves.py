@@ -16,6 +16,7 @@ import pytest
 from nats.js.api import DiscardPolicy
 from sandhold.client import Client, connect
 from sandhold.domain import sandbox as sb
+from sandhold.domain import saves as sv
 from sandhold.saves import SaveStore, restore
 
 from tests.e2e.conftest import running_sandbox
@@ -40,6 +41,9 @@ while True:
         os.replace(f"f{i:03d}.tmp", f"f{i:03d}")
 """
 
+# A job a finished command leaves running: the sandbox is never quiet while it runs.
+LEFT_BEHIND = "setsid sleep 600 > /dev/null 2>&1 < /dev/null &"
+
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, topology: tuple[str, ...]) -> Iterator[Up]:
@@ -62,6 +66,10 @@ async def admin(up: Up) -> AsyncIterator[Client]:
     """For what no service or operator may do: change the save store's limits."""
     async with await connect(up.admin_url) as c:
         yield c
+
+
+def _new(state: sb.Sandbox, before: sb.Sandbox) -> list[sv.SaveRecord]:
+    return [r for r in state.saves.values() if r.id not in before.saves]
 
 
 def _completed(state: sb.Sandbox) -> list[str]:
@@ -106,6 +114,45 @@ async def test_every_completed_save_is_crash_consistent(client: Client):
     assert checked >= 4  # the first save or two may come before it begins
     froze = [s.freeze_ms for s in state.saves.values() if s.state == "completed"]
     assert all(f is not None and f > 0 for f in froze)  # the freeze window is reported
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_quiet_sandbox_is_saved_again_only_once_something_ran(client: Client):
+    """Decision 051: a save taken while nothing but the box ran holds the files
+    until a command runs; a job left running keeps every interval's save coming."""
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+    state = await client.wait_for(
+        sandbox_id,
+        lambda s: s if sb_view(s).unchanged_since_save else None,
+        timeout=30,
+        what="a quiet save",
+    )
+    first = sb_view(state).unchanged_since_save
+    assert first is not None and sb_view(state).rpo_s == 0.0
+    # Proving that no save comes takes a span of time: three intervals here.
+    await asyncio.sleep(3)
+    later = await client.sandbox_state(sandbox_id)
+    assert later is not None and later.saves.keys() == state.saves.keys()
+
+    await client.exec(sandbox_id, ["sh", "-c", "echo changed > new-file"])
+    state = await client.wait_for(
+        sandbox_id,
+        lambda s: s if sb_view(s).unchanged_since_save not in (None, first) else None,
+        timeout=30,
+        what="a save after the command, quiet again",
+    )
+    second = state.saves[sb_view(state).unchanged_since_save or ""]
+    assert second.changed_bytes > 0  # the command's file
+    assert all(r.requested_at > state.saves[first].requested_at + 3 for r in _new(state, later))
+
+    await client.exec(sandbox_id, ["sh", "-c", LEFT_BEHIND])
+    state = await client.wait_for(
+        sandbox_id,
+        lambda s: s if len(_completed(s)) >= 5 else None,
+        timeout=60,
+        what="saves while a job runs",
+    )
+    assert sb_view(state).unchanged_since_save is None
     await client.stop_sandbox(sandbox_id)
 
 
@@ -388,6 +435,9 @@ async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_compl
     client: Client, admin: Client
 ):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
+    # A job left running: the sandbox can change at any time, so every interval's
+    # save is attempted (a quiet one's files stay in its last save, decision 051).
+    await client.exec(sandbox_id, ["sh", "-c", LEFT_BEHIND], key="job")
     await client.wait_for(
         sandbox_id, lambda s: s if _completed(s) else None, timeout=30, what="a first save"
     )

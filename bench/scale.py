@@ -11,7 +11,8 @@ command costs); then one sample of memory (PSS, so pages the zygote's children
 share count once: every service process, every process in a sandbox's cgroups
 — its box and its commands — and the host-agent's helpers outside them: the
 zygote and the supervisors) and of save lag (each running sandbox's `rpo_s`:
-now minus its last completed save).
+what a failure now would lose, 0 for one whose files are still those of its
+last save — decision 051 — and how many are so).
 
     uv run python bench/scale.py [--quick] [--write] [--sizes 10,100,1000] [--seconds 60]
 """
@@ -125,18 +126,20 @@ def memory(runtime: dict) -> dict[str, int]:
     return parts
 
 
-async def save_lag(client: Client) -> tuple[list[float], int]:
-    """Each running sandbox's rpo_s, and how many running ones have no completed save."""
+async def save_lag(client: Client) -> tuple[list[float], int, int]:
+    """Each running sandbox's rpo_s, how many running ones have no completed save,
+    and how many are unchanged since their last (not saved again until a change)."""
     lags: list[float] = []
-    none = 0
+    none = unchanged = 0
     for view in await client.list_sandboxes():
         if view.phase != "running":
             continue
+        unchanged += view.unchanged_since_save is not None
         if view.rpo_s is None:
             none += 1
         else:
             lags.append(view.rpo_s)
-    return lags, none
+    return lags, none, unchanged
 
 
 async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
@@ -153,7 +156,7 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
             busy = machine_busy_seconds() - busy
             after = services_cpu_seconds(up.runtime)
             by_service = {name: after[name] - by_service[name] for name in after}
-            lags, unsaved = await save_lag(client)
+            lags, unsaved, unchanged = await save_lag(client)
             mem = memory(up.runtime)
             row = {
                 "size": size,
@@ -169,6 +172,7 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
                 "lag_p50": median(lags) if lags else float("nan"),
                 "lag_max": max(lags) if lags else float("nan"),
                 "unsaved": unsaved,
+                "unchanged": unchanged,
                 "mem": mem,
                 "cpu_ms": busy / len(latencies) * 1000,
                 "cpu_by": {k: v / len(latencies) * 1000 for k, v in by_service.items()},
@@ -220,6 +224,7 @@ def main() -> None:
             f"{r['p50'] * 1000:.0f} / {r['p99'] * 1000:.0f}",
             f"{r['lag_p50']:.0f} / {r['lag_max']:.0f}",
             str(r["unsaved"]),
+            f"{r['unchanged']:,}",
         ]
         for r in rows
     ]
@@ -261,8 +266,9 @@ once.
                 "max ms",
                 "saturated: commands/s",
                 "saturated p50 / p99 ms",
-                "save lag p50 / max (s)",
+                "rpo_s p50 / max (s)",
                 "never saved",
+                "unchanged since saved",
             ],
             perf_rows,
         )

@@ -44,6 +44,16 @@ def test_the_block_says_what_a_user_asks_first() -> None:
     assert lines["commands"] == "3 exited, 1 running"
 
 
+def test_a_sandbox_unchanged_since_its_save_has_nothing_at_risk() -> None:
+    view = SandboxView(
+        id="sb-3", tenant="t", phase="running", host="h1", generation=1, created_at=NOW - 900,
+        last_completed_save=_save(), save_health=SaveHealth(state="ok"), rpo_s=0.0,
+        unchanged_since_save="sv-00000000000000a1",
+    )  # fmt: skip
+    lines = _rows(status_block(view, now=NOW))
+    assert lines["rpo"] == "nothing at risk: unchanged since sv-00000000000000a1"
+
+
 def test_an_unisolated_sandbox_says_so() -> None:
     view = SandboxView(
         id="sb-2", tenant="t", phase="running", host="h1", generation=1, created_at=NOW,

@@ -13,6 +13,12 @@ from sandhold.domain.views import SandboxView, SaveView
 _MiB = 1024 * 1024
 
 
+def _rpo(view: SandboxView) -> str:
+    if view.unchanged_since_save is not None:
+        return f"nothing at risk: unchanged since {view.unchanged_since_save}"
+    return "-" if view.rpo_s is None else f"{_duration(view.rpo_s)} of work at risk"
+
+
 def status_block(view: SandboxView, *, now: float | None = None) -> str:
     now = time.time() if now is None else now
     rows: list[tuple[str, str]] = [
@@ -23,7 +29,7 @@ def status_block(view: SandboxView, *, now: float | None = None) -> str:
         ("limits", _limits(view)),
         ("last save", _save(view.last_completed_save, now)),
         ("save health", _health(view)),
-        ("rpo", "-" if view.rpo_s is None else f"{_duration(view.rpo_s)} of work at risk"),
+        ("rpo", _rpo(view)),
         ("recoverable", view.recoverable_from or "-"),
     ]
     if view.save_in_progress is not None:

@@ -299,6 +299,8 @@ def _isolation(v) -> str:
 
 
 def _rpo(v) -> str:
+    if v.unchanged_since_save is not None:
+        return "0 s (unchanged since its last save)"
     return "—" if v.rpo_s is None else f"{v.rpo_s:.0f} s"
 
 

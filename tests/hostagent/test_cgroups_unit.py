@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import NoCgroups, V1Cgroups, V2Cgroups, detect_cgroups
 from sandhold.hostagent.driver.cgroups import (
+    join_self,
     parse_frozen,
     parse_mounts,
     parse_oom_kills,
@@ -146,3 +148,21 @@ def test_detect_passes_over_mounts_that_are_files(tmp_path: Path) -> None:
         tmp_path, v2_controllers="cpu memory pids", v1=()
     )
     assert isinstance(detect_cgroups("h1", mounts_text=mounts), V2Cgroups)
+
+
+def test_join_self_moves_only_the_caller_on_v1_and_names_the_file_it_could_not(
+    tmp_path: Path,
+) -> None:
+    """v1 (a `tasks` file beside cgroup.procs): "0" into `tasks`, which skips the
+    kernel's global lock (decision 052); v2 (none): the pid into cgroup.procs."""
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for directory in (v1, v2):
+        directory.mkdir()
+        (directory / "cgroup.procs").write_text("")
+    (v1 / "tasks").write_text("")
+    assert join_self([str(v1 / "cgroup.procs"), str(v2 / "cgroup.procs")]) is None
+    assert (v1 / "tasks").read_text() == "0"
+    assert (v1 / "cgroup.procs").read_text() == ""
+    assert (v2 / "cgroup.procs").read_text() == str(os.getpid())
+    gone = str(tmp_path / "gone" / "cgroup.procs")
+    assert join_self([gone]) == f"cannot join cgroup {gone}: No such file or directory"

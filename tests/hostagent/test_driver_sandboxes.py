@@ -243,3 +243,28 @@ async def test_without_cgroups_a_sandbox_is_never_known_to_be_quiet(
     driver = await make_driver(cgroups=NoCgroups("no cgroups in this test"))
     await driver.create_sandbox(SB, None)
     assert not driver.quiet(SB)  # it cannot tell, so every scheduled save is taken
+
+
+async def test_a_command_is_born_in_its_own_cgroup_on_every_hierarchy(
+    driver: ProcessDriver,
+) -> None:
+    """The child joins them between fork and exec (`join_self`), so nothing it
+    forks is ever outside them."""
+    if driver.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    handle = await driver.launch(SB, "c1", ["sh", "-c", "sleep 100 & sleep 100"])
+    assert isinstance(await handle.started(), int)
+    await wait_until(lambda: len(driver.cgroups.pids(SB, "c1")) == 3, what="sh and two sleeps")
+    for pid in driver.cgroups.pids(SB, "c1"):
+        ours = [
+            line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            if "/sandhold/" in line
+        ]  # fmt: skip
+        assert len(ours) >= (2 if driver.cgroups.kind == "v1" else 1)  # memory, freezer, …
+        # Its own cgroup where it has one (memory: OOM kills counted per command),
+        # the sandbox's where only the sandbox's limit is (v1 pids, cpu).
+        assert all(line.endswith((f"/{SB}/c1", f"/{SB}")) for line in ours), ours
+        assert any(line.endswith(f"/{SB}/c1") for line in ours), ours
+    assert await driver.interrupt(SB, "c1", grace_s=1.0)
+    assert (await handle.wait()).reason == "interrupted"

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandhold.hostagent.driver.cgroups import join_self
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 BOX_MODULE = "sandhold.hostagent.driver.box"
@@ -147,9 +148,8 @@ def bwrap_args(spec: BoxSpec) -> list[str]:
 
 
 def _join_cgroups(procs: list[str]) -> None:
-    for path in procs:
-        with open(path, "w") as out:
-            out.write(str(os.getpid()))
+    if (problem := join_self(procs)) is not None:
+        raise RuntimeError(problem)
 
 
 def _write_maps(pid: int, spec: BoxSpec) -> None:

@@ -24,7 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from sandhold.hostagent.driver.cgroups import parse_oom_kills, parse_pids, parse_pids_max_events
+from sandhold.hostagent.driver.cgroups import (
+    join_self,
+    parse_oom_kills,
+    parse_pids,
+    parse_pids_max_events,
+)
 from sandhold.hostagent.driver.disk import exhausted
 from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside
 from sandhold.hostagent.driver.layout import CommandPaths
@@ -227,18 +232,8 @@ class Supervisor:
             fail(problem)
 
     def _join_cgroups(self) -> str | None:
-        """In the child: write our pid into the command's cgroups; why not, if it failed."""
-        pid = str(os.getpid()).encode()
-        for procs in self.spec.cgroup_procs:
-            try:
-                fd = os.open(procs, os.O_WRONLY)
-                try:
-                    os.write(fd, pid)
-                finally:
-                    os.close(fd)
-            except OSError as err:
-                return f"cannot join cgroup {procs}: {err.strerror}"
-        return None
+        """In the child: join the command's cgroups; why not, if it failed."""
+        return join_self(self.spec.cgroup_procs)
 
     def _child_setup(self, isolation: TmpIsolation | None, status_w: int) -> None:
         """Runs in the child between fork and exec: join cgroups, private /tmp."""

@@ -215,69 +215,93 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[di
     return rows, p50s
 
 
-def supervisor_spawn_probe(root: Path, count: int = 10) -> list[float]:
-    """Seconds to start one warm supervisor (the pool's refill: a new Python
-    process that imports the supervisor module and announces itself)."""
-    from sandhold.hostagent.driver.pool import spawn_supervisor
+def supervisor_spawn_probe(root: Path, count: int = 10) -> tuple[list[float], list[float]]:
+    """Seconds to start one warm supervisor (the pool's refill after every
+    launch): forked by the zygote, as the pool does it, and as a new Python
+    process (where there is no zygote) that imports the supervisor module."""
+    from sandhold.hostagent.driver.pool import Zygote, spawn_supervisor
 
     root.mkdir(parents=True, exist_ok=True)
-    out = []
-    for _ in range(count):
-        started = time.perf_counter()
-        supervisor = spawn_supervisor(root)
-        out.append(time.perf_counter() - started)
-        supervisor.dismiss()  # EOF on its stdin: an idle supervisor exits by itself
-        time.sleep(0.05)
-    return out
+    zygote = Zygote(root)
+    try:
+        runs: tuple[list[float], list[float]] = ([], [])
+        for _ in range(count):
+            for out, parent in zip(runs, (zygote, None), strict=True):
+                started = time.perf_counter()
+                supervisor = spawn_supervisor(root, parent)
+                out.append(time.perf_counter() - started)
+                supervisor.dismiss()  # EOF on its stdin: an idle supervisor exits by itself
+                time.sleep(0.05)
+        return runs
+    finally:
+        zygote.close()
 
 
 def cgroup_attach_probe(root: Path, count: int = 20) -> list[list[str]] | None:
-    """Writing a pid into a command cgroup's `cgroup.procs` (what the supervisor's
-    `preexec_fn` does), with the driver's detected backend: back to back, and with
-    a pause before each write like between two execs. None without cgroups."""
+    """Moving a forked child into a command's cgroups, with the driver's detected
+    backend, back to back and with a pause before each like between two execs:
+    its pid written into each `cgroup.procs` (what the supervisor's child did
+    before decision 052), and the child moving itself with `join_self` (what it
+    does now: "0" into each `tasks` on v1). None without cgroups."""
     import os
     import signal
+    import struct
 
     from sandhold.hostagent.driver import ProcessDriver
+    from sandhold.hostagent.driver.cgroups import join_self
 
     driver = ProcessDriver(root, "bench-cgroup", isolate_tmp=False, warm=0)
     if driver.cgroups.kind == "none":
         return None
     sid = "sb-00000000000c6001"
     rows = []
+
+    def by_pid(procs: list[str], child: int, report: int) -> float:
+        started = time.perf_counter()
+        for path in procs:
+            with open(path, "w") as f:
+                f.write(str(child))
+        return time.perf_counter() - started
+
+    def by_itself(procs: list[str], child: int, report: int) -> float:
+        return struct.unpack("d", os.read(report, 8))[0]
+
     try:
         driver.cgroups.create_sandbox(sid, None)
-        for label, pause in (("back to back", 0.0), ("50 ms pause before each", 0.05)):
-            first, all_writes = [], []
-            for i in range(count):
-                cgroup = driver.cgroups.create_command(sid, f"cmd-{pause * 1000:04.0f}{i:012x}")
-                child = os.fork()
-                if child == 0:  # pragma: no cover - the child only waits to be killed
-                    time.sleep(30)
-                    os._exit(0)
-                try:
-                    time.sleep(pause)
-                    for k, procs in enumerate(cgroup.procs):
-                        started = time.perf_counter()
-                        with open(procs, "w") as f:
-                            f.write(str(child))
-                        took = time.perf_counter() - started
-                        all_writes.append(took)
-                        if k == 0:
-                            first.append(took)
-                finally:
-                    os.kill(child, signal.SIGKILL)
-                    os.waitpid(child, 0)
-            rows.append(
-                [
-                    f"{driver.cgroups.kind}, {label}",
-                    str(count),
-                    str(len(all_writes) // count),
-                    ms(percentile(first, 50)),
-                    ms(percentile(first, 90)),
-                    ms(percentile(all_writes, 50)),
-                ]
-            )
+        for how, move in (("pid → cgroup.procs", by_pid), ("`join_self` in the child", by_itself)):
+            for label, pause in (("back to back", 0.0), ("50 ms pause before each", 0.05)):
+                took = []
+                for i in range(count):
+                    name = f"cmd-{len(rows)}{pause * 1000:04.0f}{i:010x}"
+                    cgroup = driver.cgroups.create_command(sid, name)
+                    report_r, report_w = os.pipe()
+                    child = os.fork()
+                    if child == 0:  # pragma: no cover - the child moves itself or waits
+                        if move is by_itself:
+                            time.sleep(pause)
+                            started = time.perf_counter()
+                            join_self(cgroup.procs)
+                            os.write(report_w, struct.pack("d", time.perf_counter() - started))
+                        time.sleep(30)
+                        os._exit(0)
+                    os.close(report_w)
+                    try:
+                        if move is by_pid:
+                            time.sleep(pause)
+                        took.append(move(cgroup.procs, child, report_r))
+                    finally:
+                        os.close(report_r)
+                        os.kill(child, signal.SIGKILL)
+                        os.waitpid(child, 0)
+                rows.append(
+                    [
+                        f"{how}, {driver.cgroups.kind}, {label}",
+                        str(count),
+                        str(len(cgroup.procs)),
+                        ms(percentile(took, 50)),
+                        ms(percentile(took, 90)),
+                    ]
+                )
     finally:
         driver.cgroups.kill_all(sid)
         driver.cgroups.remove(sid)
@@ -294,7 +318,7 @@ async def main() -> None:
     with temp_dir("driver") as root:
         driver_rows, driver_p50 = await driver_split(root, min(40, count // 2))
         attach_rows = cgroup_attach_probe(root / "cgroup-probe")
-        spawn = supervisor_spawn_probe(root / "spawn-probe")
+        spawn, spawn_cold = supervisor_spawn_probe(root / "spawn-probe")
     with sandhold_up("exec") as up:
         totals, steps = await measure(
             up.url, count, up.data_dir / "hosts" / "local", watch_url=up.admin_url
@@ -346,23 +370,20 @@ async def main() -> None:
         else "The pool keeps up with one exec at a time here (refill faster than an exec)."
     )
     attach_gap = (
-        f"{attach_rows[1][3]} ms p50 after a 50 ms pause vs {attach_rows[0][3]} ms back to back"
+        f"a pid written into `cgroup.procs`: {attach_rows[1][3]} ms p50 after a 50 ms "
+        f"pause vs {attach_rows[0][3]} ms back to back; the child moving itself as it "
+        f"does now: {attach_rows[3][3]} ms after a pause"
         if attach_rows
         else "no cgroups here"
     )
     cg_cost = driver_p50[0]["started"] - driver_p50[2]["started"]
     attach = (
-        "Pid → `cgroup.procs` write alone (a forked child that only sleeps), as the "
-        "supervisor's `preexec_fn` does it:\n\n"
+        "A forked child moved into a command's cgroups, alone (all of its cgroup "
+        "files; the global lock and its RCU wait come with the first): by its pid "
+        "written into `cgroup.procs`, and by itself with `join_self` as the "
+        "supervisor's `preexec_fn` does it (decision 052):\n\n"
         + table(
-            [
-                "backend, when",
-                "attaches",
-                "files each",
-                "first write p50 ms",
-                "first write p90 ms",
-                "any write p50 ms",
-            ],
+            ["how, backend, when", "moves", "files each", "p50 ms", "p90 ms"],
             attach_rows,
         )
         if attach_rows
@@ -420,8 +441,9 @@ refill (a new Python process, tens of ms of CPU) competes with the command:
 {attach}
 
 Starting one warm supervisor (the pool's refill after every launch) takes
-{ms(percentile(spawn, 50))} ms p50, {ms(max(spawn))} ms max ({len(spawn)} starts in a row,
-with no sandhold service running).
+{ms(percentile(spawn, 50))} ms p50, {ms(max(spawn))} ms max, forked by the zygote as the
+pool does; {ms(percentile(spawn_cold, 50))} ms p50 as a new Python process where
+there is no zygote ({len(spawn)} starts of each, with no sandhold service running).
 
 Reading: the path is request → scheduler (pull fetch, decide, append
 `command.queued`, reply, ack) → scheduler's reconciler (append
@@ -435,16 +457,16 @@ rest (p50 deltas): work → supervisor has the command {ms(delta("work", "superv
 ms (the agent's pull fetch and `_current`, then `driver.launch`: cgroup dirs, spec
 file, and taking a warm supervisor, which waits when the pool is still refilling);
 supervisor → `command.started` seen {ms(delta("supervisor_took", "command.started"))} ms
-(fork with a `preexec_fn`, cgroup attach, private /tmp, pid file, doorbell, then
+(fork with a `preexec_fn`, cgroup attach, namespaces, pid file, doorbell, then
 the agent's fenced append); exit recorded → `command.ended` seen
-{ms(delta("supervisor_done", "command.ended"))} ms (the agent's watcher first reads
-the kept output offsets back from OUTPUT — two direct gets — then appends). The
-driver tables say why the host side is slow: on an idle host the driver alone
+{ms(delta("supervisor_done", "command.ended"))} ms (the agent's watcher sees the
+doorbell, reads the exit record, appends). The
+driver tables say where the host side goes: on an idle host the driver alone
 needs {ms(idle["all"])} ms for `true`, {ms(cg_cost)} ms of it the cgroup attach (with vs
-without cgroups), and the first `cgroup.procs` write after a pause is slow on this
+without cgroups); the first move into a cgroup after a pause can be slow on this
 kernel ({attach_gap}); back to back it needs {ms(busy["all"])} ms, because every launch
-also starts a replacement supervisor ({ms(percentile(spawn, 50))} ms of Python start-up
-that competes for the same cores). {pool_note}
+also starts a replacement supervisor ({ms(percentile(spawn, 50))} ms through the zygote,
+competing for the same cores). {pool_note}
 """
     emit(args, "exec_roundtrip", "(c) exec round trip", body)
 

@@ -291,3 +291,16 @@ async def test_a_form_from_another_origin_or_with_strange_input_is_refused_clean
             assert (await browser.get(url)).status_code == 404, url
         missing = await acme.get(f"/api/v1/sandboxes/{sandbox_id}%0A")
         assert missing.status_code == 404 and missing.json()["code"] == "sandbox_not_found"
+
+
+def test_the_status_block_says_nothing_is_at_risk_while_the_files_are_a_saves() -> None:
+    """Decision 051: a sandbox unchanged since its last save has RPO 0, in words."""
+    from sandhold.domain.views import SandboxView
+    from sandhold.gateway.console.sandboxes import _sandbox_status
+
+    base = dict(id="sb-1", tenant="t", phase="running", host="h1", generation=1, created_at=0.0)
+    unchanged = SandboxView(**base, rpo_s=0.0, unchanged_since_save="sv-00000000000000a1")
+    changed = SandboxView(**base, rpo_s=42.0)
+    assert "0 s (unchanged since its last save)" in _sandbox_status(unchanged)
+    assert "42 s" in _sandbox_status(changed)
+    assert "unchanged" not in _sandbox_status(changed)

@@ -141,8 +141,9 @@ async def test_a_quiet_sandbox_is_saved_again_only_once_something_ran(client: Cl
         timeout=30,
         what="a save after the command, quiet again",
     )
-    second = state.saves[sb_view(state).unchanged_since_save or ""]
-    assert second.changed_bytes > 0  # the command's file
+    # The command's file is in a save taken after it (the first that captured it;
+    # on a slow machine one may come before the command ended), none during the span.
+    assert any(r.changed_bytes > 0 for r in _new(state, later))
     assert all(r.requested_at > state.saves[first].requested_at + 3 for r in _new(state, later))
 
     await client.exec(sandbox_id, ["sh", "-c", LEFT_BEHIND])

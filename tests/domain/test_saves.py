@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
+from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.domain import saves as sv
 from sandhold.domain import work as wk
@@ -292,3 +293,42 @@ def test_a_running_command_or_a_new_placement_is_never_unchanged() -> None:
     moved = apply(state, [placed(generation=2), starting(generation=2), started(generation=2)])
     assert sandbox_view(moved, now=T0 + 5000).unchanged_since_save is None
     assert policy.due_save(moved, now=T0 + 5000, cause="z") != []
+
+
+def test_a_quiet_save_still_holds_the_files_while_the_sandbox_stops_or_is_lost() -> None:
+    """Stopped by the reaper after a long quiet stretch, its final save under way
+    (or failed): nothing is at risk, and its health is not "delayed"."""
+    state, _ = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    [stop_event] = decide(state, stop())
+    stopping = apply(state, [stop_event], time=T0 + 36_000)
+    view = sandbox_view(stopping, now=T0 + 36_000)
+    assert view.phase == "stopping" and view.rpo_s == 0.0
+    assert view.save_health is not None and view.save_health.state == "ok"
+    assert view.unchanged_since_save is None  # only a running sandbox is "not saved again"
+    lost = apply(
+        state,
+        [
+            ev.SandboxLost(
+                host=HOST_A, generation=1, last_renewal_at=T0 + 36_000, fence_at=T0 + 36_010
+            )
+        ],
+        time=T0 + 36_005,
+    )
+    assert sandbox_view(lost, now=T0 + 36_005).rpo_s == 0.0
+
+
+def test_a_recovery_from_a_quiet_save_is_behind_only_from_the_first_change() -> None:
+    state, save_id = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    loss = ev.SandboxLost(host=HOST_A, generation=1, last_renewal_at=T0 + 9000, fence_at=T0 + 9010)
+
+    def recovered(state: Sandbox) -> sb.RecoveredFrom:
+        state = apply(state, [loss, ev.SandboxFenced(host=HOST_A, generation=1)], time=T0 + 9005)
+        state = apply(state, [ev.SandboxRecoveryRequested(cause="start")], time=T0 + 9020)
+        placed2 = ev.SandboxPlaced(host="host-b", generation=2, restore_save_id=save_id)
+        state = apply(state, [placed2, starting("host-b", 2), started("host-b", 2)], time=T0 + 9030)
+        assert state.recovered_from is not None and state.recovered_from.save_id == save_id
+        return state.recovered_from
+
+    assert recovered(state).behind_failure_s == 0.0  # nothing ran since it was taken
+    changed = _queued_and_ended(state, T0 + 8000, "late")
+    assert recovered(changed).behind_failure_s == 1000.0  # from the command on

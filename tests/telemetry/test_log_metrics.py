@@ -171,3 +171,30 @@ def test_a_fold_resumed_after_a_redelivered_prefix_gives_the_same_numbers() -> N
     assert resumed.counters == whole.counters
     assert resumed.samples == whole.samples
     assert resumed.gauges(now=500.0) == whole.gauges(now=500.0)
+
+
+def test_a_sandbox_unchanged_since_a_quiet_save_has_no_save_lag() -> None:
+    """Decision 051: its files are still the save's, so the RPO gauge is 0 (an
+    idle sandbox is saved once per placement, and a lag that climbed for ever
+    would look like saves falling behind); a command starts the lag again."""
+    log = Log()
+    sid = "sb-1"
+    log.add(sid, 1.0, ev.SandboxCreated(sandbox_id=sid, request_key="k", request_digest="d"))
+    log.add(sid, 2.0, ev.SandboxPlaced(host="h1", generation=1))
+    log.add(sid, 3.0, ev.SandboxStarted(host="h1", generation=1))
+    log.add(sid, 10.0, ev.SaveRequested(save_id="s1", kind="scheduled", host="h1", generation=1))
+    log.add(
+        sid,
+        10.5,
+        ev.SaveCaptured(
+            save_id="s1", host="h1", generation=1, freeze_ms=2.0, freeze_method="cgroup",
+            quiet=True,
+        ),
+    )  # fmt: skip
+    log.add(sid, 12.0, ev.SaveCompleted(save_id="s1", total_bytes=10, files=1))
+    gauges = log.folded().gauges(now=5000.0)
+    assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 0.0}
+    log.add(sid, 4000.0, ev.CommandQueued(command_id="c1", argv=["true"], request_key="r",
+                                          request_digest="d"))  # fmt: skip
+    gauges = log.folded().gauges(now=5000.0)
+    assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 1000.0}

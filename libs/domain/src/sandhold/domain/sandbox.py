@@ -515,6 +515,10 @@ def _recovered_from(state: Sandbox) -> RecoveredFrom:
         # The save holds the files as of its capture; the failure is dated by the
         # last renewal recovery saw (a capture just after it counts as not behind).
         taken = restored.captured_at or restored.completed_at
+        # A quiet save held the files until their first change (decision 051).
+        held = held_until(restored, state, now=lost.last_renewal_at)
+        if taken and held is not None:
+            taken = max(taken, held)
         behind = max(0.0, lost.last_renewal_at - taken) if taken else None
         return RecoveredFrom(
             source="save",
@@ -691,29 +695,40 @@ def unchanged_since(state: Sandbox) -> sv.SaveRecord | None:
     if (
         state.phase != "running"
         or latest is None
-        or not latest.quiet
         or latest.generation != state.generation
-        or latest.changed_at is not None
-        or latest.activity != state.activity
+        or not _still_holds(latest, state)
     ):
         return None
     return latest
+
+
+def _still_holds(save: sv.SaveRecord, state: Sandbox) -> bool:
+    """A quiet save with nothing since that could change a file."""
+    return save.quiet and save.changed_at is None and save.activity == state.activity
+
+
+def held_until(save: sv.SaveRecord, state: Sandbox, *, now: float) -> float | None:
+    """For a quiet save, until when the sandbox's files were (or are) its files:
+    the first moment after it that something could have changed them, `now`
+    while nothing has. None: not a quiet save, or not known."""
+    if not save.quiet:
+        return None
+    if save.changed_at is not None:
+        return save.changed_at
+    return now if _still_holds(save, state) else None
 
 
 def saved_until(state: Sandbox, *, now: float) -> float | None:
     """Up to when the sandbox's files are in a completed save, so that a failure
     now would not lose them: when its last save completed or, for a save taken
     while it was quiet, the first moment after it that a command could have
-    changed them (`now` while nothing has). None: no save has completed."""
+    changed them (`now` while nothing has: running, stopping, stopped or lost
+    alike). None: no save has completed."""
     latest = state.last_completed_save
     if latest is None or latest.completed_at is None:
         return None
-    if latest.quiet and latest.generation == state.generation:
-        if unchanged_since(state) is not None:
-            return now
-        if latest.changed_at is not None:
-            return max(latest.completed_at, latest.changed_at)
-    return latest.completed_at
+    held = held_until(latest, state, now=now)
+    return latest.completed_at if held is None else max(latest.completed_at, held)
 
 
 def reap_if_idle(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:

@@ -226,7 +226,7 @@ class LogMetrics:
             key = labels(phase=state.phase)
             phases[key] = phases.get(key, 0) + 1
             if state.phase == "running":
-                lag[labels(sandbox=sid)] = max(0.0, now - _files_as_of(state))
+                lag[labels(sandbox=sid)] = max(0.0, now - _files_as_of(state, now))
         statuses: dict[Labels, float] = {}
         for host in hosts:
             key = labels(status=host.status)
@@ -250,11 +250,14 @@ class LogMetrics:
         return sum(v for k, v in self.counters[name].items() if wanted <= set(k))
 
 
-def _files_as_of(state: sb.Sandbox) -> float:
-    """When the files a restore would bring back were captured (RPO's start)."""
+def _files_as_of(state: sb.Sandbox, now: float) -> float:
+    """When the files a restore would bring back were captured (RPO's start); a
+    quiet save's hold them until their first change (`now` while none, decision 051)."""
     latest = state.last_completed_save
     if latest is not None:
-        return latest.captured_at or latest.requested_at
+        captured = latest.captured_at or latest.requested_at
+        held = sb.held_until(latest, state, now=now)
+        return captured if held is None else max(captured, held)
     return state.running_since or state.created_at
 
 

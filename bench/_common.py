@@ -40,6 +40,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 SECTIONS = [
     "append",
     "rebuild",
+    "long_lived",
     "startup",
     "exec_roundtrip",
     "create_running",

@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parent
 SCRIPTS = [
     "append.py",
     "rebuild.py",
+    "long_lived.py",
     "startup.py",
     "exec_roundtrip.py",
     "create_running.py",

@@ -10,7 +10,7 @@ import pytest
 from nats.js.api import StreamConfig
 from sandhold.bus.append import WrongSequence, append, last_sequence
 from sandhold.bus.names import Names
-from sandhold.bus.store import AggregateStore
+from sandhold.bus.store import AggregateStore, Executed
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import wrap
@@ -79,6 +79,66 @@ async def test_two_writers_racing_exactly_one_wins_and_the_loser_redecides(nc, n
     assert {c.argv[0] for c in final.commands.values()} == {"true", "false"}
     await a.stop()
     await b.stop()
+
+
+async def test_a_store_that_reads_on_demand_decides_on_what_it_last_read(nc, names: Names):
+    """No read before a decision (a host's report pays no round trip for one):
+    events decided on a state another writer moved past are refused by the fence
+    and decided again after a read; "nothing to do" and a refusal are believed
+    only of a state just read."""
+    js = nc.jetstream()
+    reader = AggregateStore(js, names, "sandbox", sb.evolve, actor="host", follow=False)
+    writer = AggregateStore(js, names, "sandbox", sb.evolve, actor="scheduler", follow=False)
+    create = rq.CreateSandbox(key="create-1")
+    sandbox_id = sb.aggregate_of(create)
+    await writer.execute(
+        sandbox_id,
+        lambda s: sb.decide(s, create),
+        id_base="c",
+        causation_id="c",
+        correlation_id="c",
+    )
+    seen: list[int] = []  # how many commands each decision of the reader saw
+
+    async def decided(store: AggregateStore, key: str, decide) -> Executed:
+        def watched(state):
+            if store is reader:
+                seen.append(len(state.commands) if state is not None else -1)
+            return decide(state)
+
+        return await store.execute(
+            sandbox_id, watched, id_base=key, causation_id=key, correlation_id=key
+        )
+
+    def run(key: str):
+        request = rq.RunCommand(key=key, sandbox_id=sandbox_id, argv=["true"])
+        return lambda state: sb.decide(state, request)
+
+    # Never read: refused on nothing, then read and decided again.
+    await decided(reader, "run-a", run("run-a"))
+    assert seen == [-1, 0]
+
+    # Up to date (its own append): decided once, no read before it.
+    seen.clear()
+    await decided(reader, "run-b", run("run-b"))
+    assert seen == [1]
+
+    # Another writer moved on: decided on the old state, refused by the fence,
+    # decided again on the state read after it.
+    await decided(writer, "run-c", run("run-c"))
+    seen.clear()
+    done = await decided(reader, "run-d", run("run-d"))
+    assert seen == [2, 3]
+    assert done.state is not None and len(done.state.commands) == 4
+
+    # "Nothing to do", decided on an old state, is decided again on a fresh read
+    # before it is believed.
+    await decided(writer, "run-e", run("run-e"))
+    seen.clear()
+    again = await decided(reader, "nothing", lambda _state: [])
+    assert seen == [4, 5] and again.appended == []
+    _, last = await writer.sync(sandbox_id)
+    assert again.seq == last
 
 
 async def test_plain_append_with_a_stale_sequence_is_refused(nc, names: Names):

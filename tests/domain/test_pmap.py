@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from sandhold.domain.pmap import EMPTY, SMALL, PMap
+import msgspec
+from sandhold.domain.host import Host
+from sandhold.domain.pmap import EMPTY, SMALL, PMap, enc_hook, from_wire, wire
+from sandhold.domain.sandbox import Sandbox
+
+from tests.domain.history import RUNNING, given_sandbox
+from tests.domain.test_long_lived import _ran
+from tests.domain.test_long_lived_saves import _saved
 
 
 def test_set_returns_a_new_map_and_leaves_the_old_one_as_it_was() -> None:
@@ -43,3 +50,23 @@ def test_a_map_grown_past_a_dict_reads_the_same() -> None:
         assert grown == expected and list(grown.items()) == list(expected.items())
         assert list(grown.values()) == list(expected.values()) and len(grown) == i + 1
     assert grown.set(0, "zero")[0] == "zero" and grown[0] == "0"
+
+
+def test_a_stored_state_decodes_through_its_wire_twin_to_the_same_state() -> None:
+    """The read model (JSON) and checkpoints (msgpack) decode a sandbox's maps
+    straight into typed records, then into maps: the state read back equals the
+    one written, its maps are maps again, large ones included."""
+    state = given_sandbox(*RUNNING, *_ran(40), *_saved(3))
+    assert len(state.commands) > SMALL and 0 < len(state.saves) < SMALL
+    for encoder, decoder in (
+        (msgspec.json.Encoder(enc_hook=enc_hook), msgspec.json.Decoder),
+        (msgspec.msgpack.Encoder(enc_hook=enc_hook), msgspec.msgpack.Decoder),
+    ):
+        back = from_wire(decoder(wire(Sandbox)).decode(encoder.encode(state)))
+        assert type(back) is Sandbox and back == state
+        assert isinstance(back.saves, PMap) and isinstance(back.commands, PMap)
+        assert list(back.commands) == list(state.commands)  # the order it was written in
+        maybe = decoder(wire(Sandbox | None))
+        assert from_wire(maybe.decode(encoder.encode(None))) is None
+    assert wire(Sandbox) is wire(Sandbox)  # one twin per type
+    assert wire(Host) is Host  # no maps: decoded as it is

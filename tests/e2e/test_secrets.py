@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from nats.js.errors import NotFoundError
 from sandhold.bus.names import Names
 from sandhold.client import Client, connect
 from sandhold.domain import requests as rq
@@ -83,6 +84,35 @@ async def test_a_retry_with_the_same_key_is_the_same_command_and_keeps_nothing(
     assert first.command.id == again.command.id
     assert first.command.state == "exited" and first.command.exit_code == 0
     assert files_holding(up.data_dir, value.encode()) == []
+
+
+async def test_each_commands_secrets_leave_the_store_once_it_started(up: Up, client: Client):
+    """The first command of a sandbox is found by the scheduler's first look at
+    it (every command it ran), the later ones as their `command.queued` is
+    folded: each one's stored secrets are removed once it ran."""
+    sandbox_id = await running_sandbox(client)
+    names = Names("sh")
+    ran = [
+        await client.exec(sandbox_id, ["sh", "-c", 'test -n "$T"'], secrets={"T": f"v{i}"})
+        for i in range(3)
+    ]
+    assert [r.command.exit_code for r in ran] == [0, 0, 0]
+    async with await connect(up.admin_url) as admin:  # only the admin may read them
+
+        async def still_kept() -> list[str]:
+            kept = []
+            for r in ran:
+                try:
+                    await admin.js.get_last_msg(names.secrets_stream, names.secret(r.command.id))
+                except NotFoundError:
+                    continue
+                kept.append(r.command.id)
+            return kept
+
+        async def none_kept() -> bool:
+            return await still_kept() == []
+
+        await wait_until(none_kept, timeout=30, what="the secrets removed from the store")
 
 
 async def test_a_malformed_secret_gets_a_clear_error_and_runs_nothing(up: Up, client: Client):

@@ -138,6 +138,8 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
     before = await ids("/api/v1/sandboxes")
 
     problem(await acme.post("/api/v1/sandboxes", content=b"{not json"), 400, "malformed_body")
+    # No body at all takes the defaults; whitespace alone is not a body (the fuzzer's case).
+    problem(await acme.post("/api/v1/sandboxes", content=b"\n\n"), 400, "malformed_body")
     for body, field in (
         ({"memory_limit_bytes": "lots"}, "$.memory_limit_bytes"),
         ({"memory_limit_bytes": 1}, "$.memory_limit_bytes"),

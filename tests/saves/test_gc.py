@@ -6,8 +6,17 @@ import hashlib
 import os
 import time
 
+import nats
 import pytest
-from sandhold.saves import Entry, GcAborted, Manifest, SaveStore, collect_garbage
+from sandhold.bus.names import Names
+from sandhold.saves import (
+    Entry,
+    GcAborted,
+    Manifest,
+    SaveStore,
+    collect_garbage,
+    delete_dropped_manifests,
+)
 
 
 def sha(data: bytes) -> str:
@@ -77,3 +86,34 @@ async def test_gc_that_may_no_longer_delete_deletes_nothing(store: SaveStore) ->
         store, [], now=time.time() + 1e6, grace_s=0, may_delete=lambda: True
     )
     assert stats.deleted_chunks == 1
+
+
+class _CountingDeletes(SaveStore):
+    """The real store, counting the manifest deletes it is asked for."""
+
+    asked: list[str]
+
+    async def delete_manifest(self, save_id: str) -> bool:
+        self.asked.append(save_id)
+        return await super().delete_manifest(save_id)
+
+
+async def test_only_stored_manifests_of_dropped_saves_are_deleted(
+    store: SaveStore, nc: nats.NATS, names: Names
+) -> None:
+    """Dropped saves whose manifests went at an earlier collection (or were
+    never stored: a save that failed before its upload) are not deleted again;
+    a retained one is kept whatever else says it was dropped."""
+    counting = _CountingDeletes(nc, names)
+    counting.asked = []
+    big = [os.urandom(64) for _ in range(3)]
+    for save_id in ("sv-dropped", "sv-kept", "sv-old"):
+        await store.put_manifest(manifest_of(save_id, *big))
+    assert await store.delete_manifest("sv-old")  # collected before
+    dropped = ["sv-dropped", "sv-old", "sv-never-stored", "sv-kept"]
+    assert await store.stored_manifests() == {"sv-dropped", "sv-kept"}
+    assert await delete_dropped_manifests(counting, dropped, ["sv-kept"]) == 1
+    assert counting.asked == ["sv-dropped"]
+    assert await store.stored_manifests() == {"sv-kept"}
+    assert await delete_dropped_manifests(counting, dropped, ["sv-kept"]) == 0
+    assert counting.asked == ["sv-dropped"]  # nothing asked the second time

@@ -152,6 +152,7 @@ async def test_a_manifest_larger_than_a_message_is_split(
     assert size > 2 * MANIFEST_PART_BYTES
     assert await store.put_manifest(m) == (size, digest)
     assert await store.get_manifest("sv-big") == m
+    assert await store.stored_manifests() == {"sv-big"}  # its parts are not saves of their own
     # A lost part makes the manifest incomplete, never a shorter tree.
     await nc.jetstream().purge_stream(names.saves_stream, subject=names.manifest("sv-big~1"))
     with pytest.raises(MissingManifest, match="part 1"):

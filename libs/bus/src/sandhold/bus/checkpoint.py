@@ -92,7 +92,10 @@ class Checkpoints(Generic[S]):
     def __init__(self, path: Path, state_type: Any) -> None:
         self.path = path
         self._encoder = msgspec.msgpack.Encoder(enc_hook=pmap.enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(Checkpoint[state_type], dec_hook=pmap.dec_hook)
+        # Decoded into the states' wire twins (their maps as dicts of typed
+        # records), then made states: a third of the time of decoding the maps
+        # as plain dicts first (`pmap.wire`).
+        self._decoder = msgspec.msgpack.Decoder(Checkpoint[pmap.wire(state_type)])  # type: ignore[misc]
 
     def read(self) -> Checkpoint[S] | None:
         """The file as written (None: none, or unreadable, which is logged)."""
@@ -106,6 +109,8 @@ class Checkpoints(Generic[S]):
         try:
             with _collector_paused():
                 found: Checkpoint[S] = self._decoder.decode(data)
+                states = {key: pmap.from_wire(state) for key, state in found.states.items()}
+                found = msgspec.structs.replace(found, states=states)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             log.warning("%s: undecodable (%s): folding from zero", self.path, err)
             return None

@@ -67,8 +67,9 @@ class AggregateStore(Generic[S]):
         checkpoint_dir: Path | None = None,
     ) -> None:
         """`follow=False`: no consumer at all; an aggregate is read (direct gets)
-        when asked for (`sync`) and before every decision. For a user that may
-        create no consumer (a host-agent, decision 032).
+        when asked for (`sync`), and when a decision on what was last read is
+        refused, empty or fenced off (decision 054). For a user that may create
+        no consumer (a host-agent, decision 032).
 
         `checkpoint_dir`: keep the folded state there (`checkpoint.py`), so a
         start folds only the events after it; the state's type is what
@@ -83,6 +84,7 @@ class AggregateStore(Generic[S]):
         self._states: dict[str, S] = {}
         self._seqs: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self._watchers: list[Callable[[str, list[Envelope]], None]] = []
         self._follower: Follower[Envelope] | None = None
         # Decisions on one aggregate in this process take turns; other processes
         # are kept honest by the fence.
@@ -211,6 +213,11 @@ class AggregateStore(Generic[S]):
         """`callback(aggregate_id)` after every change to an aggregate."""
         self._listeners.append(callback)
 
+    def watch(self, callback: Callable[[str, list[Envelope]], None]) -> None:
+        """`callback(aggregate_id, envelopes)` with the events of every change
+        as they are folded (not those a checkpoint already holds)."""
+        self._watchers.append(callback)
+
     def get(self, aggregate_id: str) -> tuple[S | None, int]:
         return self._states.get(aggregate_id), self._seqs.get(aggregate_id, 0)
 
@@ -247,6 +254,8 @@ class AggregateStore(Generic[S]):
         self._seqs[aggregate_id] = seq
         if envelopes and seq > self._last_event[0]:
             self._last_event = (seq, envelopes[-1].id)
+        for watcher in self._watchers:
+            watcher(aggregate_id, envelopes)
         for callback in self._listeners:
             callback(aggregate_id)
 
@@ -324,10 +333,12 @@ class AggregateStore(Generic[S]):
         trace_id: str | None,
         attempts: int,
     ) -> Executed[S]:
+        # Decided on what was last read, even where nothing follows the log (a
+        # host-agent's store, read on demand): events decided on an old state are
+        # refused by the fence and decided again after a read, so only a refusal
+        # or "nothing to do" needs a state just read before it is believed. (A
+        # read first cost every report of a host a round trip: two per command.)
         synced = False
-        if not self._follow:
-            await self.sync(aggregate_id)  # nothing keeps it current but this
-            synced = True
         for _ in range(attempts):
             state, seq = self.get(aggregate_id)
             try:
@@ -340,6 +351,10 @@ class AggregateStore(Generic[S]):
                 synced = True
                 continue
             if not events:
+                if not self._follow and not synced:
+                    await self.sync(aggregate_id)  # nothing keeps it current but this
+                    synced = True
+                    continue
                 return Executed(state, seq, [])
             with context.span(
                 # (the ignore: our tags are all str; msgspec's may be int)

@@ -13,14 +13,17 @@ sandboxes run a few dozen commands, and for them that is the faster.
 
 Entries are only ever added or replaced: a sandbox's commands and requests
 are records that stay. Equality is a Mapping's: a `PMap` equals a dict with
-the same items. msgspec encodes and decodes it as an object with `enc_hook`
-and `dec_hook` (a stored state: the read model's rows, a checkpoint).
+the same items. msgspec encodes it as an object with `enc_hook`, and decodes
+a stored state holding maps (the read model's rows, a checkpoint) through its
+wire twin (`wire`, `from_wire`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, get_args, get_origin, overload
+from functools import cache
+from types import UnionType
+from typing import Any, Generic, TypeVar, Union, get_args, get_origin, overload
 
 import immutables
 import msgspec
@@ -123,9 +126,74 @@ def enc_hook(obj: object) -> object:
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
-def dec_hook(type_: Any, obj: object) -> object:
-    """For msgspec decoders of states: `PMap[K, V]` is read from an object."""
-    if get_origin(type_) is PMap or type_ is PMap:
-        key, value = get_args(type_) or (Any, Any)
-        return PMap(msgspec.convert(obj, dict[key, value], dec_hook=dec_hook))  # type: ignore[valid-type]
-    raise NotImplementedError(f"cannot decode {type_!r}")
+# --- decoding straight into typed records ------------------------------------------
+#
+# A msgspec `dec_hook` is handed a map already decoded as plain dicts, to be
+# converted again: a checkpoint holding a million commands was decoded twice,
+# the first time into dicts (slower than into structs). A state type's *wire* twin has
+# each `PMap[K, V]` field as a `dict[K, V]`, which msgspec decodes straight into
+# typed records; `from_wire` then makes the maps in one call each.
+
+
+_WIRE: dict[type, type] = {}  # wire twin -> the state type it stands for
+
+
+@cache
+def _map_fields(cls: type) -> dict[str, tuple[Any, Any]]:
+    return {
+        f.name: get_args(f.type) for f in msgspec.structs.fields(cls) if get_origin(f.type) is PMap
+    }
+
+
+def wire(type_: Any) -> Any:
+    """`type_` with each struct holding `PMap` fields replaced by its wire twin
+    (a union's members too: `Sandbox | None`)."""
+    if get_origin(type_) in (Union, UnionType):
+        members = tuple(wire(t) for t in get_args(type_))
+        return Union[members]  # noqa: UP007 - built from a tuple
+    if not (isinstance(type_, type) and issubclass(type_, msgspec.Struct)):
+        return type_
+    return _twin(type_) if _map_fields(type_) else type_
+
+
+@cache
+def _twin(type_: Any) -> type:
+    """The wire twin of a struct with `PMap` fields (one per type)."""
+    maps = _map_fields(type_)
+    config = type_.__struct_config__
+    spec = []
+    for f in msgspec.structs.fields(type_):
+        kind = f.type
+        if f.name in maps:
+            key, value = maps[f.name]
+            kind = dict[key, value]  # type: ignore[valid-type]
+        if f.default is not msgspec.NODEFAULT:
+            spec.append((f.name, kind, msgspec.field(default=f.default, name=f.encode_name)))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            factory = f.default_factory
+            spec.append((f.name, kind, msgspec.field(default_factory=factory, name=f.encode_name)))
+        else:
+            spec.append((f.name, kind, msgspec.field(name=f.encode_name)))
+    twin = msgspec.defstruct(
+        f"{type_.__name__}Wire",
+        spec,
+        kw_only=True,
+        omit_defaults=config.omit_defaults,
+        forbid_unknown_fields=config.forbid_unknown_fields,
+        array_like=config.array_like,
+        tag=config.tag,
+        tag_field=config.tag_field,
+    )
+    _WIRE[twin] = type_
+    return twin
+
+
+def from_wire(value: Any) -> Any:
+    """The state a wire twin decoded stands for (anything else as it is)."""
+    of = _WIRE.get(type(value))
+    if of is None:
+        return value
+    fields = msgspec.structs.asdict(value)
+    for name in _map_fields(of):
+        fields[name] = PMap(fields[name])
+    return of(**fields)

@@ -63,7 +63,7 @@ def plan(
         # The host is done with this placement; a command it never reported on
         # may or may not have run, and sandhold says so instead of guessing.
         lost_generation = state.lost.generation if state.lost is not None else None
-        for command in state.commands.values():
+        for command in state.unended_commands():
             if command.generation == lost_generation:
                 continue  # ended by recovery as the loss implies (infrastructure_lost)
             if command.state in ("dispatched", "running"):
@@ -149,7 +149,7 @@ def plan(
         )
         work.append((host, deliver))
     if state.phase == "running" and host is not None:
-        for command in state.commands.values():
+        for command in state.unended_commands():
             if command.generation != gen:
                 continue
             if command.state == "dispatched" and not command.cancel_requested:

@@ -52,7 +52,7 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
         return []
     lost = state.lost
     events: list[ev.AnyEvent] = []
-    for command in state.commands.values():
+    for command in state.unended_commands():
         if command.generation != lost.generation:
             continue
         if command.state == "running":
@@ -79,7 +79,7 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     generation=lost.generation,
                 )
             )
-    for save in state.saves.values():
+    for save in state.saves_under_way():
         if save.generation == lost.generation and save.state in ("requested", "captured"):
             events.append(
                 ev.SaveFailed(

@@ -7,6 +7,7 @@ here is pure: time comes in as an argument and nothing does I/O.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from typing import Literal, assert_never
 
@@ -139,7 +140,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     source_sandbox_id: str | None = None
     running_since: float | None = None
     final_save_id: str | None = None  # the final save of the latest stop
-    saves: dict[str, sv.SaveRecord] = {}
+    saves: PMap[str, sv.SaveRecord] = EMPTY
     recovery_policy: Literal["lazy", "eager"] = "lazy"
     network: str = "none"
     image: str | None = None
@@ -163,16 +164,37 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     # Idle limits (docs/saves.md, "Idle and cold starts"): 0 = never reaped.
     idle_timeout_s: float = 0.0
     last_active_at: float = 0.0  # started, a command queued/started/ended, a touch
-    unended: int = 0  # commands queued, dispatched or running: never idle while any
+    # Its commands not ended (queued, dispatched or running), in the order they
+    # were queued: what the scheduler's passes, recovery and views look at, so a
+    # sandbox that ran 10,000 commands costs no more per event than a new one.
+    unended_ids: tuple[str, ...] = ()
+    # How many of its commands ended in each end state (views count without
+    # going through every command).
+    ended_counts: dict[str, int] = {}
     # Counts what can change its files (a placement started, a command queued,
     # started or ended, connections delivered or dropped): a save requested at
     # the same count, captured quiet, still holds them (`unchanged_since`).
     activity: int = 0
-    # The saves requested since the count last moved: the next move stamps
-    # their `changed_at` (from then on their files may differ from the sandbox's).
+    # The saves requested since the count last moved that may be quiet: the next
+    # move stamps their `changed_at` (from then on their files may differ from
+    # the sandbox's).
     requested_since_activity: tuple[str, ...] = ()
     start_requested_at: float | None = None
     last_start: StartRecord | None = None
+    # Indexes over the saves, kept in step with them by `_with_save` (decision
+    # 055): the saver's tick and reactions, recovery and the views read these, so
+    # a sandbox with 10,000 saves behind it costs no more per event than a new one.
+    saves_in_flight: tuple[str, ...] = ()  # requested, captured or uploaded; oldest first
+    saves_completed: tuple[str, ...] = ()  # completed, not expired: retention bounds them
+    snapshot_ids: tuple[str, ...] = ()  # every Snapshot taken of it, oldest first
+    # The failed attempts requested after the newest completed (or since expired)
+    # save, by request time: a streak that makes save health "failing"; and that
+    # save's request time, which a later attempt must pass to count.
+    save_failures: tuple[str, ...] = ()
+    save_streak_after: float | None = None
+    # The latest save requested: its generation and time (the saver's interval
+    # counts from it while the placement is the same).
+    last_save_request: tuple[int, float] | None = None
 
     @property
     def connections_current(self) -> bool:
@@ -184,7 +206,34 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def last_completed_save(self) -> sv.SaveRecord | None:
-        return sv.last_completed(self.saves)
+        return sv.newest_completed(self.saves[i] for i in self.saves_completed)
+
+    def saves_under_way(self) -> list[sv.SaveRecord]:
+        """Its saves requested, captured or uploaded, oldest first."""
+        return [self.saves[i] for i in self.saves_in_flight]
+
+    def failed_saves(self) -> list[sv.SaveRecord]:
+        """The failed attempts since the last save that completed, oldest first."""
+        return [self.saves[i] for i in self.save_failures]
+
+    def snapshots(self) -> list[sv.SaveRecord]:
+        return [self.saves[i] for i in self.snapshot_ids]
+
+    def named_saves(self) -> PMap[str, sv.SaveRecord]:
+        """The saves its indexes and fields name: those under way, completed,
+        Snapshots, the failure streak, those waiting to be stamped, the final save
+        and the one its placement restores: all its view reads. The rest are
+        expired or failed behind it (final: they never change again), however
+        many they are."""
+        ids = (
+            *self.saves_in_flight,
+            *self.saves_completed,
+            *self.snapshot_ids,
+            *self.save_failures,
+            *self.requested_since_activity,
+            *(i for i in (self.final_save_id, self.restore_save_id) if i is not None),
+        )
+        return PMap((i, self.saves[i]) for i in dict.fromkeys(ids) if i in self.saves)
 
     def restore_point(self) -> str | None:
         """The save a fresh workspace is materialised from: the last completed
@@ -205,6 +254,24 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     def queued_commands(self) -> list[Command]:
         return [self.commands[cid] for cid in self.queued]
 
+    @property
+    def unended(self) -> int:
+        """Commands queued, dispatched or running: never idle while any."""
+        return len(self.unended_ids)
+
+    def unended_commands(self) -> list[Command]:
+        return [self.commands[cid] for cid in self.unended_ids]
+
+    def command_counts(self) -> dict[str, int]:
+        """How many of its commands are in each state."""
+        counts = dict(self.ended_counts)
+        for cid in self.unended_ids:
+            # (A state stored without its commands, as the read model's rows
+            # are, counts its ended ones only: the rows count the rest.)
+            if (command := self.commands.get(cid)) is not None:
+                counts[command.state] = counts.get(command.state, 0) + 1
+        return counts
+
 
 def _woken(state: Sandbox, start: StartRecord) -> Sandbox:
     """Cold commands still queued get the start they waited for."""
@@ -218,36 +285,100 @@ def _woken(state: Sandbox, start: StartRecord) -> Sandbox:
 def _save_requested(state: Sandbox, event: ev.SaveRequested, at: float) -> Sandbox:
     if event.save_id in state.saves:
         return state
+    state = _with_save(state, sv.requested(event, at, activity=state.activity))
+    return msgspec.structs.replace(
+        state, requested_since_activity=(*state.requested_since_activity, event.save_id)
+    )
+
+
+def _save_advanced(state: Sandbox, save_id: str, event: ev.AnyEvent, at: float) -> Sandbox:
+    record = state.saves.get(save_id)
+    new = sv.advanced(record, event, at) if record is not None else None
+    return state if new is None else _with_save(state, new)
+
+
+def _with_save(state: Sandbox, record: sv.SaveRecord) -> Sandbox:
+    """The save put in (new or moved on), with the indexes that spare a pass over
+    all of them kept in step: under way, completed, Snapshots, the failure
+    streak and the latest request."""
+    before = state.saves.get(record.id)
+    moved = before is None or before.state != record.state
+    failures, after = state.save_failures, state.save_streak_after
+    counted = after is None or record.requested_at > after
+    if moved and record.state in ("completed", "expired") and counted:
+        after = record.requested_at  # a success later than the attempts before it ends the streak
+        failures = tuple(f for f in failures if state.saves[f].requested_at > after)
+    elif moved and record.state == "failed" and counted:
+        at = bisect_right([state.saves[f].requested_at for f in failures], record.requested_at)
+        failures = (*failures[:at], record.id, *failures[at:])
+    snapshots, last_request = state.snapshot_ids, state.last_save_request
+    waiting = state.requested_since_activity
+    if record.id in waiting and not _may_stay_quiet(record):
+        waiting = tuple(i for i in waiting if i != record.id)
+    if before is None:
+        if record.kind == "snapshot":
+            snapshots = (*snapshots, record.id)
+        latest = (record.generation, record.requested_at)
+        last_request = latest if last_request is None else max(last_request, latest)
     return msgspec.structs.replace(
         state,
-        saves=sv.apply(state.saves, event, at, activity=state.activity),
-        requested_since_activity=(*state.requested_since_activity, event.save_id),
+        saves=state.saves.set(record.id, record),
+        saves_in_flight=_indexed(state.saves_in_flight, record.id, record.state in sv.IN_FLIGHT),
+        saves_completed=_indexed(state.saves_completed, record.id, record.state == "completed"),
+        snapshot_ids=snapshots,
+        save_failures=failures,
+        save_streak_after=after,
+        last_save_request=last_request,
+        requested_since_activity=waiting,
     )
+
+
+def _may_stay_quiet(record: sv.SaveRecord) -> bool:
+    """Whether the save's `changed_at` can still matter: only a quiet save's
+    does (`held_until`), so one captured otherwise, or failed, is not stamped
+    and leaves `requested_since_activity`, which a long command running with
+    saves every interval would otherwise grow without end."""
+    return record.state == "requested" or (record.quiet and record.state != "failed")
 
 
 def _changed(state: Sandbox, at: float) -> Sandbox:
     """Something that can change its files happened at `at`: the saves requested
     since the last such thing are stamped, and the count moves on."""
-    saves = state.saves
     for save_id in state.requested_since_activity:
-        record = saves.get(save_id)
+        record = state.saves.get(save_id)
         if record is not None and record.changed_at is None:
-            saves = {**saves, save_id: msgspec.structs.replace(record, changed_at=at)}
-    return msgspec.structs.replace(
-        state, saves=saves, activity=state.activity + 1, requested_since_activity=()
-    )
+            state = _with_save(state, msgspec.structs.replace(record, changed_at=at))
+    return msgspec.structs.replace(state, activity=state.activity + 1, requested_since_activity=())
 
 
 def _with_command(state: Sandbox, command: Command) -> Sandbox:
-    queued = state.queued
-    was_queued = command.id in queued
-    if command.state == "queued" and not was_queued:
-        queued = (*queued, command.id)
-    elif command.state != "queued" and was_queued:
-        queued = tuple(cid for cid in queued if cid != command.id)
+    """The command put in (new or changed), with the indexes that spare a pass
+    over all of them kept in step: queued, unended, and the ended counts."""
+    queued = _indexed(state.queued, command.id, command.state == "queued")
+    unended_ids = _indexed(state.unended_ids, command.id, not command.ended)
+    before = state.commands.get(command.id)
+    ended_counts = state.ended_counts
+    if before is not None and before.ended and before.state != command.state:
+        # (Only a command queued again under an ended one's id: never by `decide`.)
+        ended_counts = {k: n - (k == before.state) for k, n in ended_counts.items()}
+        ended_counts = {k: n for k, n in ended_counts.items() if n}
+    if command.ended and (before is None or before.state != command.state):
+        ended_counts = {**ended_counts, command.state: ended_counts.get(command.state, 0) + 1}
     return msgspec.structs.replace(
-        state, commands=state.commands.set(command.id, command), queued=queued
+        state,
+        commands=state.commands.set(command.id, command),
+        queued=queued,
+        unended_ids=unended_ids,
+        ended_counts=ended_counts,
     )
+
+
+def _indexed(ids: tuple[str, ...], member_id: str, member: bool) -> tuple[str, ...]:
+    """`ids` with `member_id` at its end or taken out (few: only open commands,
+    saves under way or kept)."""
+    if member:
+        return ids if member_id in ids else (*ids, member_id)
+    return tuple(i for i in ids if i != member_id) if member_id in ids else ids
 
 
 def _remember(state: Sandbox, key: str, digest: str) -> PMap[str, str]:
@@ -361,8 +492,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
         case ev.SandboxStopRequested(request_key=key, request_digest=digest):
             # Only a sandbox that holds a place on a host has processes to stop.
             phase = "stopping" if state.phase in ACTIVE_PHASES else "stopped"
-            saves = state.saves
-            if event.final_save_id is not None:
+            if event.final_save_id is not None and event.final_save_id not in state.saves:
                 latest = state.last_completed_save
                 requested = ev.SaveRequested(
                     save_id=event.final_save_id,
@@ -371,12 +501,13 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                     generation=state.generation,
                     parent_id=latest.id if latest else None,
                 )
-                saves = sv.apply(saves, requested, envelope_time, activity=state.activity)
+                state = _with_save(
+                    state, sv.requested(requested, envelope_time, activity=state.activity)
+                )
             return replace(
                 state,
                 phase=phase,
                 requests=_remember(state, key, digest),
-                saves=saves,
                 final_save_id=event.final_save_id,
                 running_since=None,
                 reason=event.reason,
@@ -417,11 +548,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 queued_at=envelope_time,
                 cold=wakes_on_command(state),
             )
-            before = state.commands.get(event.command_id)
             state = replace(
                 _changed(state, envelope_time),
                 requests=_remember(state, event.request_key, event.request_digest),
-                unended=state.unended + (0 if before is not None and not before.ended else 1),
                 last_active_at=_later(state, envelope_time),
             )
             return _with_command(state, command)
@@ -439,9 +568,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             ending = state.commands.get(event.command_id)
             if ending is not None and not ending.ended:
                 state = replace(
-                    _changed(state, envelope_time),
-                    unended=state.unended - 1,
-                    last_active_at=_later(state, envelope_time),
+                    _changed(state, envelope_time), last_active_at=_later(state, envelope_time)
                 )
             return _update_command(
                 state,
@@ -486,14 +613,12 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return replace(state, requests=_remember(state, key, digest))
         case ev.SaveRequested():
             return _save_requested(state, event, envelope_time)
-        case (
-            ev.SaveCaptured()
-            | ev.SaveUploaded()
-            | ev.SaveCompleted()
-            | ev.SaveFailed()
-            | ev.SavesExpired()
-        ):
-            return replace(state, saves=sv.apply(state.saves, event, envelope_time))
+        case ev.SaveCaptured() | ev.SaveUploaded() | ev.SaveCompleted() | ev.SaveFailed():
+            return _save_advanced(state, event.save_id, event, envelope_time)
+        case ev.SavesExpired(save_ids=save_ids):
+            for save_id in save_ids:
+                state = _save_advanced(state, save_id, event, envelope_time)
+            return state
         case (
             ev.SandboxCreated()
             | ev.HostRegistered()
@@ -541,7 +666,9 @@ def _recovered_from(state: Sandbox) -> RecoveredFrom:
 
 def _update_command(sandbox: Sandbox, command_id: str, /, **changes: object) -> Sandbox:
     command = sandbox.commands.get(command_id)
-    if command is None:
+    if command is None or command.ended:
+        # An end state is final: hosts report only on commands not ended
+        # (`reports.news`), and the indexes rely on an ended command not changing.
         return sandbox
     return _with_command(sandbox, msgspec.structs.replace(command, **changes))
 
@@ -812,9 +939,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     "sandbox",
                 )
             taken = {
-                s.snapshot_name
-                for s in state.saves.values()
-                if s.kind == "snapshot" and s.state not in ("failed", "expired")
+                s.snapshot_name for s in state.snapshots() if s.state not in ("failed", "expired")
             }
             if request.name in taken:
                 raise Rejected(

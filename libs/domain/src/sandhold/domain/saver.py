@@ -30,15 +30,15 @@ def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
     placement's first: a fraction of it, `first_save_fraction`), and none while
     the sandbox's files are still those of its last save (`unchanged_since`):
     then the interval counts from when they could first have changed."""
-    if state.phase != "running" or state.host is None or sv.in_flight(state.saves):
+    if state.phase != "running" or state.host is None or state.saves_in_flight:
         return []
     if unchanged_since(state) is not None:
         return []
     latest = state.last_completed_save
-    requested = [s.requested_at for s in state.saves.values() if s.generation == state.generation]
-    if requested:
+    last_request = state.last_save_request
+    if last_request is not None and last_request[0] == state.generation:
         wait = state.save_interval_s
-        since = max(requested)
+        since = last_request[1]
         if latest is not None and latest.quiet and latest.changed_at is not None:
             since = max(since, latest.changed_at)
     else:
@@ -72,13 +72,13 @@ def save_work(state: Sandbox) -> list[tuple[str, wk.SaveSandboxWork]]:
                 parent_save_id=s.parent_id,
             ),
         )
-        for s in state.saves.values()
+        for s in state.saves_under_way()
         if s.state == "requested" and s.kind != "final" and s.generation == state.generation
     ]
 
 
 def awaiting_verification(state: Sandbox) -> list[sv.SaveRecord]:
-    return [s for s in state.saves.values() if s.state == "uploaded"]
+    return [s for s in state.saves_under_way() if s.state == "uploaded"]
 
 
 def verified(
@@ -113,7 +113,7 @@ def timed_out(state: Sandbox, *, now: float, timeout_s: float) -> list[ev.AnyEve
             host=s.host,
             generation=s.generation,
         )
-        for s in sv.in_flight(state.saves)
+        for s in state.saves_under_way()
         if s.state != "uploaded" and now - s.requested_at > timeout_s
     ]
 
@@ -121,7 +121,7 @@ def timed_out(state: Sandbox, *, now: float, timeout_s: float) -> list[ev.AnyEve
 def expired(state: Sandbox, *, keep_last: int) -> list[ev.AnyEvent]:
     """Keep the last `keep_last` completed saves and every Snapshot."""
     completed = sorted(
-        (s for s in state.saves.values() if s.state == "completed" and s.kind != "snapshot"),
+        (state.saves[i] for i in state.saves_completed if state.saves[i].kind != "snapshot"),
         key=lambda s: s.completed_at or 0.0,
     )
     old = [s.id for s in completed[:-keep_last]] if keep_last > 0 else [s.id for s in completed]
@@ -131,8 +131,8 @@ def expired(state: Sandbox, *, keep_last: int) -> list[ev.AnyEvent]:
 def retained(state: Sandbox) -> list[str]:
     """Saves whose manifests and chunks must stay in the store: the completed ones,
     and the parents of saves under way (they reuse the parent's chunks unsent)."""
-    keep = {s.id for s in state.saves.values() if s.state == "completed"}
-    keep |= {s.parent_id for s in sv.in_flight(state.saves) if s.parent_id}
+    keep = set(state.saves_completed)
+    keep |= {s.parent_id for s in state.saves_under_way() if s.parent_id}
     if state.source_snapshot_id is not None:  # a fresh placement may still restore it
         keep.add(state.source_snapshot_id)
     return sorted(keep)
@@ -140,5 +140,6 @@ def retained(state: Sandbox) -> list[str]:
 
 def dropped(state: Sandbox) -> list[str]:
     """Saves that no longer count (expired by retention, or failed): their
-    manifests can go; their chunks go once no retained save names them."""
+    manifests can go; their chunks go once no retained save names them. (A pass
+    over all of them: garbage collection runs every few minutes, not per event.)"""
     return [s.id for s in state.saves.values() if s.state in ("expired", "failed")]

@@ -6,6 +6,7 @@ anything failed never replaces the last completed one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import msgspec
@@ -54,30 +55,35 @@ class SaveHealth(msgspec.Struct, kw_only=True):
     reason: str = ""
 
 
-def apply(
-    saves: dict[str, SaveRecord], event: ev.AnyEvent, at: float, *, activity: int = -1
-) -> dict[str, SaveRecord]:
-    """A new saves map with one save event applied (others leave it as is);
-    `activity`: the sandbox's count when a save is requested."""
-    replace = msgspec.structs.replace
+def requested(event: ev.SaveRequested, at: float, *, activity: int = -1) -> SaveRecord:
+    """A new save's record; `activity`: the sandbox's count when it was requested."""
+    return SaveRecord(
+        id=event.save_id,
+        kind=event.kind,
+        state="requested",
+        requested_at=at,
+        host=event.host,
+        generation=event.generation,
+        parent_id=event.parent_id,
+        snapshot_name=event.snapshot_name,
+        activity=activity,
+    )
+
+
+def advanced(record: SaveRecord, event: ev.AnyEvent, at: float) -> SaveRecord | None:
+    """`record` after one of its events, or None when the event does not change
+    it. Only a save under way moves on (captured, uploaded, completed, failed)
+    and only a completed one expires: failed and expired are final, as a
+    command's end state is (the saver and the hosts decide nothing else)."""
+    if record.state == "completed":
+        if isinstance(event, ev.SavesExpired):
+            return msgspec.structs.replace(record, state="expired")
+        return None
+    if record.state not in IN_FLIGHT:
+        return None
     match event:
-        case ev.SaveRequested():
-            if event.save_id in saves:
-                return saves
-            record = SaveRecord(
-                id=event.save_id,
-                kind=event.kind,
-                state="requested",
-                requested_at=at,
-                host=event.host,
-                generation=event.generation,
-                parent_id=event.parent_id,
-                snapshot_name=event.snapshot_name,
-                activity=activity,
-            )
-            return {**saves, record.id: record}
-        case ev.SaveCaptured(save_id=save_id):
-            changes = {
+        case ev.SaveCaptured():
+            changes: dict[str, object] = {
                 "state": "captured",
                 "captured_at": at,
                 "freeze_ms": event.freeze_ms,
@@ -85,7 +91,7 @@ def apply(
                 "changed_bytes": event.changed_bytes,
                 "quiet": event.quiet,
             }
-        case ev.SaveUploaded(save_id=save_id):
+        case ev.SaveUploaded():
             changes = {
                 "state": "uploaded",
                 "uploaded_bytes": event.uploaded_bytes,
@@ -93,57 +99,33 @@ def apply(
                 "files": event.files,
                 "manifest_digest": event.manifest_digest,
             }
-        case ev.SaveCompleted(save_id=save_id):
+        case ev.SaveCompleted():
             changes = {
                 "state": "completed",
                 "completed_at": at,
                 "total_bytes": event.total_bytes,
                 "files": event.files,
             }
-        case ev.SaveFailed(save_id=save_id):
+        case ev.SaveFailed():
             changes = {
                 "state": "failed",
                 "failed_at": at,
                 "stage": event.stage,
                 "reason": event.reason,
             }
-        case ev.SavesExpired(save_ids=ids):
-            return {
-                k: replace(v, state="expired") if k in ids and v.state == "completed" else v
-                for k, v in saves.items()
-            }
         case _:
-            return saves
-    current = saves.get(save_id)
-    if current is None:
-        return saves
-    return {**saves, save_id: replace(current, **changes)}
+            return None
+    return msgspec.structs.replace(record, **changes)
 
 
-def last_completed(saves: dict[str, SaveRecord]) -> SaveRecord | None:
-    """The newest completed save: what recovery would start from."""
-    done = [s for s in saves.values() if s.state == "completed"]
-    return max(done, key=lambda s: s.completed_at or 0.0, default=None)
-
-
-def in_flight(saves: dict[str, SaveRecord]) -> list[SaveRecord]:
-    return [s for s in saves.values() if s.state in IN_FLIGHT]
-
-
-def consecutive_failures(saves: dict[str, SaveRecord]) -> list[SaveRecord]:
-    """The failed attempts since the last completed save, oldest first."""
-    ordered = sorted(saves.values(), key=lambda s: s.requested_at)
-    streak: list[SaveRecord] = []
-    for record in ordered:
-        if record.state == "completed" or record.state == "expired":
-            streak = []
-        elif record.state == "failed":
-            streak.append(record)
-    return streak
+def newest_completed(completed: Iterable[SaveRecord]) -> SaveRecord | None:
+    """Of completed saves, the one completed last: what recovery would start from."""
+    return max(completed, key=lambda s: s.completed_at or 0.0, default=None)
 
 
 def health(
-    saves: dict[str, SaveRecord],
+    latest: SaveRecord | None,
+    failures: Sequence[SaveRecord],
     *,
     interval_s: float,
     running_since: float | None,
@@ -151,17 +133,17 @@ def health(
     saved_until: float | None = None,
 ) -> SaveHealth:
     """ok / delayed (no completed save for more than twice the interval) /
-    failing (the last attempts failed), with since when and why. `saved_until`:
-    up to when the files are known to be in a save, if later than its completion
-    (`sandbox.saved_until`: a quiet sandbox's save holds them until a change)."""
-    failures = consecutive_failures(saves)
+    failing (the last attempts failed), with since when and why. `latest`: the
+    last completed save; `failures`: the failed attempts since, oldest first;
+    `saved_until`: up to when the files are known to be in a save, if later than
+    its completion (`sandbox.saved_until`: a quiet sandbox's save holds them
+    until a change)."""
     if len(failures) >= FAILING_AFTER:
         return SaveHealth(
             state="failing",
             since=failures[0].failed_at,
             reason=f"{failures[-1].stage}: {failures[-1].reason}",
         )
-    latest = last_completed(saves)
     reference = latest.completed_at if latest is not None else running_since
     if saved_until is not None and reference is not None:
         reference = max(reference, saved_until)

@@ -244,18 +244,17 @@ def _recovery(s: Sandbox) -> dict[str, object] | None:
 
 def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
     """The sandbox as clients see it at `now` (save health and RPO depend on it)."""
-    counts: dict[str, int] = {}
-    for c in s.commands.values():
-        counts[c.state] = counts.get(c.state, 0) + 1
+    counts = s.command_counts()
     latest = s.last_completed_save
-    in_flight = sv.in_flight(s.saves)
+    in_flight = s.saves_in_flight
     final = s.saves.get(s.final_save_id) if s.final_save_id else None
     saved = saved_until(s, now=now)
     unchanged = unchanged_since(s)
     health = None
-    if s.phase == "running" or in_flight or sv.consecutive_failures(s.saves):
+    if s.phase == "running" or in_flight or s.save_failures:
         health = sv.health(
-            s.saves,
+            latest,
+            s.failed_saves(),
             interval_s=s.save_interval_s,
             running_since=s.running_since,
             now=now,
@@ -284,16 +283,12 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
         rpo_s=None if saved is None else now - saved,
         unchanged_since_save=unchanged.id if unchanged is not None else None,
         recoverable_from=_recoverable_from(s),
-        save_in_progress=save_view(s.id, in_flight[-1]) if in_flight else None,
+        save_in_progress=save_view(s.id, s.saves[in_flight[-1]]) if in_flight else None,
         final_save=save_view(s.id, final) if final else None,
         lost_host=s.lost.host if s.lost else None,
         recovery=_recovery(s),
         recovered_from=s.recovered_from,
-        snapshots=[
-            save_view(s.id, r)
-            for r in s.saves.values()
-            if r.kind == "snapshot" and r.state != "failed"
-        ],
+        snapshots=[save_view(s.id, r) for r in s.snapshots() if r.state != "failed"],
         connections=sorted(s.connections),
         connections_pending=s.phase in ("starting", "running") and not s.connections_current,
         idle=IdleView(timeout_s=s.idle_timeout_s, since=s.last_active_at, reaps_at=reaps_at(s)),

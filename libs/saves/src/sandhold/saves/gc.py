@@ -44,6 +44,21 @@ def collectable(
     return {d for d, stored_at in stored.items() if d not in referenced and stored_at < cutoff}
 
 
+async def delete_dropped_manifests(
+    store: SaveStore, dropped_save_ids: Iterable[str], retained_save_ids: Iterable[str]
+) -> int:
+    """Delete the stored manifests of dropped saves (expired or failed) that are
+    not retained; returns how many. Only those the store still holds are
+    touched: a sandbox that dropped 10,000 saves over its life costs one
+    listing per collection, not 10,000 deletes of manifests long gone."""
+    doomed = (await store.stored_manifests()).intersection(dropped_save_ids)
+    deleted = 0
+    for save_id in sorted(doomed.difference(retained_save_ids)):
+        if await store.delete_manifest(save_id):
+            deleted += 1
+    return deleted
+
+
 async def collect_garbage(
     store: SaveStore,
     retained_save_ids: Iterable[str],

@@ -350,6 +350,13 @@ class SaveStore:
             raise CorruptManifest(f"manifest stored for {save_id} is the one of {manifest.save_id}")
         return manifest
 
+    async def stored_manifests(self) -> set[str]:
+        """The save ids with a manifest (or a part of one) stored: one listing,
+        however many saves the log has dropped since."""
+        cut = len(self._names.manifest(""))
+        subjects = await self._s.subjects(self._names.manifest("*"))
+        return {subject[cut:].split("~", 1)[0] for subject in subjects}
+
     async def delete_manifest(self, save_id: str) -> bool:
         """Delete a save's manifest (parts first, head last); False when there was none."""
         check_save_id(save_id)

@@ -141,7 +141,9 @@ def decode_json(data: bytes, body_type: type, *, empty_ok: bool = False):
     Unparseable JSON is `malformed_body` (400); JSON that does not match the
     schema is `invalid_request` (422) naming the field.
     """
-    if not data.strip() and empty_ok:
+    # Only a body of no bytes at all is "no body": whitespace alone is not JSON,
+    # and a request that sent it meant something it did not say.
+    if not data and empty_ok:
         data = b"{}"
     try:
         parsed = msgspec.json.decode(data)

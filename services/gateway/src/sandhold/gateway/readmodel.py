@@ -37,10 +37,12 @@ from sandhold.bus.append import last_sequence
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.follow import pull_batches
 from sandhold.bus.names import Names
+from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as task_domain
+from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import command_view, save_view
 
 log = logging.getLogger("sandhold.gateway.readmodel")
@@ -79,6 +81,7 @@ CREATE TABLE IF NOT EXISTS saves (
     state TEXT NOT NULL,
     requested_at REAL NOT NULL,
     view BLOB NOT NULL,
+    record BLOB NOT NULL,
     PRIMARY KEY (sandbox_id, id)
 );
 CREATE INDEX IF NOT EXISTS saves_by_sandbox ON saves (sandbox_id, requested_at, id);
@@ -104,21 +107,28 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
 # A read model of another version is dropped and rebuilt from the log on open.
-SCHEMA_VERSION = "4"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start
+SCHEMA_VERSION = "7"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start;
+# 5: its unended command ids and ended counts, without its idempotency keys; 6: its
+# saves' indexes (decision 055); 7: save records in their rows, the sandbox's row
+# holds only the saves its view reads
 
 _json = msgspec.json.Encoder(order="deterministic", enc_hook=pmap.enc_hook)
 _command = msgspec.json.Decoder(sb.Command)
+_save = msgspec.json.Decoder(SaveRecord)
 
 
 class Kind(msgspec.Struct, frozen=True):
     """How one aggregate kind is folded and stored."""
 
     evolve: Callable[[Any, Any], Any]
-    decoder: msgspec.json.Decoder
+    decoder: msgspec.json.Decoder  # of the state's wire twin (`pmap.wire`)
+
+    def decode(self, data: bytes) -> Any:
+        return pmap.from_wire(self.decoder.decode(data))
 
 
 KINDS = {
-    "sandbox": Kind(sb.evolve, msgspec.json.Decoder(sb.Sandbox, dec_hook=pmap.dec_hook)),
+    "sandbox": Kind(sb.evolve, msgspec.json.Decoder(pmap.wire(sb.Sandbox))),
     "host": Kind(host_domain.evolve, msgspec.json.Decoder(host_domain.Host)),
     "task": Kind(task_domain.evolve, msgspec.json.Decoder(task_domain.Task)),
 }
@@ -246,6 +256,7 @@ class ReadModel:
     ) -> tuple[int, int]:
         assert self._writer is not None
         before: dict[tuple[str, str], Any] = {}
+        touched: dict[tuple[str, str], set[str]] = {}  # the commands and saves its events named
         applied = 0
         for seq, subject, data in messages:
             if seq <= position:
@@ -264,6 +275,9 @@ class ReadModel:
             state, _ = await self._load(key)
             if key not in before:
                 before[key] = state
+            named = named_ids(envelope.event)
+            if named:
+                touched.setdefault(key, set()).update(named)
             try:
                 new_state = KINDS[kind].evolve(state, envelope)
             except Exception:  # a poison event must not stall every list: skip it, loudly
@@ -273,7 +287,7 @@ class ReadModel:
             self._cache.move_to_end(key)
             applied += 1
         for key, old in before.items():
-            await self._write(key, old)
+            await self._write(key, old, touched.get(key, set()))
         self._trim_cache()
         await self._writer.execute(
             "INSERT INTO meta VALUES ('position', ?) "
@@ -297,28 +311,35 @@ class ReadModel:
         if row is None:
             found: tuple[Any, int] = (None, 0)
         else:
-            decoded = KINDS[kind].decoder.decode(row[0])
-            if kind == "sandbox":  # commands live in their own rows (see sandbox_row)
-                async with self._writer.execute(
-                    "SELECT id, record FROM commands WHERE sandbox_id = ? ORDER BY queued_at, id",
-                    (aggregate_id,),
-                ) as cur:
-                    commands = pmap.PMap(
-                        (r[0], _command.decode(r[1])) for r in await cur.fetchall()
-                    )
-                decoded = msgspec.structs.replace(decoded, commands=commands)
+            decoded = KINDS[kind].decode(row[0])
+            if kind == "sandbox":  # commands and saves live in their own rows (see sandbox_row)
+                decoded = msgspec.structs.replace(
+                    decoded,
+                    commands=await self._records("commands", "queued_at", aggregate_id, _command),
+                    saves=await self._records("saves", "requested_at", aggregate_id, _save),
+                )
             found = (decoded, int(row[1]))
         self._cache[key] = found
         return found
 
-    async def _write(self, key: tuple[str, str], old: Any) -> None:
+    async def _records(
+        self, table: str, by: str, sandbox_id: str, decoder: msgspec.json.Decoder
+    ) -> pmap.PMap:
+        assert self._writer is not None
+        async with self._writer.execute(
+            f"SELECT id, record FROM {table} WHERE sandbox_id = ? ORDER BY {by}, id",
+            (sandbox_id,),
+        ) as cur:
+            return pmap.PMap((r[0], decoder.decode(r[1])) for r in await cur.fetchall())
+
+    async def _write(self, key: tuple[str, str], old: Any, touched: set[str]) -> None:
         state, seq = self._cache[key]
         if state is None:
             return
         assert self._writer is not None
         kind = key[0]
         if kind == "sandbox":
-            await self._write_sandbox(state, seq, old)
+            await self._write_sandbox(state, seq, old, touched)
         elif kind == "host":
             await self._writer.execute(
                 "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
@@ -330,29 +351,25 @@ class ReadModel:
                 task_row(state, seq),
             )
 
-    async def _write_sandbox(self, s: sb.Sandbox, seq: int, old: sb.Sandbox | None) -> None:
+    async def _write_sandbox(
+        self, s: sb.Sandbox, seq: int, old: sb.Sandbox | None, touched: set[str]
+    ) -> None:
         db = self._writer
         assert db is not None
         await db.execute(
             "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             sandbox_row(s, seq),
         )
-        old_commands = old.commands if old is not None else {}
-        for command in s.commands.values():
-            if old_commands.get(command.id) is not command:  # frozen: changed = replaced
-                await db.execute(
-                    "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    command_row(s, command),
-                )
-        old_saves = old.saves if old is not None else {}
-        for record in s.saves.values():
-            if old_saves.get(record.id) is not record:
-                await db.execute(
-                    "INSERT OR REPLACE INTO saves VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    save_row(s, record),
-                )
-        for gone in old_saves.keys() - s.saves.keys():
-            await db.execute("DELETE FROM saves WHERE sandbox_id = ? AND id = ?", (s.id, gone))
+        for command in changed_commands(old, s, touched):
+            await db.execute(
+                "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                command_row(s, command),
+            )
+        for record in changed_saves(old, s, touched):
+            await db.execute(
+                "INSERT OR REPLACE INTO saves VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                save_row(s, record),
+            )
 
     async def _advance(self, position: int) -> None:
         async with self._advanced:
@@ -459,8 +476,11 @@ def _triples(msgs: list[tuple[int, Msg]]) -> list[tuple[int, str, bytes]]:
 
 
 def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
-    # The state without its commands: they are rows of their own, so a sandbox
-    # with many commands is not rewritten whole on every event.
+    # The state without its commands and with only the saves its view reads
+    # (commands and saves have rows of their own; lists render views from this
+    # state alone), and without the idempotency keys it has seen (the
+    # scheduler's business, not a reader's): a sandbox that ran many commands,
+    # or saved every interval for months, is not rewritten whole on every event.
     return (
         s.id,
         s.tenant,
@@ -470,8 +490,71 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
         s.created_at,
         int(s.delete_requested),
         seq,
-        _json.encode(msgspec.structs.replace(s, commands=pmap.EMPTY)),
+        _json.encode(
+            msgspec.structs.replace(
+                s, commands=pmap.EMPTY, saves=s.named_saves(), requests=pmap.EMPTY
+            )
+        ),
     )
+
+
+def changed_commands(
+    old: sb.Sandbox | None, new: sb.Sandbox, touched: Iterable[str] = ()
+) -> list[sb.Command]:
+    """The commands `new` holds that differ from `old`'s, where `touched` names
+    those the events between them were about. An ended command never changes
+    again, so only those unended before or after, or named by an event (one
+    queued and ended in between: a batch), can have: a sandbox that ran 10,000
+    commands is not gone through on every event."""
+    if old is None:
+        return list(new.commands.values())
+    ids = dict.fromkeys((*old.unended_ids, *new.unended_ids, *sorted(touched)))
+    return [
+        command
+        for cid in ids
+        if (command := new.commands.get(cid)) is not None
+        and old.commands.get(cid) is not command  # frozen: changed = replaced
+    ]
+
+
+def named_ids(event: Any) -> tuple[str, ...]:
+    """The commands and saves an event is about (a stop: its final save)."""
+    if isinstance(event, ev.SavesExpired):
+        return tuple(event.save_ids)
+    return tuple(
+        i
+        for i in (
+            getattr(event, "command_id", None),
+            getattr(event, "save_id", None),
+            getattr(event, "final_save_id", None),
+        )
+        if i is not None
+    )
+
+
+def changed_saves(
+    old: sb.Sandbox | None, new: sb.Sandbox, touched: Iterable[str] = ()
+) -> list[SaveRecord]:
+    """The saves `new` holds that differ from `old`'s, where `touched` names
+    those the events between them were about. Only a save under way moves on,
+    only a completed one expires and only one requested since the sandbox's
+    activity last moved is stamped (`_changed`); a new one is named by its
+    event: a sandbox with 10,000 saves behind it is not gone through per event."""
+    if old is None:
+        return list(new.saves.values())
+    ids = dict.fromkeys(
+        (
+            *old.saves_in_flight,
+            *old.saves_completed,
+            *old.requested_since_activity,
+            *sorted(touched),
+        )
+    )
+    return [
+        record
+        for i in ids
+        if (record := new.saves.get(i)) is not None and old.saves.get(i) is not record
+    ]
 
 
 def command_row(s: sb.Sandbox, command: sb.Command) -> tuple:
@@ -487,7 +570,7 @@ def command_row(s: sb.Sandbox, command: sb.Command) -> tuple:
     )
 
 
-def save_row(s: sb.Sandbox, record: Any) -> tuple:
+def save_row(s: sb.Sandbox, record: SaveRecord) -> tuple:
     return (
         s.id,
         record.id,
@@ -496,6 +579,7 @@ def save_row(s: sb.Sandbox, record: Any) -> tuple:
         record.state,
         record.requested_at,
         _json.encode(save_view(s.id, record)),
+        _json.encode(record),
     )
 
 
@@ -536,7 +620,7 @@ _COLUMNS = {
         "view",
         "record",
     ),
-    "saves": ("sandbox_id", "id", "tenant", "kind", "state", "requested_at", "view"),
+    "saves": ("sandbox_id", "id", "tenant", "kind", "state", "requested_at", "view", "record"),
     "tasks": (
         "id",
         "tenant",

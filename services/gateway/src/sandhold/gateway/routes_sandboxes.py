@@ -558,10 +558,11 @@ async def page(ctx: Context, sql: str, params: list, after, limit: int, order: s
 
 
 def decode_sandbox(state: bytes):
-    """A sandbox's state as the read model keeps it (without its commands)."""
+    """A sandbox's state as the read model keeps it (without its commands, with
+    only the saves its view reads)."""
     from sandhold.gateway.readmodel import KINDS
 
-    return KINDS["sandbox"].decoder.decode(state)
+    return KINDS["sandbox"].decode(state)
 
 
 def _output(command: b.CommandView, output: dict[str, bytes]) -> b.CommandOutput:

@@ -37,7 +37,13 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.domain.errors import InfraError, SandholdError
 from sandhold.domain.saves import SaveRecord
-from sandhold.saves import CorruptManifest, MissingManifest, SaveStore, collect_garbage
+from sandhold.saves import (
+    CorruptManifest,
+    MissingManifest,
+    SaveStore,
+    collect_garbage,
+    delete_dropped_manifests,
+)
 
 log = logging.getLogger("sandhold.saver")
 
@@ -258,10 +264,7 @@ class Saver:
         retained, dropped = retained_and_dropped(s for s in states if s is not None)
         # Manifests of expired and failed saves go first; then every chunk that
         # no retained manifest names (and that is older than the grace) goes too.
-        manifests = 0
-        for save_id in sorted(set(dropped) - set(retained)):
-            if await self.store.delete_manifest(save_id):
-                manifests += 1
+        manifests = await delete_dropped_manifests(self.store, dropped, retained)
         stats = await collect_garbage(
             self.store, retained, now=time.time(), grace_s=grace_s, may_delete=self.duty.held
         )

@@ -32,10 +32,12 @@ from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import Shell, instance_name
+from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import work as wk
+from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.placement import HostInfo, Waiting, choose_host, network_modes, why_waiting
 from sandhold.domain.reconcile import plan, secrets_gone
@@ -75,7 +77,9 @@ class Scheduler:
         self._lease_ttl = lease_ttl
         self._defaults = defaults
         self._durable = durable
-        self._secrets_forgotten: set[str] = set()  # command ids, this process's
+        # sandbox id -> ids of its commands whose secrets may still be stored (for
+        # a sandbox first looked at since this process started: all it ran).
+        self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
         self._placed_on: dict[str, str] = {}  # sandbox id -> the host it holds a place on
         self._load: dict[str, int] = {}  # host -> how many sandboxes hold a place there
@@ -92,6 +96,7 @@ class Scheduler:
                 await leases.lease_bucket(shell.js, self._names), ttl=self._lease_ttl
             )
             self.leases.on_renewal(self._host_renewed)
+            self.sandboxes.watch(self._note_secrets)
             self.sandboxes.listen(self._sandbox_changed)
             await shell.start_stores()
             await self.leases.start()
@@ -278,13 +283,29 @@ class Scheduler:
         )
         return None
 
+    def _note_secrets(self, sandbox_id: str, envelopes: list[Envelope]) -> None:
+        """Remember the commands queued with secrets, as their events are folded:
+        a pass then looks at those alone, not at every command the sandbox ran."""
+        held = self._secrets_held.get(sandbox_id)
+        if held is None:
+            return  # not looked at yet: the first pass goes through them all
+        for envelope in envelopes:
+            event = envelope.event
+            if isinstance(event, ev.CommandQueued) and event.secret_names:
+                held.add(event.command_id)
+
     async def _forget_used_secrets(self, state: sb.Sandbox) -> None:
         """A command that started (or ended) needs its secrets no more."""
-        for command in state.commands.values():
-            used = command.state not in ("queued", "dispatched")
-            if command.secret_names and used and command.id not in self._secrets_forgotten:
-                await secret_store.forget(self._js, self._names, self._names.secret(command.id))
-                self._secrets_forgotten.add(command.id)
+        held = self._secrets_held.get(state.id)
+        if held is None:  # the first look since start: anything may be left over
+            held = {c.id for c in state.commands.values() if c.secret_names}
+            self._secrets_held[state.id] = held
+        for command_id in sorted(held):
+            command = state.commands.get(command_id)
+            if command is not None and command.state in ("queued", "dispatched"):
+                continue
+            await secret_store.forget(self._js, self._names, self._names.secret(command_id))
+            held.discard(command_id)
 
     async def _check_seed(self, save_id: str, sandbox_id: str, digest: str) -> None:
         """A seed must be stored, and staged for exactly this sandbox: the id is

@@ -27,6 +27,10 @@ from tests.support.waiting import wait_until
 
 SERVICES = ("scheduler", "saver", "recovery", "metrics", "orchestrator", "gateway")
 LEASE_TTL = 2.0
+# How long an accepted command may take to end through a node's kill and the
+# hosts' fences: far longer than both (a few seconds), and short enough that a
+# command left behind fails the test with its story before pytest's timeout.
+END_WAIT_S = 60.0
 
 
 def _start(data_dir: Path, *extra: str) -> Up:
@@ -67,6 +71,24 @@ def _cmdline(pid: int) -> list[str]:
 def _preferred_node(pid: int) -> str:
     argv = _cmdline(pid)
     return argv[argv.index("--nats") + 1].split(",")[0]
+
+
+async def _story(client: Client, sandbox_id: str, key: str) -> str:
+    """What the log says of a command that did not end in time: its sandbox's
+    phase and every event of it since the command was queued."""
+    command_id = command_id_for(sandbox_id, key)
+    records = await client.sandbox_records(sandbox_id)
+    lines, seen = [], False
+    for record in records:
+        event = record.envelope.event
+        seen = seen or getattr(event, "command_id", None) == command_id
+        if seen:
+            lines.append(f"  seq {record.seq}: {event!r}")
+    state = await client.sandbox_state(sandbox_id)
+    phase = (state.phase, state.reason, state.host, state.generation) if state else None
+    return f"{key} ({command_id}) has not ended; sandbox {phase}; since queued:\n" + "\n".join(
+        lines[:200]
+    )
 
 
 async def _sandbox(client: Client, key: str) -> str:
@@ -204,9 +226,13 @@ async def test_kill_9_of_the_events_leader_loses_no_acknowledged_command(cup: Up
             key = f"k{i}"
             try:
                 result = await client.exec(
-                    sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=120
+                    sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=END_WAIT_S
                 )
                 answered[key] = result.command.exit_code
+            except TimeoutError:
+                # Accepted, and no end for END_WAIT_S: not a request lost in flight
+                # but a command left behind. Fail now, with its story.
+                raise AssertionError(await _story(client, sandbox_id, key)) from None
             except Exception:  # noqa: BLE001 - a request in flight when the node died
                 failed.append(key)
 
@@ -235,9 +261,12 @@ async def test_kill_9_of_the_events_leader_loses_no_acknowledged_command(cup: Up
         ended: dict[str, str] = {}
         for i in range(40):
             key = f"k{i}"
-            again = await client.exec(
-                sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=120
-            )
+            try:
+                again = await client.exec(
+                    sandbox_id, ["sh", "-c", f"exit {i % 7}"], key=key, wait_timeout=END_WAIT_S
+                )
+            except TimeoutError:
+                raise AssertionError(await _story(client, sandbox_id, key)) from None
             ended[key] = again.command.state
             if again.command.state == "exited":
                 assert again.command.exit_code == i % 7

@@ -8,7 +8,8 @@ import time
 import nats
 import pytest
 from nats.js.api import StreamConfig
-from sandhold.bus.append import WrongSequence, append, last_sequence
+from nats.js.errors import APIError
+from sandhold.bus.append import WrongSequence, append, last_sequence, wrong_last_sequence
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore, Executed
 from sandhold.domain import requests as rq
@@ -247,3 +248,12 @@ async def test_a_different_decision_at_the_same_point_is_not_mistaken_for_ours(n
     await append(js, names.events_stream, subject, mine, seq)
     with pytest.raises(WrongSequence):
         await append(js, names.events_stream, subject, theirs, seq)
+
+
+def test_both_of_the_servers_codes_for_a_wrong_last_sequence_are_a_refusal_by_the_fence():
+    """A clustered leader may answer 10164 ("wrong last sequence", no number)
+    where a single server answers 10071: both are someone appending first (read
+    again, decide again), not an error to give up on; another code is not."""
+    for code in (10071, 10164):
+        assert wrong_last_sequence(APIError(code=400, err_code=code, description="wrong"))
+    assert not wrong_last_sequence(APIError(code=400, err_code=10060, description="other"))

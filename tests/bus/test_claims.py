@@ -84,6 +84,29 @@ async def test_a_renewal_after_a_takeover_is_refused_and_the_old_holder_stops(
     assert b.held()  # b's renewals go on
 
 
+async def test_a_hold_that_ran_out_between_two_looks_is_told_as_a_new_term(
+    nc: nats.NATS, names: Names
+):
+    """A renewal that comes after the hold ran out (the looks between failed: a
+    stream leader killed) begins a new term, and `on_change` hears it: False,
+    then True. The scheduler places only in the term it readied; told nothing,
+    it held the claim and placed no sandbox again (a CI run of the leader-kill
+    test hung on exactly this)."""
+    changes: list[tuple[bool, int]] = []
+    [claim] = await _claims(nc, names, "scheduler-2")
+    claim._on_change = lambda held: changes.append((held, claim.term))
+    await claim.look()
+    assert changes == [(True, 1)]
+    # No look succeeds while the hold runs out (nobody else wants the claim, so
+    # the key stays ours and the next renewal on its revision succeeds).
+    await wait_until(lambda: not claim.held(), timeout=10, what="the hold running out")
+    await claim.look()
+    assert claim.held() and claim.term == 2
+    assert changes == [(True, 1), (False, 2), (True, 2)]
+    await claim.look()  # renewed within the hold: nothing to tell
+    assert changes == [(True, 1), (False, 2), (True, 2)]
+
+
 async def test_a_claim_given_up_is_taken_at_the_next_look(nc: nats.NATS, names: Names):
     a, b = await _claims(nc, names, "saver-1", "saver-2")
     await a.look()

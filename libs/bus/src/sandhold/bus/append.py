@@ -1,7 +1,8 @@
 """The one way to append: expected last subject sequence + `Nats-Msg-Id`.
 
 The expected-sequence check is the single-writer fence: an event decided on
-stale state is refused by JetStream itself (err_code 10071). The message id
+stale state is refused by JetStream itself (err_code 10071, or 10164 on
+some clustered paths). The message id
 makes a retried append safe when its ack was lost: an R3 stream answers with
 the original ack (`duplicate=True`); an R1 stream runs the sequence check
 first and answers 10071, so there we look whether the subject's last message
@@ -22,6 +23,15 @@ from sandhold.domain.errors import InfraError
 from sandhold.telemetry import context
 
 WRONG_LAST_SEQUENCE = 10071
+# The same refusal without the sequence in its text ("wrong last sequence"),
+# which a clustered stream's leader answers with on some paths (seen on R3).
+WRONG_LAST_SEQUENCE_CONSTANT = 10164
+
+
+def wrong_last_sequence(err: APIError) -> bool:
+    """Whether JetStream refused a publish because its expected last subject
+    sequence was not the subject's (either of the server's two codes for it)."""
+    return err.err_code in (WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT)
 
 
 class WrongSequence(InfraError):
@@ -88,7 +98,7 @@ async def _append_one(
     except ELECTING as err:
         raise InfraError(f"append to {subject}: no answer ({err!r})", retryable=True) from err
     except APIError as err:
-        if err.err_code != WRONG_LAST_SEQUENCE:
+        if not wrong_last_sequence(err):
             raise InfraError(f"append to {subject} refused: {err}", retryable=False) from err
         own = await own_last_message(js, stream, subject, envelope.id)
         if own is not None:

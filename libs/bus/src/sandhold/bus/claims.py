@@ -61,7 +61,9 @@ def claim_key(role: str, duty: str) -> str:
 class Claim:
     """One instance's claim on one duty. `run()` keeps looking (renewing while
     held, taking it over once its holder stopped); `held()` says whether to act
-    now; `on_change(held)` hears when that changes; `release()` gives it up."""
+    now; `on_change(held)` hears when that changes, a new term included (a hold
+    that ran out between two looks and was renewed at the next one: False, then
+    True); `release()` gives it up."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Claim:
         self._revision = 0  # the key's revision as this claimant last wrote it
         self._held_until = -math.inf  # monotonic
         self._acting = False  # what `on_change` was last told
+        self._acting_term: int | None = None  # and of which term
         self._observed: tuple[int, float] | None = None  # (revision, monotonic first seen)
         self.seen_holder: str | None = None  # who holds it, as last read
         self.term = 0  # grows each time this claimant takes it (again)
@@ -215,7 +218,14 @@ class Claim:
 
     def _notice(self) -> None:
         held = self.held()
-        if held != self._acting:
-            self._acting = held
+        term = self.term if held else None
+        if (held, term) != (self._acting, self._acting_term):
+            lapsed = held and self._acting  # held again, in a new term
+            self._acting, self._acting_term = held, term
             if self._on_change is not None:
+                if lapsed:
+                    # The hold ran out between two looks and the next renewal took
+                    # it again: whatever was set up for the old term must be set
+                    # up anew (the scheduler places only in the term it readied).
+                    self._on_change(False)
                 self._on_change(held)

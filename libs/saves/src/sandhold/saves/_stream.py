@@ -18,7 +18,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DeliverPolicy, Header, RawStreamMsg
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
-from sandhold.bus.append import WRONG_LAST_SEQUENCE
+from sandhold.bus.append import wrong_last_sequence
 from sandhold.saves.errors import SaveStoreError
 
 _ATTEMPTS = 3
@@ -50,7 +50,7 @@ class SavesStream:
                     subject, data, stream=self._stream, headers=fenced, timeout=self._timeout
                 )
             except APIError as err:
-                if err.err_code == WRONG_LAST_SEQUENCE:
+                if wrong_last_sequence(err):
                     return False
                 raise SaveStoreError(f"storing {subject} refused: {err}") from err
             except MaxPayloadError as err:

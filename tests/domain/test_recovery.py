@@ -182,3 +182,20 @@ def test_deleting_a_sandbox_whose_host_is_dead_does_not_wait_for_that_host() -> 
     assert alive.events == [] and alive.work  # a destroy for the live host
     dead = plan(state, lambda s: None, lambda host: False)
     assert dead.events == [ev.SandboxDeleted(host=None, generation=1)] and dead.work == []
+
+
+def test_a_loss_is_pending_until_it_is_fenced_and_its_commands_ended() -> None:
+    """What the recovery service keeps looking at each tick: a sandbox lost and
+    not yet fenced, or with end states still to say; then nothing more."""
+    running = given_sandbox(*RUNNING, run("r1"), dispatched("r1"), command_started("r1"))
+    assert not policy.loss_pending(running) and not policy.loss_pending(None)
+    state = lost_sandbox(run("r1"), dispatched("r1"), command_started("r1"))
+    assert policy.loss_pending(state)
+    state = apply(state, policy.after_loss(state))
+    assert policy.loss_pending(state)  # ended, not yet fenced
+    state = apply(state, policy.declare_fenced(state, host=HOST_A))
+    assert not policy.loss_pending(state)  # lost for good until asked back: nothing to say
+    # fenced first, commands still to end: still pending
+    state = lost_sandbox(run("r1"), dispatched("r1"), command_started("r1"))
+    state = apply(state, policy.declare_fenced(state, host=HOST_A))
+    assert policy.loss_pending(state)

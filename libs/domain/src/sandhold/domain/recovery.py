@@ -93,6 +93,17 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
     return events
 
 
+def loss_pending(state: Sandbox | None) -> bool:
+    """Whether recovery still has something to say of the sandbox's loss: that
+    it is fenced, or the end states the loss implies. Once both are said, a
+    lost sandbox (one nobody brings back: lazy recovery) needs nothing more."""
+    return (
+        state is not None
+        and state.lost is not None
+        and (not state.lost.fenced or bool(after_loss(state)))
+    )
+
+
 def declare_fenced(state: Sandbox | None, *, host: str) -> list[ev.AnyEvent]:
     if state is None or state.lost is None or state.lost.host != host or state.lost.fenced:
         return []

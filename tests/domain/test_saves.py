@@ -332,3 +332,19 @@ def test_a_recovery_from_a_quiet_save_is_behind_only_from_the_first_change() -> 
     assert recovered(state).behind_failure_s == 0.0  # nothing ran since it was taken
     changed = _queued_and_ended(state, T0 + 8000, "late")
     assert recovered(changed).behind_failure_s == 1000.0  # from the command on
+
+
+def test_the_saver_schedule_looks_at_running_sandboxes_and_saves_under_way() -> None:
+    assert policy.on_schedule(given_sandbox(*RUNNING))
+    stopped = apply(
+        given_sandbox(*RUNNING), [ev.SandboxStopRequested(request_key="s", request_digest="d")]
+    )
+    assert stopped.phase == "stopping" and not stopped.saves_in_flight
+    assert not policy.on_schedule(stopped)
+    # Stopping with its final save under way: that save may still time out.
+    saving = apply(
+        given_sandbox(*RUNNING),
+        [ev.SandboxStopRequested(request_key="s", request_digest="d", final_save_id="final-1")],
+    )
+    assert saving.phase == "stopping" and saving.saves_in_flight == ("final-1",)
+    assert policy.on_schedule(saving)

@@ -213,6 +213,15 @@ class AggregateStore(Generic[S]):
         """`callback(aggregate_id)` after every change to an aggregate."""
         self._listeners.append(callback)
 
+    def select(self, keep: Callable[[S], bool]) -> Selection[S]:
+        """The ids of the aggregates whose state passes `keep`, kept in step with
+        every change from now on (and with every state held already)."""
+        selection = Selection(self, keep)
+        self.listen(selection.changed)
+        for aggregate_id in self._states:
+            selection.changed(aggregate_id)
+        return selection
+
     def watch(self, callback: Callable[[str, list[Envelope]], None]) -> None:
         """`callback(aggregate_id, envelopes)` with the events of every change
         as they are folded (not those a checkpoint already holds)."""
@@ -408,3 +417,28 @@ class AggregateStore(Generic[S]):
         for envelope, new_seq in zip(envelopes, sequences, strict=True):
             self._apply(aggregate_id, new_seq, [envelope], traceparent)
         return envelopes
+
+
+class Selection(Generic[S]):
+    """Some of a store's aggregates, by their state (`AggregateStore.select`): a
+    periodic pass over them costs what they are, not every aggregate the log
+    ever held (a deleted sandbox stays in the store, and costs no pass)."""
+
+    def __init__(self, store: AggregateStore[S], keep: Callable[[S], bool]) -> None:
+        self._store = store
+        self._keep = keep
+        self._ids: set[str] = set()
+
+    def changed(self, aggregate_id: str) -> None:
+        state, _ = self._store.get(aggregate_id)
+        if state is not None and self._keep(state):
+            self._ids.add(aggregate_id)
+        else:
+            self._ids.discard(aggregate_id)
+
+    def ids(self) -> list[str]:
+        """A copy, in a stable order: the pass may change the selection."""
+        return sorted(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)

@@ -858,6 +858,16 @@ def saved_until(state: Sandbox, *, now: float) -> float | None:
     return latest.completed_at if held is None else max(latest.completed_at, held)
 
 
+def waits_outside_its_log(state: Sandbox) -> bool:
+    """Waiting on something its own events will not announce: room on a host (a
+    slot frees when another sandbox stops), or a deleted sandbox's copy on a host
+    that may have died before destroying it. The scheduler plans these again
+    every few seconds."""
+    return state.phase in ("pending", "recovering") or (
+        state.delete_requested and state.phase in ("stopped", "failed")
+    )
+
+
 def reap_if_idle(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
     """A Stop, with its final save, once the sandbox has been idle for its timeout."""
     at = reaps_at(state)

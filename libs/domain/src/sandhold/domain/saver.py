@@ -25,6 +25,13 @@ def first_save_fraction(sandbox_id: str) -> float:
     return 0.5 + int.from_bytes(digest[:4], "big") / 2**33
 
 
+def on_schedule(state: Sandbox) -> bool:
+    """Whether the saver's schedule has anything to judge of the sandbox: a save
+    due or its idle reaping (only while it runs), or a save that may time out
+    (only while one is under way). Any other sandbox needs no look each tick."""
+    return state.phase == "running" or bool(state.saves_in_flight)
+
+
 def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
     """A scheduled save when the interval has passed since the last request (the
     placement's first: a fraction of it, `first_save_fraction`), and none while

@@ -59,7 +59,6 @@ class Recovery:
         # being lost, not every sandbox ever made (a deleted one costs nothing).
         self._on_host: dict[str, set[str]] = {}
         self._host_of: dict[str, str] = {}
-        self._losing: set[str] = set()
 
     async def run(self) -> None:
         async with self._shell as shell:
@@ -68,11 +67,10 @@ class Recovery:
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
             self.hosts = shell.store("host", host_domain.evolve)
             self.sandboxes = shell.store("sandbox", sb.evolve)
-            self.sandboxes.listen(self._sandbox_changed)
+            self.sandboxes.listen(self._placement_changed)
+            self._losing = self.sandboxes.select(policy.loss_pending)
             self.leases = leases.LeaseWatcher(kv, ttl=self._ttl)
             await shell.start_stores()
-            for sandbox_id in self.sandboxes.ids():  # those a checkpoint brought in
-                self._sandbox_changed(sandbox_id)
             await self.leases.start()
             shell.on_close(self.leases.stop)
             shell.spawn(self._watch(), "watch")
@@ -148,7 +146,7 @@ class Recovery:
         )
         return True
 
-    def _sandbox_changed(self, sandbox_id: str) -> None:
+    def _placement_changed(self, sandbox_id: str) -> None:
         state, _ = self.sandboxes.get(sandbox_id)
         before = self._host_of.pop(sandbox_id, None)
         if before is not None:
@@ -156,14 +154,10 @@ class Recovery:
         if state is not None and state.host is not None and state.phase in sb.ACTIVE_PHASES:
             self._on_host.setdefault(state.host, set()).add(sandbox_id)
             self._host_of[sandbox_id] = state.host
-        if policy.loss_pending(state):
-            self._losing.add(sandbox_id)
-        else:
-            self._losing.discard(sandbox_id)
 
     def _to_check(self) -> set[str]:
         """The sandboxes placed on a host judged lost, and those being lost."""
-        ids = set(self._losing)
+        ids = set(self._losing.ids())
         for host_id in self.hosts.ids():
             host, _ = self.hosts.get(host_id)
             if host is not None and host.status in ("lost", "fenced"):

@@ -90,6 +90,8 @@ class Saver:
             self.store = SaveStore(shell.nc, self._names)
             self.sandboxes = shell.store("sandbox", sb.evolve)
             self.sandboxes.listen(self._mark_dirty)
+            # What the schedule looks at each tick (not every sandbox ever made).
+            self._scheduled = self.sandboxes.select(policy.on_schedule)
             await shell.start_stores()
             self.duty = Claim(
                 await instance_bucket(shell.js, self._names),
@@ -131,7 +133,7 @@ class Saver:
     async def _schedule(self) -> None:
         while True:
             now = time.time()
-            for sandbox_id in self.sandboxes.ids():
+            for sandbox_id in self._scheduled.ids():
                 state, seq = self.sandboxes.get(sandbox_id)
                 if state is None:
                     continue

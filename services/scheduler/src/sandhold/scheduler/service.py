@@ -98,6 +98,8 @@ class Scheduler:
             self.leases.on_renewal(self._host_renewed)
             self.sandboxes.watch(self._note_secrets)
             self.sandboxes.listen(self._sandbox_changed)
+            # Those waiting on something outside their own log (`_sweep`).
+            self._waiting = self.sandboxes.select(sb.waits_outside_its_log)
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
@@ -401,7 +403,7 @@ class Scheduler:
         if was_live:
             return
         # A host came (back) to life: sandboxes waiting for one may fit now.
-        for sandbox_id in self.sandboxes.ids():
+        for sandbox_id in self._waiting.ids():
             state, _ = self.sandboxes.get(sandbox_id)
             if state is not None and state.phase in ("pending", "recovering"):
                 self._mark_dirty(sandbox_id)
@@ -412,14 +414,8 @@ class Scheduler:
         sandbox's host may have died before it could destroy the copy."""
         while True:
             await asyncio.sleep(every_s)
-            for sandbox_id in self.sandboxes.ids():
-                state, _ = self.sandboxes.get(sandbox_id)
-                waiting = state is not None and (
-                    state.phase in ("pending", "recovering")
-                    or (state.delete_requested and state.phase in ("stopped", "failed"))
-                )
-                if waiting:
-                    self._dirty_loop.mark(sandbox_id, later=True)
+            for sandbox_id in self._waiting.ids():
+                self._dirty_loop.mark(sandbox_id, later=True)
 
     async def _reconcile(self, sandbox_id: str) -> None:
         state, seq = self.sandboxes.get(sandbox_id)

@@ -27,11 +27,17 @@ async def _create(store: AggregateStore[sb.Sandbox], key: str) -> str:
     return sandbox_id
 
 
-async def _place(store: AggregateStore[sb.Sandbox], sandbox_id: str) -> None:
-    placed = ev.SandboxPlaced(host="h1", generation=1)
+async def _append(store: AggregateStore[sb.Sandbox], sandbox_id: str, event: ev.AnyEvent) -> None:
+    tag = f"{event.__struct_config__.tag}:{store.get(sandbox_id)[1]}"
     await store.execute(
-        sandbox_id, lambda s: [placed], id_base="p", causation_id="p", correlation_id="p"
+        sandbox_id, lambda s: [event], id_base=tag, causation_id=tag, correlation_id=tag
     )
+
+
+async def _place(store: AggregateStore[sb.Sandbox], sandbox_id: str, host: str = "h1") -> None:
+    state, _ = store.get(sandbox_id)
+    generation = state.generation + 1 if state is not None else 1
+    await _append(store, sandbox_id, ev.SandboxPlaced(host=host, generation=generation))
 
 
 async def test_a_selection_holds_what_passes_now_and_follows_every_change(nc, names: Names):
@@ -53,5 +59,29 @@ async def test_a_selection_holds_what_passes_now_and_follows_every_change(nc, na
     await wait_until(lambda: early not in waiting.ids(), timeout=10, what="the placed one left")
     assert waiting.ids() == [late] and len(waiting) == 1
     assert len(reader.ids()) == 3  # the store still holds all of them
+    await reader.stop()
+    await writer.stop()
+
+
+async def test_a_grouping_counts_the_places_on_each_host_as_sandboxes_move(nc, names: Names):
+    js = nc.jetstream()
+    writer = AggregateStore(js, names, "sandbox", sb.evolve, actor="writer")
+    reader = AggregateStore(js, names, "sandbox", sb.evolve, actor="reader")
+    await writer.start()
+    a, b = await _create(writer, "a"), await _create(writer, "b")
+    await _place(writer, a, "h1")
+    await reader.start()
+    on = reader.group(sb.placed_on)
+    assert on.sizes() == {"h1": 1} and on.members("h1") == {a}
+    await _place(writer, b, "h1")
+    await wait_until(lambda: on.sizes() == {"h1": 2}, timeout=10, what="b placed on h1")
+    # a's host is lost: it holds no place anywhere until it is placed again
+    lost = ev.SandboxLost(host="h1", generation=1, last_renewal_at=0.0, fence_at=0.0)
+    await _append(writer, a, lost)
+    await wait_until(lambda: on.members("h1") == {b}, timeout=10, what="a's place given up")
+    await _append(writer, a, ev.SandboxRecoveryRequested(cause="command"))
+    await _place(writer, a, "h2")
+    await wait_until(lambda: on.sizes() == {"h1": 1, "h2": 1}, timeout=10, what="a placed on h2")
+    assert on.members("h2") == {a} and on.members("h3") == set()
     await reader.stop()
     await writer.stop()

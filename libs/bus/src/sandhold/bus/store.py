@@ -222,6 +222,15 @@ class AggregateStore(Generic[S]):
             selection.changed(aggregate_id)
         return selection
 
+    def group(self, key: Callable[[S], str | None]) -> Grouping[S]:
+        """The aggregates grouped by `key` of their state (None: in no group),
+        kept in step with every change from now on, as `select` is."""
+        grouping = Grouping(self, key)
+        self.listen(grouping.changed)
+        for aggregate_id in self._states:
+            grouping.changed(aggregate_id)
+        return grouping
+
     def watch(self, callback: Callable[[str, list[Envelope]], None]) -> None:
         """`callback(aggregate_id, envelopes)` with the events of every change
         as they are folded (not those a checkpoint already holds)."""
@@ -442,3 +451,37 @@ class Selection(Generic[S]):
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+class Grouping(Generic[S]):
+    """A store's aggregates by a key of their state (`AggregateStore.group`),
+    e.g. sandboxes by the host they hold a place on: who is on a host, or how
+    many, without going through every aggregate."""
+
+    def __init__(self, store: AggregateStore[S], key: Callable[[S], str | None]) -> None:
+        self._store = store
+        self._key = key
+        self._group_of: dict[str, str] = {}
+        self._members: dict[str, set[str]] = {}
+
+    def changed(self, aggregate_id: str) -> None:
+        state, _ = self._store.get(aggregate_id)
+        now = self._key(state) if state is not None else None
+        before = self._group_of.get(aggregate_id)
+        if now == before:
+            return
+        if before is not None:
+            self._members[before].discard(aggregate_id)
+            if not self._members[before]:
+                del self._members[before]
+        if now is None:
+            del self._group_of[aggregate_id]
+        else:
+            self._group_of[aggregate_id] = now
+            self._members.setdefault(now, set()).add(aggregate_id)
+
+    def members(self, group: str) -> set[str]:
+        return set(self._members.get(group, ()))
+
+    def sizes(self) -> dict[str, int]:
+        return {group: len(members) for group, members in self._members.items()}

@@ -858,6 +858,12 @@ def saved_until(state: Sandbox, *, now: float) -> float | None:
     return latest.completed_at if held is None else max(latest.completed_at, held)
 
 
+def placed_on(state: Sandbox) -> str | None:
+    """The host the sandbox holds a place on (counts toward its capacity, and is
+    lost with it), if any."""
+    return state.host if state.phase in ACTIVE_PHASES else None
+
+
 def waits_outside_its_log(state: Sandbox) -> bool:
     """Waiting on something its own events will not announce: room on a host (a
     slot frees when another sandbox stops), or a deleted sandbox's copy on a host

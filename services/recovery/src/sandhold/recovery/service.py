@@ -53,12 +53,6 @@ class Recovery:
         self._margin = fence_margin
         self._tick_s = tick_s
         self._started_at = time.time()
-        # What a tick looks at, kept in step with the log: the active placements
-        # on each host, and the sandboxes whose loss still has something to say
-        # (`loss_pending`). A tick costs what is placed on lost hosts and still
-        # being lost, not every sandbox ever made (a deleted one costs nothing).
-        self._on_host: dict[str, set[str]] = {}
-        self._host_of: dict[str, str] = {}
 
     async def run(self) -> None:
         async with self._shell as shell:
@@ -67,7 +61,10 @@ class Recovery:
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
             self.hosts = shell.store("host", host_domain.evolve)
             self.sandboxes = shell.store("sandbox", sb.evolve)
-            self.sandboxes.listen(self._placement_changed)
+            # What a tick looks at, kept in step with the log (decision 056): the
+            # places held on each host, and the sandboxes whose loss still has
+            # something to say; not every sandbox ever made.
+            self._placements = self.sandboxes.group(sb.placed_on)
             self._losing = self.sandboxes.select(policy.loss_pending)
             self.leases = leases.LeaseWatcher(kv, ttl=self._ttl)
             await shell.start_stores()
@@ -146,22 +143,13 @@ class Recovery:
         )
         return True
 
-    def _placement_changed(self, sandbox_id: str) -> None:
-        state, _ = self.sandboxes.get(sandbox_id)
-        before = self._host_of.pop(sandbox_id, None)
-        if before is not None:
-            self._on_host[before].discard(sandbox_id)
-        if state is not None and state.host is not None and state.phase in sb.ACTIVE_PHASES:
-            self._on_host.setdefault(state.host, set()).add(sandbox_id)
-            self._host_of[sandbox_id] = state.host
-
     def _to_check(self) -> set[str]:
         """The sandboxes placed on a host judged lost, and those being lost."""
         ids = set(self._losing.ids())
         for host_id in self.hosts.ids():
             host, _ = self.hosts.get(host_id)
             if host is not None and host.status in ("lost", "fenced"):
-                ids |= self._on_host.get(host_id, set())
+                ids |= self._placements.members(host_id)
         return ids
 
     async def _check_sandboxes(self) -> None:

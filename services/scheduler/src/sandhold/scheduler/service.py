@@ -81,8 +81,6 @@ class Scheduler:
         # a sandbox first looked at since this process started: all it ran).
         self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
-        self._placed_on: dict[str, str] = {}  # sandbox id -> the host it holds a place on
-        self._load: dict[str, int] = {}  # host -> how many sandboxes hold a place there
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -97,9 +95,13 @@ class Scheduler:
             )
             self.leases.on_renewal(self._host_renewed)
             self.sandboxes.watch(self._note_secrets)
-            self.sandboxes.listen(self._sandbox_changed)
-            # Those waiting on something outside their own log (`_sweep`).
+            self.sandboxes.listen(self._mark_dirty)
+            # Those waiting on something outside their own log (`_sweep`), and the
+            # places held on each host, kept as each sandbox changes: placing one
+            # must not count every sandbox again (200 waiting sandboxes, each
+            # planned every sweep, made that the scheduler's busiest loop).
             self._waiting = self.sandboxes.select(sb.waits_outside_its_log)
+            self._placements = self.sandboxes.group(sb.placed_on)
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
@@ -344,29 +346,8 @@ class Scheduler:
 
     # --- reconciling ----------------------------------------------------------
 
-    def _sandbox_changed(self, sandbox_id: str) -> None:
-        self._count_place(sandbox_id)
-        self._dirty_loop.mark(sandbox_id)
-
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)
-
-    def _count_place(self, sandbox_id: str) -> None:
-        """Keep the sandboxes per host up to date as each one changes: placing
-        one must not count every sandbox again (200 waiting sandboxes, each
-        planned every sweep, made that the scheduler's busiest loop)."""
-        state, _ = self.sandboxes.get(sandbox_id)
-        now = state.host if state is not None and state.phase in sb.ACTIVE_PHASES else None
-        before = self._placed_on.get(sandbox_id)
-        if now == before:
-            return
-        if before is not None:
-            self._load[before] -= 1
-        if now is None:
-            self._placed_on.pop(sandbox_id, None)
-        else:
-            self._placed_on[sandbox_id] = now
-            self._load[now] = self._load.get(now, 0) + 1
 
     # --- placement: one scheduler at a time ------------------------------------
 
@@ -454,7 +435,7 @@ class Scheduler:
     def _choose_host(self, state: sb.Sandbox) -> str | Waiting | None:
         if not self._places():
             return None  # the scheduler holding the placement claim places it
-        load = self._load
+        load = self._placements.sizes()
         hosts = []
         for host_id in self.hosts.ids():
             registered, _ = self.hosts.get(host_id)

@@ -17,6 +17,7 @@ from nats.js.api import DiscardPolicy
 from sandhold.client import Client, connect
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saves as sv
+from sandhold.domain.errors import Rejected
 from sandhold.saves import SaveStore, restore
 
 from tests.e2e.conftest import running_sandbox
@@ -361,6 +362,12 @@ async def test_a_sandbox_created_from_a_snapshot_has_its_files(client: Client, t
     # a namespaced sandbox's save holds its whole root, the workspace in it
     assert (tmp_path / "restored/root/workspace/dir/file").read_bytes() == b"hello\n"
     assert stats is not None
+    # An id that names no Snapshot is refused as such (found by the scheduler's
+    # index of Snapshots, not a pass over every sandbox's saves).
+    other = snap.id[:-1] + ("1" if snap.id[-1] == "0" else "0")
+    with pytest.raises(Rejected) as refused:
+        await client.create_sandbox(from_snapshot=other)
+    assert refused.value.code == "snapshot_not_found"
     for sandbox_id in (source, copy.id):
         await client.stop_sandbox(sandbox_id)
 

@@ -81,6 +81,8 @@ class Scheduler:
         # a sandbox first looked at since this process started: all it ran).
         self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
+        self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
+        self._snapshots_seen: dict[str, int] = {}  # sandbox id -> Snapshots noted
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -102,6 +104,7 @@ class Scheduler:
             # planned every sweep, made that the scheduler's busiest loop).
             self._waiting = self.sandboxes.select(sb.waits_outside_its_log)
             self._placements = self.sandboxes.group(sb.placed_on)
+            self.sandboxes.listen(self._note_snapshots)
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
@@ -338,11 +341,23 @@ class Scheduler:
             raise Rejected("seed_not_found", f"no save {save_id} staged for sandbox {sandbox_id}")
 
     def _find_snapshot(self, save_id: str) -> tuple[sb.Sandbox, SaveRecord] | None:
-        for sandbox_id in self.sandboxes.ids():
-            state, _ = self.sandboxes.get(sandbox_id)
-            if state is not None and save_id in state.saves:
-                return state, state.saves[save_id]
-        return None
+        owner = self._snapshot_owner.get(save_id)
+        state = self.sandboxes.get(owner)[0] if owner is not None else None
+        if state is None or save_id not in state.saves:
+            return None
+        return state, state.saves[save_id]
+
+    def _note_snapshots(self, sandbox_id: str) -> None:
+        """Whose each Snapshot is, as they are taken (a create from one must not
+        go through every sandbox): a sandbox's Snapshots only ever grow."""
+        state, _ = self.sandboxes.get(sandbox_id)
+        if state is None:
+            return
+        seen = self._snapshots_seen.get(sandbox_id, 0)
+        if len(state.snapshot_ids) > seen:
+            for save_id in state.snapshot_ids[seen:]:
+                self._snapshot_owner[save_id] = sandbox_id
+            self._snapshots_seen[sandbox_id] = len(state.snapshot_ids)
 
     # --- reconciling ----------------------------------------------------------
 

@@ -17,6 +17,8 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import wrap
 from sandhold.domain.events import SandboxCreated, SandboxStopRequested
 
+from tests.support.bus import create_sandbox
+
 
 def _created(sandbox_id: str, key: str = "k") -> SandboxCreated:
     return SandboxCreated(sandbox_id=sandbox_id, request_key=key, request_digest="d")
@@ -40,15 +42,7 @@ async def test_two_writers_racing_exactly_one_wins_and_the_loser_redecides(nc, n
     b = AggregateStore(js, names, "sandbox", sb.evolve, actor="writer-b")
     await a.start()
     await b.start()
-    create = rq.CreateSandbox(key="create-1")
-    sandbox_id = sb.aggregate_of(create)
-    await a.execute(
-        sandbox_id,
-        lambda s: sb.decide(s, create),
-        id_base="c",
-        causation_id="c",
-        correlation_id="c",
-    )
+    sandbox_id = await create_sandbox(a, "create-1")
     await b.sync(sandbox_id)
 
     # Both decide a different run on the same state: seen-by-b is now stale for one of them.
@@ -90,15 +84,7 @@ async def test_a_store_that_reads_on_demand_decides_on_what_it_last_read(nc, nam
     js = nc.jetstream()
     reader = AggregateStore(js, names, "sandbox", sb.evolve, actor="host", follow=False)
     writer = AggregateStore(js, names, "sandbox", sb.evolve, actor="scheduler", follow=False)
-    create = rq.CreateSandbox(key="create-1")
-    sandbox_id = sb.aggregate_of(create)
-    await writer.execute(
-        sandbox_id,
-        lambda s: sb.decide(s, create),
-        id_base="c",
-        causation_id="c",
-        correlation_id="c",
-    )
+    sandbox_id = await create_sandbox(writer, "create-1")
     seen: list[int] = []  # how many commands each decision of the reader saw
 
     async def decided(store: AggregateStore, key: str, decide) -> Executed:

@@ -8,23 +8,10 @@ from __future__ import annotations
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
 from sandhold.domain import events as ev
-from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 
+from tests.support.bus import create_sandbox
 from tests.support.waiting import wait_until
-
-
-async def _create(store: AggregateStore[sb.Sandbox], key: str) -> str:
-    create = rq.CreateSandbox(key=key)
-    sandbox_id = sb.aggregate_of(create)
-    await store.execute(
-        sandbox_id,
-        lambda s: sb.decide(s, create),
-        id_base=key,
-        causation_id=key,
-        correlation_id=key,
-    )
-    return sandbox_id
 
 
 async def _append(store: AggregateStore[sb.Sandbox], sandbox_id: str, event: ev.AnyEvent) -> None:
@@ -45,15 +32,15 @@ async def test_a_selection_holds_what_passes_now_and_follows_every_change(nc, na
     writer = AggregateStore(js, names, "sandbox", sb.evolve, actor="writer")
     reader = AggregateStore(js, names, "sandbox", sb.evolve, actor="reader")
     await writer.start()
-    early = await _create(writer, "early")  # pending: waits for room on a host
-    placed = await _create(writer, "placed")
+    early = await create_sandbox(writer, "early")  # pending: waits for room on a host
+    placed = await create_sandbox(writer, "placed")
     await _place(writer, placed)
     await reader.start()
     # Made after the states are held: it starts with those that pass.
     waiting = reader.select(sb.waits_outside_its_log)
     assert waiting.ids() == [early]
     # Then it follows the log: a new pending sandbox joins, a placed one leaves.
-    late = await _create(writer, "late")
+    late = await create_sandbox(writer, "late")
     await wait_until(lambda: late in waiting.ids(), timeout=10, what="the new sandbox selected")
     await _place(writer, early)
     await wait_until(lambda: early not in waiting.ids(), timeout=10, what="the placed one left")
@@ -68,7 +55,7 @@ async def test_a_grouping_counts_the_places_on_each_host_as_sandboxes_move(nc, n
     writer = AggregateStore(js, names, "sandbox", sb.evolve, actor="writer")
     reader = AggregateStore(js, names, "sandbox", sb.evolve, actor="reader")
     await writer.start()
-    a, b = await _create(writer, "a"), await _create(writer, "b")
+    a, b = await create_sandbox(writer, "a"), await create_sandbox(writer, "b")
     await _place(writer, a, "h1")
     await reader.start()
     on = reader.group(sb.placed_on)

@@ -15,7 +15,10 @@ from sandhold.bus import credentials
 from sandhold.bus.names import Names
 from sandhold.bus.permissions import inbox_prefix
 from sandhold.bus.server import NatsServer
+from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
+from sandhold.domain import requests as rq
+from sandhold.domain import sandbox as sb
 
 
 def credential_file(server: NatsServer, role: str, host: str | None = None) -> Path:
@@ -32,6 +35,21 @@ async def make_streams(server: NatsServer, names: Names) -> None:
         await ensure_streams(nc.jetstream(), names)
     finally:
         await nc.close()
+
+
+async def create_sandbox(store: AggregateStore[sb.Sandbox], key: str) -> str:
+    """A sandbox created through `store` as the scheduler creates one (`decide`,
+    then the fenced append); its id."""
+    create = rq.CreateSandbox(key=key)
+    sandbox_id = sb.aggregate_of(create)
+    await store.execute(
+        sandbox_id,
+        lambda s: sb.decide(s, create),
+        id_base=key,
+        causation_id=key,
+        correlation_id=key,
+    )
+    return sandbox_id
 
 
 async def hello(url: str, connect: dict[str, object]) -> bytes:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Generic, TypeVar, get_type_hints
+from typing import Any, Generic, TypeVar, get_type_hints
 
 import msgspec
 from nats.aio.msg import Msg
@@ -38,6 +38,7 @@ from sandhold.telemetry import context
 log = logging.getLogger(__name__)
 
 S = TypeVar("S")
+G = TypeVar("G", bound="Grouping[Any]")  # an index kept in step with a store (`group`)
 Evolve = Callable[[S | None, Envelope], S | None]
 Decide = Callable[[S | None], list[AnyEvent]]
 
@@ -216,16 +217,14 @@ class AggregateStore(Generic[S]):
     def select(self, keep: Callable[[S], bool]) -> Selection[S]:
         """The ids of the aggregates whose state passes `keep`, kept in step with
         every change from now on (and with every state held already)."""
-        selection = Selection(self, keep)
-        self.listen(selection.changed)
-        for aggregate_id in self._states:
-            selection.changed(aggregate_id)
-        return selection
+        return self._kept_in_step(Selection(self, keep))
 
     def group(self, key: Callable[[S], str | None]) -> Grouping[S]:
         """The aggregates grouped by `key` of their state (None: in no group),
-        kept in step with every change from now on, as `select` is."""
-        grouping = Grouping(self, key)
+        kept in step as `select` is."""
+        return self._kept_in_step(Grouping(self, key))
+
+    def _kept_in_step(self, grouping: G) -> G:
         self.listen(grouping.changed)
         for aggregate_id in self._states:
             grouping.changed(aggregate_id)
@@ -428,31 +427,6 @@ class AggregateStore(Generic[S]):
         return envelopes
 
 
-class Selection(Generic[S]):
-    """Some of a store's aggregates, by their state (`AggregateStore.select`): a
-    periodic pass over them costs what they are, not every aggregate the log
-    ever held (a deleted sandbox stays in the store, and costs no pass)."""
-
-    def __init__(self, store: AggregateStore[S], keep: Callable[[S], bool]) -> None:
-        self._store = store
-        self._keep = keep
-        self._ids: set[str] = set()
-
-    def changed(self, aggregate_id: str) -> None:
-        state, _ = self._store.get(aggregate_id)
-        if state is not None and self._keep(state):
-            self._ids.add(aggregate_id)
-        else:
-            self._ids.discard(aggregate_id)
-
-    def ids(self) -> list[str]:
-        """A copy, in a stable order: the pass may change the selection."""
-        return sorted(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-
 class Grouping(Generic[S]):
     """A store's aggregates by a key of their state (`AggregateStore.group`),
     e.g. sandboxes by the host they hold a place on: who is on a host, or how
@@ -485,3 +459,23 @@ class Grouping(Generic[S]):
 
     def sizes(self) -> dict[str, int]:
         return {group: len(members) for group, members in self._members.items()}
+
+
+_SELECTED = "selected"
+
+
+class Selection(Grouping[S]):
+    """Some of a store's aggregates, by their state (`AggregateStore.select`): a
+    periodic pass over them costs what they are, not every aggregate the log
+    ever held (a deleted sandbox stays in the store, and costs no pass). One
+    group of a grouping: those that pass."""
+
+    def __init__(self, store: AggregateStore[S], keep: Callable[[S], bool]) -> None:
+        super().__init__(store, lambda state: _SELECTED if keep(state) else None)
+
+    def ids(self) -> list[str]:
+        """A copy, in a stable order: the pass may change the selection."""
+        return sorted(self.members(_SELECTED))
+
+    def __len__(self) -> int:
+        return len(self._members.get(_SELECTED, ()))

@@ -82,7 +82,6 @@ class Scheduler:
         self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
         self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
-        self._snapshots_seen: dict[str, int] = {}  # sandbox id -> Snapshots noted
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -353,11 +352,9 @@ class Scheduler:
         state, _ = self.sandboxes.get(sandbox_id)
         if state is None:
             return
-        seen = self._snapshots_seen.get(sandbox_id, 0)
-        if len(state.snapshot_ids) > seen:
-            for save_id in state.snapshot_ids[seen:]:
+        if state.snapshot_ids and state.snapshot_ids[-1] not in self._snapshot_owner:
+            for save_id in state.snapshot_ids:  # a new one: whose it is, once
                 self._snapshot_owner[save_id] = sandbox_id
-            self._snapshots_seen[sandbox_id] = len(state.snapshot_ids)
 
     # --- reconciling ----------------------------------------------------------
 

@@ -40,7 +40,13 @@ from _common import (
     table,
     verdict,
 )
-from sandhold.bus.checkpoint import Checkpoint, Checkpoints, fold_version, path_for
+from sandhold.bus.checkpoint import (
+    Checkpoint,
+    Checkpoints,
+    compaction_name,
+    fold_version,
+    path_for,
+)
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
@@ -67,10 +73,20 @@ async def write_events(url: str, sandboxes: range, tag: str, per_sandbox: int) -
         await nc.close()
 
 
-async def start_store(url: str, directory: Path | None) -> tuple[float, AggregateStore, nats.NATS]:
+async def start_store(
+    url: str, directory: Path | None, *, compact: bool = True
+) -> tuple[float, AggregateStore, nats.NATS]:
+    """A store as the scheduler runs it (compacted, decision 057), or keeping
+    every state whole (`compact=False`, as every store did before)."""
     nc = await nats.connect(url, name="bench-startup-store")
     store: AggregateStore[sb.Sandbox] = AggregateStore(
-        nc.jetstream(), NAMES, "sandbox", sb.evolve, actor="bench", checkpoint_dir=directory
+        nc.jetstream(),
+        NAMES,
+        "sandbox",
+        sb.evolve,
+        actor="bench",
+        checkpoint_dir=directory,
+        compact=sb.compact if compact else None,
     )
     started = time.perf_counter()
     await store.start(timeout=3600)
@@ -85,7 +101,7 @@ async def close(store: AggregateStore, nc: nats.NATS, *, keep_checkpoint: bool =
 
 
 def checkpoint_in_process(
-    directory: Path, sandboxes: int, tag: str, last: tuple[int, str]
+    directory: Path, sandboxes: int, tag: str, last: tuple[int, str], *, compact: bool = True
 ) -> float:
     """The checkpoint a store would write after folding these sandboxes, folded
     here (pure evolve): for logs too long to fold through NATS in a bench run."""
@@ -93,7 +109,8 @@ def checkpoint_in_process(
     seqs: dict[str, int] = {}
     for i in range(sandboxes):
         sid = sandbox_id(i, tag)
-        states[sid] = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX), None)
+        state = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX), None)
+        states[sid] = sb.compact(state) if compact and state is not None else state
         seqs[sid] = last[0]  # the store only compares them with later sequences
     checkpoint = Checkpoint(
         version=fold_version(),
@@ -105,6 +122,7 @@ def checkpoint_in_process(
         states=states,
         seqs=seqs,
         traces={},
+        compaction=compaction_name(sb.compact if compact else None),
     )
     started = time.perf_counter()
     Checkpoints(path_for(directory, "sandbox"), sb.Sandbox | None).write(checkpoint)
@@ -120,6 +138,7 @@ async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, 
     result: dict[str, object] = {"size": size}
     with tempfile.TemporaryDirectory(prefix="sandhold-bench-startup-") as tmp:
         directory = Path(tmp)
+        whole_directory = directory / "whole"  # the same, kept whole (before decision 057)
         if size <= zero_max:
             zero, store, nc = await start_store(url, directory)
             result["zero"] = zero
@@ -131,21 +150,29 @@ async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, 
         else:
             result["write"] = checkpoint_in_process(directory, sandboxes, tag, last)
         result["bytes"] = path_for(directory, "sandbox").stat().st_size
+        checkpoint_in_process(whole_directory, sandboxes, tag, last, compact=False)
+        result["whole_bytes"] = path_for(whole_directory, "sandbox").stat().st_size
         # A crash's worth of events after the checkpoint (10 sandboxes × 100).
         await write_events(
             url, range(sandboxes, sandboxes + AFTER // PER_SANDBOX), tag, PER_SANDBOX
         )
-        times, folded = [], 0
+        times, whole_times, folded = [], [], 0
         for _ in range(rounds):
-            gc.collect()
-            elapsed, store, nc = await start_store(url, directory)
-            times.append(elapsed)
-            folded = store.folded
-            if len(store.ids()) != sandboxes + AFTER // PER_SANDBOX:
-                raise RuntimeError(f"started with {len(store.ids())} sandboxes")
-            await close(store, nc)
-            del store
+            for compact, into in ((True, times), (False, whole_times)):
+                gc.collect()
+                elapsed, store, nc = await start_store(
+                    url, directory if compact else whole_directory, compact=compact
+                )
+                into.append(elapsed)
+                if store.folded != AFTER:
+                    raise RuntimeError(f"folded {store.folded} events at start, not {AFTER}")
+                folded = store.folded
+                if len(store.ids()) != sandboxes + AFTER // PER_SANDBOX:
+                    raise RuntimeError(f"started with {len(store.ids())} sandboxes")
+                await close(store, nc)
+                del store
         result["checkpoint"] = median(times)
+        result["whole"] = median(whole_times)
         result["runs"] = times
         result["folded"] = folded
         floor = time.perf_counter()
@@ -182,6 +209,8 @@ async def main() -> None:
                 " / ".join(f"{t:.2f}" for t in r["runs"]),  # type: ignore[attr-defined]
                 f"{r['folded']:,}",
                 f"{r['bytes'] / 1e6:.1f}",
+                f"{r['whole']:.2f}",
+                f"{r['whole_bytes'] / 1e6:.1f}",
                 f"{r['write']:.2f}",
                 f"{r['floor'] * 1000:.0f}",
             ]
@@ -207,6 +236,8 @@ folded in this process from the same envelopes.
                 "runs (s)",
                 "events folded at start",
                 "checkpoint MB",
+                "kept whole: start (s)",
+                "kept whole: MB",
                 "checkpoint write (s)",
                 "floor: read the file (ms)",
             ],
@@ -218,8 +249,13 @@ Goal: flat (within {GOAL_FLAT}× from {first["size"]:,} to {last["size"]:,} even
 {verdict(flat <= GOAL_FLAT)}; under {GOAL_S:.0f} s at {last["size"]:,} → {last["checkpoint"]:.2f} s
 {verdict(last["checkpoint"] <= GOAL_S)}.
 
+The store is compacted as the scheduler, the saver and recovery run theirs
+(decision 057: ended commands dropped, their request keys kept); "kept whole"
+is the same start from a checkpoint of whole states (every ended command),
+as every store kept them before, in the same run.
+
 Reading: a start from a checkpoint costs decoding the checkpoint (which grows
-with the number of aggregates and commands it holds, not with the events that
+with the number of aggregates and what each keeps, not with the events that
 made them) plus the events after it; from zero it grows with the whole log.
 """
     emit(args, "startup", "(k) Start-up: from zero and from a checkpoint", body)

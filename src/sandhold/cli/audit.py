@@ -178,7 +178,7 @@ async def verify_checkpoints(client: Client, kind: str, aggregate_id: str, direc
     """Fold the aggregate from zero up to where each service's checkpoint has it
     (`<data-dir>/checkpoints/<instance>/<kind>.checkpoint`) and compare: a
     checkpoint is a cache a restart believes, so it must be what the log says."""
-    from sandhold.bus.checkpoint import Checkpoint, Checkpoints, path_for
+    from sandhold.bus.checkpoint import Checkpoint, Checkpoints, compaction_of, path_for
     from sandhold.gateway import readmodel
 
     evolve = readmodel.KINDS[kind].evolve
@@ -194,6 +194,9 @@ async def verify_checkpoints(client: Client, kind: str, aggregate_id: str, direc
             continue  # unreadable (a restart folds from zero), or not there yet
         seq = kept.seqs[aggregate_id]
         state = fold(evolve, (r.envelope for r in records if r.seq <= seq), None)
+        compact = compaction_of(kept.compaction)  # what the service keeps (decision 057)
+        if compact is not None and state is not None:
+            state = compact(state)
         if state == kept.states.get(aggregate_id):
             print(f"{aggregate_id}: {instance.name}'s checkpoint matches the log (as of seq {seq})")
         else:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import importlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -53,6 +54,9 @@ class Checkpoint(msgspec.Struct, Generic[S], kw_only=True):
     states: dict[str, S]
     seqs: dict[str, int]
     traces: dict[str, str]
+    # What the states were compacted with (`compaction_name`; "" none): a store
+    # believes only a checkpoint compacted as it compacts (decision 057).
+    compaction: str = ""
 
 
 @cache
@@ -86,11 +90,31 @@ def path_for(directory: Path, kind: str) -> Path:
     return directory / f"{kind}.checkpoint"
 
 
+def compaction_name(compact: Callable[[Any], Any] | None) -> str:
+    """How a checkpoint names the compaction its states went through."""
+    return "" if compact is None else f"{compact.__module__}.{compact.__qualname__}"
+
+
+def compaction_of(name: str) -> Callable[[Any], Any] | None:
+    """The domain's compaction a checkpoint names (None: none); `ValueError`
+    for a name that is not one of the domain's functions."""
+    if not name:
+        return None
+    module, _, function = name.rpartition(".")
+    if not module.startswith("sandhold.domain."):
+        raise ValueError(f"not a compaction of the domain: {name!r}")
+    found = getattr(importlib.import_module(module), function, None)
+    if not callable(found):
+        raise ValueError(f"no compaction {name!r}")
+    return found  # type: ignore[no-any-return]
+
+
 class Checkpoints(Generic[S]):
     """The checkpoint file of one store: loaded once, written now and then."""
 
-    def __init__(self, path: Path, state_type: Any) -> None:
+    def __init__(self, path: Path, state_type: Any, *, compaction: str = "") -> None:
         self.path = path
+        self.compaction = compaction
         self._encoder = msgspec.msgpack.Encoder(enc_hook=pmap.enc_hook)
         # Decoded into the states' wire twins (their maps as dicts of typed
         # records), then made states: a third of the time of decoding the maps
@@ -134,6 +158,10 @@ class Checkpoints(Generic[S]):
             return "written by other domain code"
         if (found.stream, found.kind) != (stream, kind):
             return f"for {found.stream} {found.kind}, not {stream} {kind}"
+        if found.compaction != self.compaction:
+            return (
+                f"compacted by {found.compaction or 'nothing'}, not {self.compaction or 'nothing'}"
+            )
         if found.last_event_seq == 0:
             return ""  # nothing folded yet: nothing to check
         try:

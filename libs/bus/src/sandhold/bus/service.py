@@ -42,7 +42,7 @@ from sandhold.bus.connection import close_quickly, connect
 from sandhold.bus.electing import patiently
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume
-from sandhold.bus.store import AggregateStore, Evolve
+from sandhold.bus.store import AggregateStore, Compact, Evolve
 from sandhold.bus.streams import await_streams
 from sandhold.telemetry import metrics, setup
 
@@ -118,10 +118,17 @@ class Shell:
     # --- what a service is made of ---------------------------------------------
 
     def store(
-        self, kind: str, evolve: Evolve[S], *, actor: str | None = None, follow: bool = True
+        self,
+        kind: str,
+        evolve: Evolve[S],
+        *,
+        actor: str | None = None,
+        follow: bool = True,
+        compact: Compact[S] | None = None,
     ) -> AggregateStore[S]:
         """An aggregate store of `kind`, stopped with the shell (`start_stores` folds
-        it; one made with `follow=False` reads aggregates on demand instead)."""
+        it; one made with `follow=False` reads aggregates on demand instead), its
+        states kept as `compact` leaves them (`AggregateStore`)."""
         kept = os.environ.get(checkpoint.ENV)  # `--checkpoint-dir`
         store = AggregateStore(
             self.js,
@@ -131,6 +138,7 @@ class Shell:
             actor=actor or self.name,
             follow=follow,
             checkpoint_dir=Path(kept) if kept else None,
+            compact=compact,
         )
         self._stores.append(store)
         return store

@@ -24,10 +24,21 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 from sandhold.bus.append import WrongSequence, append, last_sequence
-from sandhold.bus.checkpoint import Checkpoint, Checkpoints, fold_version, path_for
+from sandhold.bus.checkpoint import (
+    Checkpoint,
+    Checkpoints,
+    compaction_name,
+    fold_version,
+    path_for,
+)
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.electing import patiently
-from sandhold.bus.follow import Follower, has_fence, stream_sequence  # noqa: F401 - re-exported
+from sandhold.bus.follow import (  # noqa: F401 - stream_sequence re-exported
+    Follower,
+    has_fence,
+    read_range,
+    stream_sequence,
+)
 from sandhold.bus.names import Names
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import InfraError, Rejected
@@ -41,6 +52,7 @@ S = TypeVar("S")
 G = TypeVar("G", bound="Grouping[Any]")  # an index kept in step with a store (`group`)
 Evolve = Callable[[S | None, Envelope], S | None]
 Decide = Callable[[S | None], list[AnyEvent]]
+Compact = Callable[[S], S]
 
 # A checkpoint is written when this many events were folded since the last one,
 # looked at every CHECKPOINT_EVERY_S, and when the store stops: a restart then
@@ -66,6 +78,7 @@ class AggregateStore(Generic[S]):
         actor: str,
         follow: bool = True,
         checkpoint_dir: Path | None = None,
+        compact: Compact[S] | None = None,
     ) -> None:
         """`follow=False`: no consumer at all; an aggregate is read (direct gets)
         when asked for (`sync`), and when a decision on what was last read is
@@ -74,13 +87,19 @@ class AggregateStore(Generic[S]):
 
         `checkpoint_dir`: keep the folded state there (`checkpoint.py`), so a
         start folds only the events after it; the state's type is what
-        `evolve` says it returns."""
+        `evolve` says it returns.
+
+        `compact`: what is kept of each state after every change (decision 057):
+        memory and checkpoints then grow with what deciding needs, not with every
+        command ever ended; a decision that reads what it drops says so
+        (`execute(whole=...)`) and is then made on the whole state, read back."""
         self._js = js
         self._follow = follow
         self._stream = names.events_stream
         self._names = names
         self._kind = kind
         self._evolve = evolve
+        self._compact = compact
         self._actor = actor
         self._states: dict[str, S] = {}
         self._seqs: dict[str, int] = {}
@@ -88,8 +107,9 @@ class AggregateStore(Generic[S]):
         self._watchers: list[Callable[[str, list[Envelope]], None]] = []
         self._follower: Follower[Envelope] | None = None
         # Decisions on one aggregate in this process take turns; other processes
-        # are kept honest by the fence.
-        self._locks: dict[str, asyncio.Lock] = {}
+        # are kept honest by the fence. Held only while someone decides (with how
+        # many are deciding or waiting): not one per aggregate ever decided on.
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         # The trace context of each aggregate's latest event (its `traceparent`
         # header): what a service does about that aggregate continues its trace.
         self._traces: dict[str, str] = {}
@@ -97,7 +117,11 @@ class AggregateStore(Generic[S]):
         if checkpoint_dir is not None and follow:
             state_type = get_type_hints(evolve).get("return")
             if state_type is not None:
-                self._checkpoints = Checkpoints(path_for(checkpoint_dir, kind), state_type)
+                self._checkpoints = Checkpoints(
+                    path_for(checkpoint_dir, kind),
+                    state_type,
+                    compaction=compaction_name(compact),
+                )
         self._last_event = (0, "")  # the last event folded in: its sequence and id
         self._checkpointed = 0  # the position the last checkpoint covers
         self._checkpointing: asyncio.Task[None] | None = None
@@ -181,6 +205,7 @@ class AggregateStore(Generic[S]):
             states=dict(self._states),
             seqs=dict(self._seqs),
             traces=dict(self._traces),
+            compaction=self._checkpoints.compaction,
         )
         written = await asyncio.to_thread(self._checkpoints.write, checkpoint)
         self._checkpointed = position
@@ -267,7 +292,7 @@ class AggregateStore(Generic[S]):
         self._note_trace(aggregate_id, traceparent)
         state = fold(self._evolve, envelopes, self._states.get(aggregate_id))
         if state is not None:
-            self._states[aggregate_id] = state
+            self._states[aggregate_id] = state if self._compact is None else self._compact(state)
         self._seqs[aggregate_id] = seq
         if envelopes and seq > self._last_event[0]:
             self._last_event = (seq, envelopes[-1].id)
@@ -300,6 +325,18 @@ class AggregateStore(Generic[S]):
     async def _next_msg(self, subject: str, seq: int) -> RawStreamMsg:
         return await self._js.get_msg(self._stream, seq=seq, subject=subject, next=True)
 
+    async def read_whole(self, aggregate_id: str) -> tuple[S | None, int]:
+        """The aggregate folded from its first event, not compacted, and the
+        subject's last sequence it covers: what a compacted state dropped, read
+        back for the decision that needs it. Not kept: the next change compacts."""
+        subject = self.subject(aggregate_id)
+        last = await last_sequence(self._js, self._stream, subject, from_leader=True)
+        records = await read_range(
+            self._js, self._stream, subject, decode_envelope, until_seq=last,
+            what=f"{self._kind} events",
+        )  # fmt: skip
+        return fold(self._evolve, (envelope for _, _, envelope in records), None), last
+
     # --- deciding -------------------------------------------------------------
 
     async def follow_up(self, aggregate_id: str, decide: Decide[S], *, why: str) -> Executed[S]:
@@ -328,17 +365,32 @@ class AggregateStore(Generic[S]):
         correlation_id: str,
         trace_id: str | None = None,
         attempts: int = 20,
+        whole: Callable[[S | None], bool] | None = None,
     ) -> Executed[S]:
         """Decide on the current state and append the result behind the fence.
 
         `decide` may raise `Rejected`; that propagates unchanged. On a
-        conflict the aggregate is re-read and `decide` runs again.
+        conflict the aggregate is re-read and `decide` runs again. `whole(state)`:
+        whether `decide` may read what the store's compaction dropped from this
+        state; it then decides on the whole state read back (`read_whole`, fresh
+        from the leader), and `Executed.state` is the whole one.
         """
-        lock = self._locks.setdefault(aggregate_id, asyncio.Lock())
-        async with lock:
-            return await self._execute(
-                aggregate_id, decide, id_base, causation_id, correlation_id, trace_id, attempts
-            )
+        lock, users = self._locks.get(aggregate_id, (None, 0))
+        if lock is None:
+            lock = asyncio.Lock()
+        self._locks[aggregate_id] = (lock, users + 1)
+        try:
+            async with lock:
+                return await self._execute(
+                    aggregate_id, decide, id_base, causation_id, correlation_id, trace_id,
+                    attempts, whole,
+                )  # fmt: skip
+        finally:
+            lock, users = self._locks[aggregate_id]
+            if users == 1:
+                del self._locks[aggregate_id]
+            else:
+                self._locks[aggregate_id] = (lock, users - 1)
 
     async def _execute(
         self,
@@ -349,6 +401,7 @@ class AggregateStore(Generic[S]):
         correlation_id: str,
         trace_id: str | None,
         attempts: int,
+        whole: Callable[[S | None], bool] | None,
     ) -> Executed[S]:
         # Decided on what was last read, even where nothing follows the log (a
         # host-agent's store, read on demand): events decided on an old state are
@@ -356,19 +409,23 @@ class AggregateStore(Generic[S]):
         # or "nothing to do" needs a state just read before it is believed. (A
         # read first cost every report of a host a round trip: two per command.)
         synced = False
+        read_back: tuple[S | None, int] | None = None  # the whole state, when needed
         for _ in range(attempts):
-            state, seq = self.get(aggregate_id)
+            state, seq = read_back or self.get(aggregate_id)
+            if read_back is None and whole is not None and whole(state):
+                read_back = await self.read_whole(aggregate_id)
+                state, seq = read_back
             try:
                 events = decide(state)
             except Rejected:
-                if synced:
+                if synced or read_back is not None:
                     raise
                 # Never refuse on a stale cache: read what is really there first.
                 await self.sync(aggregate_id)
                 synced = True
                 continue
             if not events:
-                if not self._follow and not synced:
+                if not self._follow and not synced and read_back is None:
                     await self.sync(aggregate_id)  # nothing keeps it current but this
                     synced = True
                     continue
@@ -384,8 +441,12 @@ class AggregateStore(Generic[S]):
                 )
             if appended is None:
                 await self.sync(aggregate_id)
-                synced = True
+                synced, read_back = True, None
                 continue
+            if read_back is not None:  # the whole state, as the cache's now is
+                return Executed(
+                    fold(self._evolve, appended, state), self.get(aggregate_id)[1], appended
+                )
             state, seq = self.get(aggregate_id)
             return Executed(state, seq, appended)
         raise InfraError(

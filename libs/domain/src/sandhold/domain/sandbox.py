@@ -195,6 +195,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     # The latest save requested: its generation and time (the saver's interval
     # counts from it while the placement is the same).
     last_save_request: tuple[int, float] | None = None
+    # Set by `compact` once it dropped something (a service's cached copy): a
+    # decision that reads what it drops is made again on the whole state.
+    compacted: bool = False
 
     @property
     def connections_current(self) -> bool:
@@ -371,6 +374,47 @@ def _with_command(state: Sandbox, command: Command) -> Sandbox:
         unended_ids=unended_ids,
         ended_counts=ended_counts,
     )
+
+
+def compact(state: Sandbox) -> Sandbox:
+    """What a service keeps of a sandbox to decide on (decision 057): its ended
+    commands go (an end state is final, and no periodic decision reads them);
+    their request keys stay, so a retry is still known as one. A deleted
+    sandbox forgets its request keys too: every request to it is refused or
+    changes nothing, and `whole_needed` has it decided on the whole state.
+    Cheap when nothing is to go (the per-event case): two lengths compared."""
+    deleted = state.phase == "deleted"
+    if len(state.commands) == len(state.unended_ids) and not (deleted and state.requests):
+        return state
+    commands: PMap[str, Command] = PMap((i, state.commands[i]) for i in state.unended_ids)
+    return msgspec.structs.replace(
+        state,
+        commands=commands,
+        requests=EMPTY if deleted else state.requests,
+        compacted=True,
+    )
+
+
+def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
+    """Whether deciding `request` on this (compacted) state may read what
+    `compact` dropped: then it is decided on the whole state, read back from the
+    log. A deleted sandbox's request keys (every request to it is a retry, or
+    refused, or noted); an ended command a run's retry or a cancel names, and
+    the reply shows. Rare: a new request to a live sandbox needs none of it."""
+    if state is None or not state.compacted:
+        return False
+    if state.phase == "deleted":
+        return True
+    match request:
+        case rq.RunCommand():  # a retry: known by its key, its command gone
+            return (
+                request.key in state.requests
+                and rq.command_id_for(state.id, request.key) not in state.commands
+            )
+        case rq.CancelCommand():
+            return request.command_id not in state.commands
+        case _:
+            return False
 
 
 def _indexed(ids: tuple[str, ...], member_id: str, member: bool) -> tuple[str, ...]:

@@ -88,7 +88,7 @@ class Saver:
         async with self._shell as shell:
             self._js = shell.js
             self.store = SaveStore(shell.nc, self._names)
-            self.sandboxes = shell.store("sandbox", sb.evolve)
+            self.sandboxes = shell.store("sandbox", sb.evolve, compact=sb.compact)
             self.sandboxes.listen(self._mark_dirty)
             # What the schedule looks at each tick (not every sandbox ever made).
             self._scheduled = self.sandboxes.select(policy.on_schedule)

@@ -90,7 +90,7 @@ class Scheduler:
         async with self._shell as shell:
             self._nc, self._js = shell.nc, shell.js
             self.hosts = shell.store("host", host_domain.evolve)
-            self.sandboxes = shell.store("sandbox", sb.evolve)
+            self.sandboxes = shell.store("sandbox", sb.evolve, compact=sb.compact)
             self.leases = leases.LeaseWatcher(
                 await leases.lease_bucket(shell.js, self._names), ttl=self._lease_ttl
             )
@@ -169,6 +169,7 @@ class Scheduler:
                 id_base=f"req:{request.key}",
                 causation_id=request.key,
                 correlation_id=request.key,
+                whole=lambda state: sb.whole_needed(state, request),
             )
         except Rejected:
             if kept is not None:
@@ -177,11 +178,27 @@ class Scheduler:
                 await self._forget_connection_value(sandbox_id, value)
             raise
         assert executed.state is not None
+        if not executed.appended:
+            await self._forget_kept_for_nothing(executed.state, kept, value)
         if before is not None:
             for replaced in _value_ids(before) - _value_ids(executed.state):
                 await self._forget_connection_value(sandbox_id, replaced)
         record = sb.result_of(executed.state, request)
         return _reply_encoder.encode(reply_for(record, sandbox_id, now=time.time()))
+
+    async def _forget_kept_for_nothing(
+        self, state: sb.Sandbox, kept: str | None, value: str | None
+    ) -> None:
+        """A retry answered with nothing appended, whose secrets or Connection
+        value were kept again because the cache no longer knew its key (a deleted
+        sandbox's, compacted, decision 057): they go again if what they were for
+        is over (its command ended, its sandbox deleted). Not otherwise: the
+        first request's command may still need the very same secrets."""
+        command = state.commands.get(kept) if kept is not None else None
+        if kept is not None and command is not None and command.ended:
+            await secret_store.forget(self._js, self._names, self._names.secret(kept))
+        if value is not None and state.phase == "deleted":
+            await self._forget_connection_value(state.id, value)
 
     async def _keep_secrets(self, request: rq.AnyRequest, sandbox_id: str) -> str | None:
         """Keep a new command's secrets before the event that names them is
@@ -190,7 +207,7 @@ class Scheduler:
             return None
         command_id = rq.command_id_for(sandbox_id, request.key)
         state, _ = self.sandboxes.get(sandbox_id)
-        if state is not None and command_id in state.commands:
+        if state is not None and (command_id in state.commands or request.key in state.requests):
             return None  # a retry of a command already queued: its secrets are kept (or used)
         await secret_store.keep(
             self._js, self._names, self._names.secret(command_id), request.secrets
@@ -269,8 +286,9 @@ class Scheduler:
             return msgspec.structs.replace(work, connections=connections)
         if not isinstance(work, wk.RunCommandWork):
             return work
-        if not state.commands[work.command_id].secret_names:
-            return work
+        command = state.commands.get(work.command_id)
+        if command is None or not command.secret_names:
+            return work  # (ended since, and compacted away: the host will not run it)
         values = await secret_store.fetch(
             self._js, self._names, self._names.secret(work.command_id)
         )
@@ -280,7 +298,9 @@ class Scheduler:
             state.id,
             lambda s: (
                 [secrets_gone(s, work.command_id)]
-                if s is not None and s.commands[work.command_id].state == "dispatched"
+                if s is not None
+                and (c := s.commands.get(work.command_id)) is not None
+                and c.state == "dispatched"
                 else []
             ),
             id_base=f"secrets-gone:{work.command_id}",

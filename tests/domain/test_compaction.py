@@ -12,7 +12,9 @@ from sandhold.domain.sandbox import (
     Sandbox,
     compact,
     decide,
+    ended_away,
     evolve,
+    queued_by,
     result_of,
     whole_needed,
 )
@@ -132,3 +134,20 @@ def test_a_live_sandbox_drops_its_ended_commands_and_keeps_their_keys() -> None:
     assert kept.compacted and whole_needed(kept, run("run-1")), "its reply needs the whole"
     assert not whole_needed(kept, run("run-3")), "a new run decides on what is kept"
     assert compact(given_sandbox(*RUNNING, run("run-1"))).compacted is False, "nothing to drop"
+
+
+def test_a_run_is_known_by_its_key_once_its_command_is_compacted_away() -> None:
+    whole = given_sandbox(*RUNNING, run("run-1"), dispatched("run-1"), command_ended("run-1"))
+    kept = compact(whole)
+    assert queued_by(whole, "run-1") and queued_by(kept, "run-1")
+    assert not queued_by(kept, "run-2"), "never sent"
+    assert not ended_away(whole, cmd("run-1"), "run-1"), "kept whole: its record is there"
+    assert ended_away(kept, cmd("run-1"), "run-1"), "in the log only"
+    assert not ended_away(kept, cmd("run-2"), "run-2")
+    deleted_ = compact(
+        given_sandbox(
+            *RUNNING, run("run-1"), dispatched("run-1"), command_ended("run-1"),
+            stop(), stopped(), delete(), deleted(),
+        )
+    )  # fmt: skip
+    assert not deleted_.requests and ended_away(deleted_, cmd("run-1"), "run-1"), "keys gone too"

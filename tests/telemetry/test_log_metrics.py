@@ -8,6 +8,8 @@ from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.task_manifest import load_manifest
 from sandhold.telemetry.log_metrics import LogMetrics, labels
 
+from tests.domain.history import RUNNING, SID, command_ended, dispatched, envelopes_for, run
+
 MANIFEST = load_manifest({"name": "t", "agent": {"command": ["true"]}})
 
 
@@ -198,3 +200,18 @@ def test_a_sandbox_unchanged_since_a_quiet_save_has_no_save_lag() -> None:
                                           request_digest="d"))  # fmt: skip
     gauges = log.folded().gauges(now=5000.0)
     assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 1000.0}
+
+
+def test_the_fold_keeps_no_ended_command_and_counts_the_same() -> None:
+    """Its sandboxes are compacted (decision 057): memory that grows with live
+    work, not with every command ever run."""
+    steps = [*RUNNING]
+    for i in range(40):
+        steps += [run(f"run-{i}"), dispatched(f"run-{i}"), command_ended(f"run-{i}")]
+    metrics = LogMetrics()
+    for seq, envelope in enumerate(envelopes_for([*steps, run("last")]), start=1):
+        metrics.apply(seq, envelope)
+    kept = metrics.sandboxes[SID]
+    assert list(kept.commands) == [kept.unended_ids[0]], "only the one not ended"
+    assert metrics.total("sandhold_commands_ended_total") == 40
+    assert metrics.gauges(now=0.0)["sandhold_sandboxes"] == {labels(phase="running"): 1}

@@ -141,6 +141,7 @@ def row(
                 _api("DIRECT.GET", secrets, f"{p}.secret.cmd.*"),
                 _api("STREAM.MSG.GET", secrets),  # what was kept, headers as stored
                 _api("STREAM.PURGE", secrets),
+                _api("STREAM.INFO", secrets),  # which are kept (names, not values)
                 # Connections' values: kept while referred to (only here)
                 f"{p}.conn.*.*",
                 _api("DIRECT.GET", names.connections_stream, f"{p}.conn.*.*"),

@@ -61,6 +61,24 @@ async def fetch(
         return None  # not what we keep: as good as gone
 
 
+async def held(
+    js: JetStreamContext, names: Names, subject_filter: str, *, stream: str | None = None
+) -> dict[str, float]:
+    """Each subject matching `subject_filter` something is kept on, and when it
+    was kept (server time, Unix seconds): what a sweep for leftovers looks at."""
+    stream = stream or names.secrets_stream
+    info = await js.stream_info(stream, subjects_filter=subject_filter)
+    found = {}
+    for subject in sorted(info.state.subjects or {}):
+        try:
+            msg = await js.get_last_msg(stream, subject)
+        except NotFoundError:
+            continue  # removed meanwhile
+        if msg.time is not None:
+            found[subject] = msg.time.timestamp()
+    return found
+
+
 async def forget(
     js: JetStreamContext, names: Names, subject: str, *, stream: str | None = None
 ) -> None:

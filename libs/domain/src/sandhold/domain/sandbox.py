@@ -417,6 +417,22 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
             return False
 
 
+def queued_by(state: Sandbox, key: str) -> bool:
+    """Whether the run request with `key` made its command here: kept, or
+    ended and compacted away (its key stays; a run is never a request that
+    changes nothing). Not told of a deleted sandbox's compacted state."""
+    return rq.command_id_for(state.id, key) in state.commands or key in state.requests
+
+
+def ended_away(state: Sandbox, command_id: str, key: str) -> bool:
+    """Whether the command, queued, may have ended and been dropped by
+    `compact`: its end record is then in the log only (`AggregateStore.read_whole`).
+    Of a deleted sandbox, whose request keys went too: any command not kept."""
+    if not state.compacted or command_id in state.commands:
+        return False
+    return key in state.requests or state.phase == "deleted"
+
+
 def _indexed(ids: tuple[str, ...], member_id: str, member: bool) -> tuple[str, ...]:
     """`ids` with `member_id` at its end or taken out (few: only open commands,
     saves under way or kept)."""

@@ -161,7 +161,8 @@ class LogMetrics:
                 self._observe("sandhold_recovery_seconds", at - self._recovering_since.pop(sid))
         after = sb.evolve(before, envelope)
         if after is not None:
-            self.sandboxes[sid] = after
+            # Phases and saves are what the gauges read: no ended command (decision 057).
+            self.sandboxes[sid] = sb.compact(after)
 
     def _host(self, envelope: Envelope) -> None:
         hid = envelope.aggregate_id

@@ -55,6 +55,12 @@ class Sandboxes:
     def state(self, sandbox_id: str) -> sb.Sandbox | None:
         return self._store.get(sandbox_id)[0]
 
+    async def whole(self, sandbox_id: str) -> sb.Sandbox | None:
+        """The sandbox with every command it ran, read back from the log: the
+        store keeps no ended command (decision 057)."""
+        state, _ = await self._store.read_whole(sandbox_id)
+        return state
+
     async def task_secrets(self, task_id: str) -> dict[str, str] | None:
         """The values of a task's secrets, kept since its submit; None once gone."""
         return await secret_store.fetch(self._js, self._names, self._names.task_secret(task_id))

@@ -51,6 +51,9 @@ log = logging.getLogger("sandhold.scheduler")
 # How long a seed not found waits before it is looked for again (a replica behind
 # the leader), the last time refusing the request.
 LAGGING_REPLICA_RETRIES_S = (0.1, 0.3, 0.6)
+# A command's secrets are kept before its `command.queued` is appended (perhaps
+# by another scheduler): secrets younger than this may belong to one on its way.
+LEFT_SECRETS_GRACE_S = 60.0
 
 _reply_encoder = msgspec.json.Encoder()
 
@@ -68,8 +71,11 @@ class Scheduler:
         durable: str = "scheduler",
         instance: str | None = None,
         claim_ttl: float = 5.0,
+        left_secrets_grace_s: float = LEFT_SECRETS_GRACE_S,
     ) -> None:
         self._names = names
+        self._left_secrets_grace_s = left_secrets_grace_s
+        self.left_secrets_removed: int | None = None  # once looked for: how many
         self._shell = Shell(self.name, nats_url, names)
         self.instance = instance or instance_name(self.name)
         self._claim_ttl = claim_ttl
@@ -78,7 +84,8 @@ class Scheduler:
         self._defaults = defaults
         self._durable = durable
         # sandbox id -> ids of its commands whose secrets may still be stored (for
-        # a sandbox first looked at since this process started: all it ran).
+        # a sandbox first looked at since this process started: all it keeps;
+        # those of commands ended before are `_forget_left_secrets`'s).
         self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
         self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
@@ -120,6 +127,7 @@ class Scheduler:
             shell.on_close(self.placement.release)
             for sandbox_id in self.sandboxes.ids():
                 self._mark_dirty(sandbox_id)
+            shell.spawn(self._forget_left_secrets(), "left secrets")
             # Sandbox and command requests; task requests are the orchestrator's.
             # Creating the consumer also moves one made with the old `req.>` filter.
             consumer = ConsumerConfig(
@@ -308,6 +316,31 @@ class Scheduler:
             correlation_id=work.command_id,
         )
         return None
+
+    async def _forget_left_secrets(self) -> None:
+        """Once, after start: secrets kept for a command that is not waiting to
+        start (it started or ended, or was never queued) are left over from a
+        process that stopped before it removed them. A pass looks only at the
+        commands a store keeps, and it keeps no ended one (decision 057)."""
+        try:
+            held = await secret_store.held(self._js, self._names, self._names.secret("*"))
+            waiting = {
+                command_id
+                for sandbox_id in self.sandboxes.ids()
+                if (state := self.sandboxes.get(sandbox_id)[0]) is not None
+                for command_id in state.unended_ids
+            }
+            now, removed = time.time(), 0
+            for subject, kept_at in held.items():
+                command_id = subject.rsplit(".", 1)[1]
+                if command_id in waiting or now - kept_at < self._left_secrets_grace_s:
+                    continue
+                log.info("removing the secrets left for %s", command_id)
+                await secret_store.forget(self._js, self._names, subject)
+                removed += 1
+            self.left_secrets_removed = removed
+        except Exception as err:  # noqa: BLE001 - they expire on their own (streams.py)
+            log.warning("secrets left over not looked for: %r", err)
 
     def _note_secrets(self, sandbox_id: str, envelopes: list[Envelope]) -> None:
         """Remember the commands queued with secrets, as their events are folded:

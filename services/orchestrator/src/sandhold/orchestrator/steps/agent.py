@@ -19,7 +19,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain import task_policy as policy
-from sandhold.domain.errors import Rejected
+from sandhold.domain.errors import InfraError, Rejected
 from sandhold.orchestrator.faults import fault
 
 if TYPE_CHECKING:
@@ -91,10 +91,10 @@ class AgentStep:
         """The run request decided: True once its command exists; refused, the
         step's failure is recorded."""
         assert record.sandbox_id is not None
-        command_id = record.command_id
+        key = record.idempotency_key
         try:
             await runner.sandboxes.settle(
-                sent, lambda s: command_id in s.commands, sandbox_id=record.sandbox_id
+                sent, lambda s: sb.queued_by(s, key), sandbox_id=record.sandbox_id
             )
         except Rejected as err:
             await runner.record_step_failure(record, f"rejected_{err.code}", err.message)
@@ -108,7 +108,8 @@ class AgentStep:
         (now), go on waiting for it; False: the step's end was recorded."""
         assert record.sandbox_id and record.command_id
         await runner.sandboxes.wait(record.sandbox_id, lambda s: True, timeout=None)
-        if command_of(runner, record) is not None:
+        sandbox = runner.sandboxes.state(record.sandbox_id)
+        if sandbox is not None and sb.queued_by(sandbox, record.idempotency_key):
             log.info("%s: re-attaching to %s (%s)", runner.task_id, record.command_id, record.id)
             return True
         # No command in the sandbox's log. Whether its request left can be learnt
@@ -139,11 +140,11 @@ class AgentStep:
         # It left before the crash. A scheduler decides it soon, unless it was
         # refused (the answer went to the dead orchestrator): wait a while, then
         # fail rather than risk a second agent turn under a new key.
-        command_id = record.command_id
+        key = record.idempotency_key
         try:
             await runner.sandboxes.wait(
                 record.sandbox_id,
-                lambda s: True if command_id in s.commands else None,
+                lambda s: True if sb.queued_by(s, key) else None,
                 timeout=runner.decision_wait_s,
             )
         except TimeoutError:
@@ -198,16 +199,25 @@ class AgentStep:
         tick = min(max(min(warn_after, cancel_after) / 10, 0.2), 30.0)
         warned = record.hang_warned
         cancelled = False
-        command_id = record.command_id
+        command_id, key = record.command_id, record.idempotency_key
         while True:
             try:
-                return await runner.sandboxes.wait(
-                    record.sandbox_id,
-                    lambda s: c if (c := s.commands.get(command_id)) and c.ended else None,
-                    timeout=tick,
+                found: sb.Command | _EndedAway = await runner.sandboxes.wait(
+                    record.sandbox_id, lambda s: _end_of(s, command_id, key), timeout=tick
                 )
             except TimeoutError:
                 pass
+            else:
+                if not isinstance(found, _EndedAway):
+                    return found
+                # Ended, and the store keeps no ended command: its end is in the log.
+                whole = await runner.sandboxes.whole(record.sandbox_id)
+                ended = whole.commands.get(command_id) if whole is not None else None
+                if ended is not None and ended.ended:
+                    return ended
+                raise InfraError(
+                    f"{command_id} ended, but its end was not read back", retryable=True
+                )
             command = command_of(runner, record)
             if command is None or command.state != "running":
                 continue  # silence counts only once it runs (not while queued or restored)
@@ -226,6 +236,22 @@ class AgentStep:
             if silent >= cancel_after and not cancelled:
                 cancelled = True
                 await cancel_command(runner, record, why="hung")
+
+
+class _EndedAway:
+    """What `_watch`'s wait finds when the command ended and was compacted away."""
+
+
+_AWAY = _EndedAway()
+
+
+def _end_of(state: sb.Sandbox, command_id: str, key: str) -> sb.Command | _EndedAway | None:
+    """The command's end record, `_AWAY` when it ended and the store dropped
+    it, None while it has not ended."""
+    command = state.commands.get(command_id)
+    if command is not None and command.ended:
+        return command
+    return _AWAY if sb.ended_away(state, command_id, key) else None
 
 
 def command_of(runner: Runner, record: tk.StepRecord) -> sb.Command | None:

@@ -10,7 +10,8 @@ import asyncio
 import nats
 import nats.errors
 from nats.aio.msg import Msg
-from sandhold.bus.follow import FENCE_HEADER, Follower, pull_batches
+from sandhold.bus.codec import FENCE_HEADER
+from sandhold.bus.follow import Follower, pull_batches
 from sandhold.bus.names import Names
 from sandhold.bus.server import NatsServer, free_port
 from sandhold.bus.service import connect

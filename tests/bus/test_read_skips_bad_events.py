@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import nats
-from sandhold.bus.follow import FENCE_HEADER
+from sandhold.bus.codec import FENCE_HEADER
 from sandhold.bus.names import Names
 from sandhold.bus.ownership import tenant_of
 from sandhold.bus.read import read_subject

@@ -114,7 +114,7 @@ async def test_events_tail_follows_stored_events_only(up: Up):
 
 async def test_audit_export_shows_events_of_types_it_does_not_know(up: Up):
     import nats
-    from sandhold.bus.follow import FENCE_HEADER
+    from sandhold.bus.codec import FENCE_HEADER
     from sandhold.bus.names import Names
 
     names = Names(up.runtime["prefix"])

@@ -17,55 +17,28 @@ import msgspec
 from sandhold.bus import credentials as creds
 from sandhold.bus.credentials import Credentials
 from sandhold.bus.names import Names
-from sandhold.client import Client, CommandResult, connect
+from sandhold.client import Client, connect
 from sandhold.domain.errors import InfraError, Rejected
 
-from sandhold.cli.main import _runtime, _server
+from sandhold.cli.main import _runtime, _server, credentials_of
 from sandhold.cli.progress import progress
+from sandhold.cli.report import EXIT_REJECTED, EXIT_UNREACHABLE, print_json, report_exec
 from sandhold.cli.secret_args import secrets_of
 from sandhold.cli.status import status_block
-
-# How `exec` exits when the command did not simply exit: shell conventions where
-# one exists (124 timeout(1), 127 not found, 130 interrupted, 137 killed).
-EXIT_CODES = {
-    "timed_out": 124,
-    "launch_failed": 127,
-    "interrupted": 130,
-    "resource_exhausted": 137,
-    "not_launched": 125,
-    "infrastructure_lost": 125,
-    "unknown": 125,
-}
-EXIT_REJECTED = 2
-EXIT_UNREACHABLE = 3
-
-
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
 
 
 def _print_sandbox(view, as_json: bool) -> None:
     if as_json:
-        _print_json(view)
+        print_json(view)
     else:
         print(f"{view.id}  {view.phase}  host={view.host or '-'}  generation={view.generation}")
-
-
-def _credentials(args: argparse.Namespace) -> Credentials | None:
-    """Who this command connects as: --credentials, SANDHOLD_NATS_CREDENTIALS,
-    or the operator of the data dir's `sandhold up`; else the user in the URL."""
-    path = args.credentials or os.environ.get(creds.ENV)
-    if path:
-        return creds.load(Path(path))
-    operator = creds.path_of(Path(args.data_dir) / "credentials", "operator")
-    return creds.load(operator) if operator.exists() else None
 
 
 async def _with_client(args: argparse.Namespace, action: Callable[[Client], Awaitable[int]]) -> int:
     url, prefix = _server(args)
     try:
         client = await asyncio.wait_for(
-            connect(url, prefix=prefix, credentials=_credentials(args)), 10
+            connect(url, prefix=prefix, credentials=credentials_of(args)), 10
         )
     except (OSError, TimeoutError) as err:
         print(f"sandhold: cannot reach NATS at {url}: {err}", file=sys.stderr)
@@ -114,7 +87,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
         case "ls":
             views = await client.list_sandboxes(include_deleted=args.all)
             if args.json:
-                _print_json(views)
+                print_json(views)
             else:
                 for view in views:
                     _print_sandbox(view, False)
@@ -122,7 +95,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
             view = await client.show_sandbox(args.id)
             view.storage = await client.storage()
             if args.json:
-                _print_json(view)
+                print_json(view)
             else:
                 print(status_block(view))
         case "start":
@@ -164,7 +137,7 @@ async def _stop(args: argparse.Namespace, client: Client) -> int:
     else:
         outcome["final_save"] = None
     if args.json:
-        _print_json(outcome)
+        print_json(outcome)
     else:
         print(f"{args.id} {view.phase}")
         if final is None:
@@ -183,7 +156,7 @@ async def _stop(args: argparse.Namespace, client: Client) -> int:
 async def _host(args: argparse.Namespace, client: Client) -> int:
     hosts = await client.list_hosts()
     if args.json:
-        _print_json(hosts)
+        print_json(hosts)
     else:
         for h in hosts["hosts"]:
             age = h["last_renewal_age_s"]
@@ -215,7 +188,7 @@ async def _admin(args: argparse.Namespace, client: Client) -> int:
         f"{client.names.prefix}.admin.gc", msgspec.json.encode(body), timeout=300
     )
     result = msgspec.json.decode(reply.data)
-    _print_json(result)
+    print_json(result)
     return 0 if result.get("ok") else 1
 
 
@@ -233,7 +206,7 @@ async def _connection(args: argparse.Namespace, client: Client) -> int:
         case _:
             view = await client.show_sandbox(args.id)
     if args.json:
-        _print_json({"sandbox_id": view.id, "connections": view.connections,
+        print_json({"sandbox_id": view.id, "connections": view.connections,
                      "pending": view.connections_pending})  # fmt: skip
         return 0
     if args.action != "ls":
@@ -258,7 +231,7 @@ async def _snapshot(args: argparse.Namespace, client: Client) -> int:
     async with progress(client, args.id):
         save = await client.wait_for_save(args.id, save.id, timeout=args.timeout)
     if args.json:
-        _print_json(save)
+        print_json(save)
     elif save.state == "completed":
         print(f"snapshot {save.id} ({save.name}): {save.files} files, {save.bytes} bytes")
     else:
@@ -281,7 +254,16 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         print(f"sandhold: {err}", file=sys.stderr)
         return EXIT_REJECTED
 
+    # What the quick path printed before it handed over (`quick_exec`): not again.
+    skip = dict(getattr(args, "printed", None) or {})
+
     def stream(name: str, data: bytes) -> None:
+        left = skip.get(name, 0)
+        if left:
+            skip[name] = left - min(left, len(data))
+            data = data[left:]
+        if not data:
+            return
         out = sys.stdout if name == "stdout" else sys.stderr
         out.buffer.write(data)
         out.flush()
@@ -297,53 +279,19 @@ async def _exec(args: argparse.Namespace, client: Client) -> int:
         user=args.user,
         on_output=None if args.json else stream,
     )
-    return _report_exec(result, args.json)
-
-
-def _report_exec(result: CommandResult, as_json: bool) -> int:
-    command = result.command
-    if as_json:
-        record = msgspec.to_builtins(command)
-        record["output"] = (result.stdout + result.stderr).decode(errors="replace")
-        record["stdout"] = result.stdout.decode(errors="replace")
-        record["stderr"] = result.stderr.decode(errors="replace")
-        _print_json(record)
-    elif (cold := command.cold_start) is not None:
-        source = f"from save {cold.from_save}" if cold.from_save else "from its files on the host"
-        print(
-            f"sandhold: {command.sandbox_id} had been stopped for being idle: started again "
-            f"{source} in {cold.start_ms or 0:.0f} ms (restore {cold.restore_ms:.0f} ms, "
-            f"{cold.bytes_fetched} bytes fetched)",
-            file=sys.stderr,
-        )
-    if command.state == "exited" and command.exit_code is not None:
-        return command.exit_code
-    if command.state == "exited" and command.signal is not None:
-        if not as_json:
-            print(
-                f"sandhold: command {command.id} was killed by signal {command.signal}",
-                file=sys.stderr,
-            )
-        return 128 + command.signal  # as a shell reports it
-    if not as_json:
-        print(
-            f"sandhold: command {command.id} ended {command.state}"
-            + (f": {command.reason}" if command.reason else ""),
-            file=sys.stderr,
-        )
-    return EXIT_CODES.get(command.state, 125)
+    return report_exec(result.command, result.stdout, result.stderr, args.json)
 
 
 async def _command(args: argparse.Namespace, client: Client) -> int:
     match args.action:
         case "show":
-            _print_json(await client.show_command(args.sandbox, args.command))
+            print_json(await client.show_command(args.sandbox, args.command))
         case "output":
             output = await client.read_output(args.sandbox, args.command)
             sys.stdout.buffer.write(output.get("stdout", b""))
             sys.stderr.buffer.write(output.get("stderr", b""))
         case "cancel":
-            _print_json(await client.cancel_command(args.sandbox, args.command, key=args.key))
+            print_json(await client.cancel_command(args.sandbox, args.command, key=args.key))
     return 0
 
 
@@ -433,7 +381,7 @@ def _token(args: argparse.Namespace) -> int:
         case "ls":
             entries = tokens.read(path).tokens
             if args.json:
-                _print_json([{"name": t.name, "tenant": t.tenant} for t in entries])
+                print_json([{"name": t.name, "tenant": t.tenant} for t in entries])
             for t in [] if args.json else entries:
                 print(f"{t.name}  tenant={t.tenant}")
         case "revoke":
@@ -483,7 +431,7 @@ def _credentials_command(args: argparse.Namespace) -> int:
         case "ls":
             users = creds.every(directory)
             if args.json:
-                _print_json(
+                print_json(
                     [{"user": c.user, "role": c.role, "host": c.host, "tenant": c.tenant}
                      for c in users]
                 )  # fmt: skip

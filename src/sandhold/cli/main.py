@@ -7,12 +7,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandhold.bus.roles import ROLES
 
 from sandhold.cli import task_args
 from sandhold.cli.secret_args import add_secret_option
+
+if TYPE_CHECKING:
+    from sandhold.bus.credentials import Credentials
 
 # Everything that talks to NATS (nats-py, msgspec, the client, the domain) is
 # imported by `commands`, once a command needs it: `sandhold --help`, a typo
@@ -61,6 +64,18 @@ def _server(args: argparse.Namespace) -> tuple[str, str]:
         )
     prefix = args.prefix or os.environ.get("SANDHOLD_PREFIX") or runtime.get("prefix") or "sh"
     return url, prefix
+
+
+def credentials_of(args: argparse.Namespace) -> Credentials | None:
+    """Who a command connects as: --credentials, SANDHOLD_NATS_CREDENTIALS,
+    or the operator of the data dir's `sandhold up`; else the user in the URL."""
+    from sandhold.bus import credentials as creds
+
+    path = args.credentials or os.environ.get(creds.ENV)
+    if path:
+        return creds.load(Path(path))
+    operator = creds.path_of(Path(args.data_dir) / "credentials", "operator")
+    return creds.load(operator) if operator.exists() else None
 
 
 def _global_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -544,6 +559,14 @@ def main(argv: list[str] | None = None) -> None:
 
         print(shtab.complete(_parser(), shell=args.shell))
         return
+    if args.group == "exec":
+        # Most commands end within moments: the quick path spares the import of
+        # a NATS client and asyncio (decision 058); it hands over otherwise.
+        from sandhold.cli import quick_exec
+
+        code = quick_exec.run(args)
+        if code is not None:
+            raise SystemExit(code)
     from sandhold.cli import commands
 
     commands.dispatch(args)

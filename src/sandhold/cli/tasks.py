@@ -21,6 +21,7 @@ from sandhold.domain.task_manifest import ManifestError, parse_manifest
 from sandhold.domain.task_views import TaskView, task_view
 from sandhold.saves import SaveStore, artifacts
 
+from sandhold.cli.report import print_json
 from sandhold.cli.secret_args import secrets_of
 
 # How `task watch` (and `submit --wait`) exit: 0 completed, like `exec` otherwise.
@@ -46,7 +47,7 @@ async def run(args: argparse.Namespace, client: Client) -> int:
         case "ls":
             views = await client.list_tasks(state=args.state)
             if args.json:
-                _print_json(views)
+                print_json(views)
             else:
                 for view in views:
                     _print(view, False)
@@ -87,13 +88,9 @@ def _read_manifest(path: str):
     return parse_manifest(text)
 
 
-def _print_json(value: object) -> None:
-    sys.stdout.write(msgspec.json.encode(value).decode() + "\n")
-
-
 def _print(view: TaskView, as_json: bool) -> None:
     if as_json:
-        _print_json(view)
+        print_json(view)
         return
     extra = f" ({view.reason}: {view.detail})" if view.reason else ""
     print(f"{view.id}  {view.name}  {view.state}{extra}")
@@ -173,7 +170,7 @@ async def watch(client: Client, task_id: str, *, as_json: bool) -> int:
 
 def _print_event(envelope, as_json: bool) -> None:
     if as_json:
-        _print_json(envelope)
+        print_json(envelope)
     else:
         stamp = time.strftime("%H:%M:%S", time.localtime(envelope.time))
         body = msgspec.json.encode(envelope.event).decode()

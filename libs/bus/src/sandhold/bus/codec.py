@@ -37,3 +37,15 @@ def reply_inbox(headers: dict[str, str] | None) -> str | None:
     service's own rights, to an event subject or the JetStream API."""
     reply_to = (headers or {}).get(REPLY_HEADER)
     return reply_to if reply_to and reply_to.startswith("_INBOX.") else None
+
+
+# The header of a fenced append (`append.py`: the expected last subject
+# sequence, `Nats-Expected-Last-Subject-Sequence`): JetStream stored the
+# message only because that sequence was right at the time.
+FENCE_HEADER = "Nats-Expected-Last-Subject-Sequence"
+
+
+def has_fence(headers: dict[str, str] | None) -> bool:
+    """Whether a message is an event: appended behind the fence (its headers as
+    stored). A stored message bounced onto an event subject (`reflected`) is not one."""
+    return headers is not None and FENCE_HEADER in headers and not reflected(headers)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -59,9 +58,7 @@ def issue(
     path = path_of(directory, user)
     if path.exists():
         return load(path)
-    made = Credentials(
-        user=user, password=secrets.token_urlsafe(32), role=role, host=host, tenant=tenant
-    )
+    made = Credentials(user=user, password=_password(), role=role, host=host, tenant=tenant)
     _write_private(path, msgspec.json.encode(made))
     return made
 
@@ -127,3 +124,9 @@ def _write_private(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def _password() -> str:
+    import secrets  # (here: a client that only loads a credential spares its import)
+
+    return secrets.token_urlsafe(32)

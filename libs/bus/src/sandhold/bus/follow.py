@@ -38,14 +38,12 @@ from typing import Generic, TypeVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
-from sandhold.bus.codec import reflected
+from sandhold.bus.codec import has_fence
 from sandhold.bus.electing import patiently
 
 log = logging.getLogger(__name__)
-
-FENCE_HEADER = Header.EXPECTED_LAST_SUBJECT_SEQUENCE
 
 
 def fence_required(stream: str) -> bool:
@@ -58,12 +56,6 @@ def fenced(msg: Msg) -> bool:
     """Whether the message was appended with an expected last subject sequence
     (JetStream stored it only because that sequence was right at the time)."""
     return has_fence(msg.headers)
-
-
-def has_fence(headers: dict[str, str] | None) -> bool:
-    """The same, for a message read with a direct get (its headers). A stored
-    message bounced onto an event subject (codec.reflected) is not one."""
-    return headers is not None and FENCE_HEADER in headers and not reflected(headers)
 
 
 def _skip_unfenced(msg: Msg, seq: int, what: str) -> None:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
-from sandhold.bus.codec import decode_envelope
-from sandhold.bus.follow import has_fence
+from sandhold.bus.codec import decode_envelope, has_fence
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 

@@ -31,11 +31,10 @@ from sandhold.bus.checkpoint import (
     fold_version,
     path_for,
 )
-from sandhold.bus.codec import decode_envelope
+from sandhold.bus.codec import decode_envelope, has_fence
 from sandhold.bus.electing import patiently
 from sandhold.bus.follow import (  # noqa: F401 - stream_sequence re-exported
     Follower,
-    has_fence,
     read_range,
     stream_sequence,
 )

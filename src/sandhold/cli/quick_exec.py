@@ -49,6 +49,8 @@ from sandhold.telemetry import tracing
 HAND_OVER_S = 2.0
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0
+# Output chunks travel apart from the events: some may arrive after the end.
+OUTPUT_LATE_S = 0.2
 
 _reply_decoder = msgspec.json.Decoder(Reply)
 
@@ -121,15 +123,21 @@ class Wire:
         return self._sids
 
     def publish(
-        self, subject: str, payload: bytes, *, reply: str, headers: dict[str, str] | None = None
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        reply: str = "",
+        headers: dict[str, str] | None = None,
     ) -> None:
+        to = f"{subject} {reply}" if reply else subject
         if not headers:
-            self._send(f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + b"\r\n")
+            self._send(f"PUB {to} {len(payload)}\r\n".encode() + payload + b"\r\n")
             return
         head = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         raw = head.encode()
         size = f"{len(raw)} {len(raw) + len(payload)}"
-        self._send(f"HPUB {subject} {reply} {size}\r\n".encode() + raw + payload + b"\r\n")
+        self._send(f"HPUB {to} {size}\r\n".encode() + raw + payload + b"\r\n")
 
     def next_msg(self, deadline: float) -> Message:
         """The next message to one of our subscriptions. `TimeoutError` at the
@@ -264,8 +272,9 @@ def _exec(
     wire.publish(
         f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(consumer).encode(), reply=f"{inbox}.api"
     )
+    exchange = Exchange(wire, events, command_id, printed, as_json)
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    if "error" in json.loads(_expect(wire, f"{inbox}.api", deadline, printed, as_json)):
+    if "error" in json.loads(exchange.answer(f"{inbox}.api", deadline)):
         raise HandOver("no consumer of the sandbox's events")
     digest = rq.request_digest(request)
     wire.publish(
@@ -278,18 +287,18 @@ def _exec(
             REPLY_HEADER: f"{inbox}.reply",
         },
     )
-    ack = json.loads(_expect(wire, f"{inbox}.ack", deadline, printed, as_json) or b"{}")
+    ack = json.loads(exchange.answer(f"{inbox}.ack", deadline) or b"{}")
     if "error" in ack or "seq" not in ack:
         raise HandOver("the request was not stored")
     # Stored: from here on every way out hands over to the same key.
-    reply = _reply_decoder.decode(_expect(wire, f"{inbox}.reply", deadline, printed, as_json))
+    reply = _reply_decoder.decode(exchange.answer(f"{inbox}.reply", deadline))
     if not reply.ok:
         assert reply.error is not None
         raise Refused(reply.error.code, reply.error.message)
     record = reply.command
     assert record is not None
     if record.state not in END_STATES:
-        at, end = _wait_for_end(wire, events, command_id, printed, as_json)
+        at, end = exchange.ended(time.monotonic() + HAND_OVER_S)
         record = msgspec.structs.replace(
             record,
             state=end.state,
@@ -305,7 +314,7 @@ def _exec(
     if record.cold and record.cold_start is None:
         raise HandOver("a cold start to describe")
     # Live delivery is best effort: the rest of what the stream kept is the full client's.
-    if any(printed.sizes.get(name, 0) != size for name, size in record.output_kept.items()):
+    if not exchange.output_settled(record.output_kept, time.monotonic() + OUTPUT_LATE_S):
         raise HandOver("output missed live")
     return record, bytes(printed.kept.get("stdout", b"")), bytes(printed.kept.get("stderr", b""))
 
@@ -316,46 +325,62 @@ class Refused(Exception):  # noqa: N818 - the scheduler's answer, as `Rejected`
         self.code, self.message = code, message
 
 
-def _expect(wire: Wire, subject: str, deadline: float, printed: Printed, as_json: bool) -> bytes:
-    """The data of the next message on `subject`; output chunks and events that
-    arrive meanwhile are taken in (events of before are not ours: none yet)."""
-    while True:
-        try:
-            msg = wire.next_msg(deadline)
-        except TimeoutError as err:
-            raise HandOver(f"no answer on {subject}") from err
-        if msg.subject == subject:
-            if msg.headers.get("Status") == "503":
-                raise HandOver("no responders")
-            return msg.data
-        _take(msg, printed, as_json)
+class Exchange:
+    """What arrives for one exec, in whatever order it comes: the answers (by
+    subject), the command's end, its output."""
 
+    def __init__(
+        self, wire: Wire, events: int, command_id: str, printed: Printed, as_json: bool
+    ) -> None:
+        self._wire, self._events, self._command_id = wire, events, command_id
+        self._printed, self._show = printed, not as_json
+        self._answers: dict[str, Message] = {}
+        self.end: tuple[float, ev.CommandEnded] | None = None
 
-def _take(msg: Message, printed: Printed, as_json: bool) -> None:
-    """An output chunk (what else comes is an event before the end: not needed)."""
-    stream, offset = msg.headers.get(STREAM_HEADER), msg.headers.get(OFFSET_HEADER)
-    if stream is not None and offset is not None:
-        printed.chunk(stream, int(offset), msg.data, show=not as_json)
+    def answer(self, subject: str, deadline: float) -> bytes:
+        """The data of the message to `subject`."""
+        while subject not in self._answers:
+            try:
+                self._take(self._wire.next_msg(deadline))
+            except TimeoutError as err:
+                raise HandOver(f"no answer on {subject}") from err
+        msg = self._answers.pop(subject)
+        if msg.headers.get("Status") == "503":
+            raise HandOver("no responders")
+        return msg.data
 
+    def ended(self, deadline: float) -> tuple[float, ev.CommandEnded]:
+        """The stored `command.ended` (its time, the event)."""
+        while self.end is None:
+            try:
+                self._take(self._wire.next_msg(deadline))
+            except TimeoutError as err:
+                raise HandOver("still running") from err
+        return self.end
 
-def _wait_for_end(
-    wire: Wire, events: int, command_id: str, printed: Printed, as_json: bool
-) -> tuple[float, ev.CommandEnded]:
-    deadline = time.monotonic() + HAND_OVER_S
-    while True:
-        try:
-            msg = wire.next_msg(deadline)
-        except TimeoutError as err:
-            raise HandOver("still running") from err
-        if msg.sid != events:
-            _take(msg, printed, as_json)
-            continue
-        if not has_fence(msg.headers):
-            continue  # not an event (follow.py)
-        envelope = decode_envelope(msg.data)
-        event = envelope.event
-        if isinstance(event, ev.CommandEnded) and event.command_id == command_id:
-            return envelope.time, event
+    def output_settled(self, kept: dict[str, int], deadline: float) -> bool:
+        """Whether every byte the stream kept was printed (chunks come apart
+        from the events, so some may follow the end: waited for until `deadline`)."""
+        while any(self._printed.sizes.get(name, 0) != size for name, size in kept.items()):
+            try:
+                self._take(self._wire.next_msg(deadline))
+            except TimeoutError:
+                return False
+        return True
+
+    def _take(self, msg: Message) -> None:
+        if msg.sid == self._events:
+            if has_fence(msg.headers):  # else not an event (follow.py)
+                envelope = decode_envelope(msg.data)
+                event = envelope.event
+                if isinstance(event, ev.CommandEnded) and event.command_id == self._command_id:
+                    self.end = (envelope.time, event)
+            return
+        stream, offset = msg.headers.get(STREAM_HEADER), msg.headers.get(OFFSET_HEADER)
+        if stream is not None and offset is not None:
+            self._printed.chunk(stream, int(offset), msg.data, show=self._show)
+            return
+        self._answers[msg.subject] = msg
 
 
 def run(args: argparse.Namespace) -> int | None:

@@ -21,6 +21,16 @@ from pathlib import Path
 from _common import arguments, emit, median, percentile, sandhold_up, table, verdict
 from sandhold.client import connect
 
+# `sandhold exec` as `main` runs it, but straight to the full client.
+FULL_CLIENT = """
+import sys
+from sandhold.cli import commands
+from sandhold.cli.main import _parser
+split = sys.argv.index("--")
+args = _parser().parse_args(sys.argv[1:split])
+args.argv = [*args.argv, *sys.argv[split + 1 :]]
+commands.dispatch(args)
+"""
 GOAL_HELP_S = 0.080
 GOAL_EXEC_S = 0.120
 SANDHOLD = Path(sys.executable).parent / "sandhold"
@@ -90,6 +100,10 @@ def main() -> None:
             "true",
         ]  # type: ignore[attr-defined]
         rows.append(row("`sandhold exec <id> -- true`", timed(exec_argv, runs, env), GOAL_EXEC_S))
+        # The same exec through the full client (nats-py, asyncio): what every
+        # exec cost before the quick path (decision 058), and what it hands over to.
+        full = [python, "-c", FULL_CLIENT, *exec_argv[1:]]
+        rows.append(row("the same through the full client (nats-py)", timed(full, runs, env)))
     body = f"""
 {runs} runs of each as a new process (`subprocess.run`, wall time from fork to
 exit), one after another, after two warm-up runs; ms. Compiled bytecode is
@@ -102,12 +116,11 @@ default driver) on a running sandbox.
 
 Reading: `--help` imports only the parser (`cli/main.py`; the handlers and
 everything that talks to NATS are in `cli/commands.py`, imported once a command
-needs them). An exec has to import a NATS client, connect as the operator, send
-the request and wait for the command's end; the second row is the import of
-nats-py alone, already above the exec goal on this machine (with asyncio, which
-it needs). The exec goal needs a CLI path that does not import nats-py: a
-minimal client of the NATS protocol for one request and its answer, or the
-HTTP gateway through `http.client`; not done.
+needs them). An exec imports neither nats-py nor asyncio (the second row is
+nats-py's import alone): its quick path (`cli/quick_exec.py`, decision 058)
+speaks the few parts of the NATS protocol a short exec needs over a blocking
+socket, and hands anything else to the full client, whose cost the last row
+shows.
 """
     emit(args, "cli", "(l) CLI start-up", body)
 

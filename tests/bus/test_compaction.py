@@ -19,7 +19,12 @@ HOST = "h1"
 
 
 def _store(
-    nc: nats.NATS, names: Names, *, compact: bool = True, directory: Path | None = None
+    nc: nats.NATS,
+    names: Names,
+    *,
+    compact: bool = True,
+    directory: Path | None = None,
+    follow: bool = True,
 ) -> AggregateStore[sb.Sandbox]:
     return AggregateStore(
         nc.jetstream(),
@@ -29,6 +34,7 @@ def _store(
         actor="test",
         compact=sb.compact if compact else None,
         checkpoint_dir=directory,
+        follow=follow,
     )
 
 
@@ -119,3 +125,34 @@ async def test_a_checkpoint_compacted_otherwise_is_not_believed(
         assert state is not None and rq.command_id_for(sandbox_id, "run-1") in state.commands
     finally:
         await whole.stop()
+
+
+async def test_a_decision_on_the_whole_state_leaves_the_cache_as_the_log_has_it(
+    nc: nats.NATS, names: Names
+):
+    """A cancel of a command the cache has not read yet is decided on the whole
+    state; what it appends is folded into a cache brought up to the same point."""
+    sandbox_id = await running_sandbox(nc, names, "behind", HOST)
+    store = _store(nc, names, follow=False)  # read on demand: behind until it reads
+    await _run(store, sandbox_id, "run-1")
+    await _ended(nc, names, sandbox_id, "run-1")
+    await store.sync(sandbox_id)
+    other = _store(nc, names, follow=False)  # another writer queues run-2
+    await _run(other, sandbox_id, "run-2")
+    run_2 = rq.command_id_for(sandbox_id, "run-2")
+    cancel = rq.CancelCommand(
+        key="cancel-2", tenant="default", sandbox_id=sandbox_id, command_id=run_2
+    )
+    done = await store.execute(
+        sandbox_id,
+        lambda s: sb.decide(s, cancel),
+        id_base="req:cancel-2",
+        causation_id="c",
+        correlation_id="c",
+        whole=lambda s: sb.whole_needed(s, cancel),
+    )
+    assert [type(e.event) for e in done.appended] == [ev.CommandCancelRequested]
+    whole, last = await store.read_whole(sandbox_id)
+    assert whole is not None
+    assert store.get(sandbox_id) == (sb.compact(whole), last)
+    assert store.get(sandbox_id)[0].commands[run_2].cancel_requested  # type: ignore[union-attr]

@@ -414,6 +414,10 @@ class AggregateStore(Generic[S]):
             if read_back is None and whole is not None and whole(state):
                 read_back = await self.read_whole(aggregate_id)
                 state, seq = read_back
+                # The events decided are folded into the cache once appended: it
+                # must be where the whole state is, or they would be folded onto
+                # a state missing what came between (and those never folded).
+                await self.sync(aggregate_id)
             try:
                 events = decide(state)
             except Rejected:

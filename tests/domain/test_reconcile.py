@@ -196,6 +196,7 @@ def test_the_run_instruction_carries_the_whole_command() -> None:
                 env={"CI": "1"},
                 timeout_s=30.0,
                 kill_grace_s=1.0,
+                request_key="run-1",  # an end compacted away is told by it (decision 057)
             ),
         )
     ]

@@ -274,8 +274,26 @@ def _exec(
     )
     exchange = Exchange(wire, events, command_id, printed, as_json)
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
-    if "error" in json.loads(exchange.answer(f"{inbox}.api", deadline)):
+    made = json.loads(exchange.answer(f"{inbox}.api", deadline))
+    if "error" in made or "name" not in made:
         raise HandOver("no consumer of the sandbox's events")
+    try:
+        return _run(wire, names, exchange, inbox, request, printed, deadline)
+    finally:
+        # Not left for its inactivity limit (30 s): removed as we go (not waited for).
+        wire.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{made['name']}", b"")
+
+
+def _run(
+    wire: Wire,
+    names: Names,
+    exchange: Exchange,
+    inbox: str,
+    request: rq.RunCommand,
+    printed: Printed,
+    deadline: float,
+) -> tuple[CommandView, bytes, bytes]:
+    """The request stored and answered, then the command's end."""
     digest = rq.request_digest(request)
     wire.publish(
         names.request(rq.request_tag(request), request.tenant),

@@ -176,6 +176,7 @@ def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:
         timeout_s=c.timeout_s,
         kill_grace_s=c.kill_grace_s,
         user=c.user,
+        request_key=c.request_key,
     )
 
 

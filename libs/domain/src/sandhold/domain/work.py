@@ -56,6 +56,9 @@ class RunCommandWork(HostWork, tag="run_command", frozen=True):
     # Filled in by the scheduler from its secret store as it sends the work (the
     # plan knows the names only); the work queue drops the message once taken.
     secrets: dict[str, str] = {}
+    # The run request's key: a host whose copy of the sandbox keeps no ended
+    # command (decision 057) tells one that ended from one not read yet by it.
+    request_key: str = ""
 
     @property
     def msg_id(self) -> str:

@@ -144,7 +144,9 @@ class HostAgent:
             actor = f"host-agent:{self.host_id}"
             # Read on demand, never followed: a host-agent may create no consumer on
             # the log (a push consumer delivers where its maker says, decision 032).
-            self.sandboxes = shell.store("sandbox", sb.evolve, actor=actor, follow=False)
+            self.sandboxes = shell.store(
+                "sandbox", sb.evolve, actor=actor, follow=False, compact=sb.compact
+            )
             self.hosts = shell.store("host", host_domain.evolve, actor=actor, follow=False)
             await shell.start_stores()
             if self._chunk_cache_bytes > 0:
@@ -590,6 +592,8 @@ class HostAgent:
             case wk.RunCommandWork():
                 state = await self._current(work)
                 command = state.commands.get(work.command_id)
+                if command is None and sb.ended_away(state, work.command_id, work.request_key):
+                    return  # ended, and not kept (decision 057): a late or repeated instruction
                 if command is None:
                     # Sent after its dispatch was appended: not read yet, not unknown.
                     raise InfraError(f"{work.command_id} not read yet", retryable=True)

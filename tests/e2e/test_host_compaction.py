@@ -1,0 +1,47 @@
+"""A host-agent keeps no ended command (decision 057): a run instruction that
+comes again after its command ended is taken and dropped, and runs nothing."""
+
+from __future__ import annotations
+
+import msgspec
+import nats
+from sandhold.bus.names import Names
+from sandhold.domain import requests as rq
+from sandhold.domain import work as wk
+
+from tests.e2e.harness import Up
+from tests.support.waiting import wait_until
+
+NAMES = Names("sh")
+
+
+async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up):
+    sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    first = up.cli("exec", sandbox_id, "--key", "once", "--", "sh", "-c", "echo x >> count")
+    assert first.returncode == 0, first.stderr
+    again = wk.RunCommandWork(
+        sandbox_id=sandbox_id,
+        generation=1,
+        command_id=rq.command_id_for(sandbox_id, "once"),
+        argv=["sh", "-c", "echo x >> count"],
+        request_key="once",
+    )
+    nc = await nats.connect(up.admin_url)
+    try:
+        js = nc.jetstream()
+        # Not the scheduler's message id: stored again, so the host takes it again.
+        await js.publish(
+            NAMES.work("local"), msgspec.json.encode(again), stream=NAMES.hostwork_stream,
+            headers={"Nats-Msg-Id": "repeated-by-the-test"},
+        )  # fmt: skip
+
+        async def taken() -> bool:
+            info = await js.consumer_info(NAMES.hostwork_stream, "host-local")
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await wait_until(taken, timeout=30, what="the repeated instruction taken and acked")
+        info = await js.consumer_info(NAMES.hostwork_stream, "host-local")
+        assert info.num_redelivered == 0, "taken at once: not 'not read yet', again and again"
+    finally:
+        await nc.close()
+    assert up.cli("exec", sandbox_id, "--", "cat", "count").stdout == "x\n", "ran once"

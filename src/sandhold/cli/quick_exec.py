@@ -41,7 +41,7 @@ from sandhold.bus.permissions import inbox_prefix
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain.commands import END_STATES
-from sandhold.domain.views import CommandView, Reply
+from sandhold.domain.views import CommandView, Reply, ended_view
 from sandhold.telemetry import tracing
 
 # A command not ended by then is waited for by the full client, which also
@@ -317,18 +317,7 @@ def _run(
     assert record is not None
     if record.state not in END_STATES:
         at, end = exchange.ended(time.monotonic() + HAND_OVER_S)
-        record = msgspec.structs.replace(
-            record,
-            state=end.state,
-            exit_code=end.exit_code,
-            signal=end.signal,
-            reason=end.reason,
-            output_kept=end.output_kept,
-            output_complete=end.output_complete,
-            ended_at=at,
-            host=end.host or record.host,
-            generation=end.generation or record.generation,
-        )
+        record = ended_view(record, end, at=at)
     if record.cold and record.cold_start is None:
         raise HandOver("a cold start to describe")
     # Live delivery is best effort: the rest of what the stream kept is the full client's.

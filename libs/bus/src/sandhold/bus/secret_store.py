@@ -63,20 +63,22 @@ async def fetch(
 
 async def held(
     js: JetStreamContext, names: Names, subject_filter: str, *, stream: str | None = None
-) -> dict[str, float]:
-    """Each subject matching `subject_filter` something is kept on, and when it
-    was kept (server time, Unix seconds): what a sweep for leftovers looks at."""
-    stream = stream or names.secrets_stream
-    info = await js.stream_info(stream, subjects_filter=subject_filter)
-    found = {}
-    for subject in sorted(info.state.subjects or {}):
-        try:
-            msg = await js.get_last_msg(stream, subject)
-        except NotFoundError:
-            continue  # removed meanwhile
-        if msg.time is not None:
-            found[subject] = msg.time.timestamp()
-    return found
+) -> list[str]:
+    """The subjects matching `subject_filter` something is kept on (names only:
+    what a sweep for leftovers looks at)."""
+    info = await js.stream_info(stream or names.secrets_stream, subjects_filter=subject_filter)
+    return sorted(info.state.subjects or {})
+
+
+async def kept_at(
+    js: JetStreamContext, names: Names, subject: str, *, stream: str | None = None
+) -> float | None:
+    """When what is on `subject` was kept (server time, Unix seconds); None: nothing."""
+    try:
+        msg = await js.get_last_msg(stream or names.secrets_stream, subject)
+    except NotFoundError:
+        return None
+    return msg.time.timestamp() if msg.time is not None else None
 
 
 async def forget(

@@ -44,6 +44,7 @@ from sandhold.domain.views import (
     SandboxView,
     SaveView,
     command_view,
+    ended_view,
     sandbox_view,
     save_view,
 )
@@ -543,18 +544,7 @@ class Client:
             record = reply.command
             if record.state not in _END_STATES:
                 at, end = await self._wait_for_end(sandbox_id, command_id, ended, wait_timeout)
-                record = msgspec.structs.replace(
-                    record,
-                    state=end.state,
-                    exit_code=end.exit_code,
-                    signal=end.signal,
-                    reason=end.reason,
-                    output_kept=end.output_kept,
-                    output_complete=end.output_complete,
-                    ended_at=at,
-                    host=end.host or record.host,
-                    generation=end.generation or record.generation,
-                )
+                record = ended_view(record, end, at=at)
         if record.cold and record.cold_start is None:  # what waking its sandbox cost
             view = await self.show_command(sandbox_id, command_id)
             record = msgspec.structs.replace(record, cold_start=view.cold_start)

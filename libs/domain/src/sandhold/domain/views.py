@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import msgspec
+from sandhold.domain import events as ev
 from sandhold.domain import saves as sv
 from sandhold.domain.sandbox import (
     Command,
@@ -145,6 +146,23 @@ class Reply(msgspec.Struct, kw_only=True, omit_defaults=True):
     command: CommandView | None = None
     save: SaveView | None = None
     error: ErrorBody | None = None
+
+
+def ended_view(record: CommandView, end: ev.CommandEnded, *, at: float) -> CommandView:
+    """A command's view as its stored `command.ended` (at `at`) leaves it: what a
+    caller that waited for the end shows (the client, the CLI's quick exec)."""
+    return msgspec.structs.replace(
+        record,
+        state=end.state,
+        exit_code=end.exit_code,
+        signal=end.signal,
+        reason=end.reason,
+        output_kept=end.output_kept,
+        output_complete=end.output_complete,
+        ended_at=at,
+        host=end.host or record.host,
+        generation=end.generation or record.generation,
+    )
 
 
 def command_view(sandbox_id: str, c: Command, sandbox: Sandbox | None = None) -> CommandView:

@@ -330,10 +330,13 @@ class Scheduler:
                 if (state := self.sandboxes.get(sandbox_id)[0]) is not None
                 for command_id in state.unended_ids
             }
-            now, removed = time.time(), 0
-            for subject, kept_at in held.items():
+            removed = 0
+            for subject in held:
                 command_id = subject.rsplit(".", 1)[1]
-                if command_id in waiting or now - kept_at < self._left_secrets_grace_s:
+                if command_id in waiting:
+                    continue  # (its age is asked only of a candidate: one read each)
+                kept_at = await secret_store.kept_at(self._js, self._names, subject)
+                if kept_at is None or time.time() - kept_at < self._left_secrets_grace_s:
                     continue
                 log.info("removing the secrets left for %s", command_id)
                 await secret_store.forget(self._js, self._names, subject)

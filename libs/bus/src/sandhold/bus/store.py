@@ -300,26 +300,48 @@ class AggregateStore(Generic[S]):
         for callback in self._listeners:
             callback(aggregate_id)
 
-    async def sync(self, aggregate_id: str, *, from_leader: bool = False) -> tuple[S | None, int]:
+    async def sync(
+        self, aggregate_id: str, *, from_leader: bool = False, news_expected: bool = False
+    ) -> tuple[S | None, int]:
         """Catch up on one aggregate to the subject's current last sequence.
         `from_leader`: up to the end the stream's leader knows, which covers every
-        append acknowledged so far (a direct get's replica may be a moment behind)."""
+        append acknowledged so far (a direct get's replica may be a moment behind).
+        `news_expected`: the caller knows of an event not read yet (a host's
+        instruction follows one), so the first one is asked for alongside the
+        last sequence: one round trip less, one wasted where there was none."""
         subject = self.subject(aggregate_id)
-        last = await last_sequence(self._js, self._stream, subject, from_leader=from_leader)
-        while (known := self._seqs.get(aggregate_id, 0)) < last:
-            try:
-                # Not a direct get: its answer's headers would hide a stored message
-                # bounced onto this subject (codec.reflected, decision 034).
-                raw = await patiently(partial(self._next_msg, subject, known + 1), attempt_s=2.0)
-            except NotFoundError:
-                break
-            # A message stored without the fence is not an event (follow.py): passed
-            # over, so the next append still expects the subject's real last sequence.
-            believed = [decode_envelope(raw.data or b"")] if has_fence(raw.headers) else []
-            self._apply(
-                aggregate_id, raw.seq or 0, believed, (raw.headers or {}).get(context.TRACEPARENT)
+        asked = last_sequence(self._js, self._stream, subject, from_leader=from_leader)
+        if news_expected:
+            last, first = await asyncio.gather(
+                asked, self._next_or_none(subject, self._seqs.get(aggregate_id, 0) + 1)
             )
+            if first is not None:
+                self._apply_raw(aggregate_id, first)
+        else:
+            last = await asked
+        while (known := self._seqs.get(aggregate_id, 0)) < last:
+            raw = await self._next_or_none(subject, known + 1)
+            if raw is None:
+                break
+            self._apply_raw(aggregate_id, raw)
         return self.get(aggregate_id)
+
+    async def _next_or_none(self, subject: str, seq: int) -> RawStreamMsg | None:
+        """The subject's first message from `seq` on, None if there is none."""
+        try:
+            # Not a direct get: its answer's headers would hide a stored message
+            # bounced onto this subject (codec.reflected, decision 034).
+            return await patiently(partial(self._next_msg, subject, seq), attempt_s=2.0)
+        except NotFoundError:
+            return None
+
+    def _apply_raw(self, aggregate_id: str, raw: RawStreamMsg) -> None:
+        # A message stored without the fence is not an event (follow.py): passed
+        # over, so the next append still expects the subject's real last sequence.
+        believed = [decode_envelope(raw.data or b"")] if has_fence(raw.headers) else []
+        self._apply(
+            aggregate_id, raw.seq or 0, believed, (raw.headers or {}).get(context.TRACEPARENT)
+        )
 
     async def _next_msg(self, subject: str, seq: int) -> RawStreamMsg:
         return await self._js.get_msg(self._stream, seq=seq, subject=subject, next=True)

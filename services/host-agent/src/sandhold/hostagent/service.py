@@ -522,7 +522,8 @@ class HostAgent:
         # Nothing follows the log here: every instruction is checked against the
         # sandbox as the log has it now, up to the end its leader knows (a replica
         # a moment behind would make new work look stale, and stale work is dropped).
-        state, _ = await self.sandboxes.sync(work.sandbox_id, from_leader=True)
+        # (news_expected: it was sent after an event this store has not read.)
+        state, _ = await self.sandboxes.sync(work.sandbox_id, from_leader=True, news_expected=True)
         if state is None or state.generation < work.generation:
             # Newer than the log shows: not yet, never "stale" (asked again shortly).
             raise InfraError(

@@ -1110,16 +1110,32 @@ async def test_a_task_with_much_recorded_output_is_still_answered(client: Client
         m = manifest(
             pipeline=[{"name": "large", "for_each": items, "http": {"url": url, "method": "GET"}}]
         )
-        key = f"large-{uuid.uuid4().hex[:8]}"
-        view = await client.submit_task(m, key=key)
-        task = await ended(client, view.id)
-        assert task.state == "completed", (task.reason, task.detail)
-        again = await asyncio.wait_for(client.submit_task(m, key=key), 20)
-        assert (again.id, again.state) == (view.id, "completed")
+        again = await submitted_again_once_completed(client, m)
         assert len(again.steps) == len(items)
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_a_submit_again_after_the_end_is_answered_with_the_recorded_output(
+    client: Client,
+):
+    """The orchestrator keeps an ended task without its recorded outputs
+    (decision 059): the submit's retry is answered from the whole task, read
+    back from the log, as it was before the task ended."""
+    again = await submitted_again_once_completed(client, manifest(agent=sh("echo kept")))
+    assert [step.output for step in again.steps] == ["kept\n"]
+
+
+async def submitted_again_once_completed(client: Client, m: Any) -> Any:
+    """The answer to a submit's retry with the same key, once the task completed."""
+    key = f"again-{uuid.uuid4().hex[:8]}"
+    view = await client.submit_task(m, key=key)
+    task = await ended(client, view.id)
+    assert task.state == "completed", (task.reason, task.detail)
+    again = await asyncio.wait_for(client.submit_task(m, key=key), 20)
+    assert (again.id, again.state) == (view.id, "completed")
+    return again
 
 
 async def test_a_long_output_whose_head_the_output_stream_dropped_is_recorded_by_its_tail(

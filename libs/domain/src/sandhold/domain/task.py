@@ -195,6 +195,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     # (`task.driver_claimed`; none yet: 0). Only that epoch's runner may write.
     driver: str | None = None
     driver_epoch: int = 0
+    # Its recorded outputs, attempts and artifacts dropped by `compact` (ended).
+    compacted: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -206,6 +208,33 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def last_attempt(self) -> Attempt | None:
         return self.attempts[-1] if self.attempts else None
+
+
+def compact(state: Task) -> Task:
+    """What the orchestrator keeps of a task to decide on (decision 059): once
+    it has ended (an end is final: nothing after it changes the task), the
+    ledger's recorded outputs (up to 16 KiB a step), the attempts and the
+    artifacts go; only a view shows them. The step records stay, outputs
+    emptied, for a runner that reads its step as the end lands. A request to a
+    compacted task is decided on the whole of it (`whole_needed`)."""
+    if not state.terminal or state.compacted:
+        return state
+    if not (state.attempts or state.artifacts or any(r.output for r in state.steps.values())):
+        return state  # nothing to drop: kept whole, and decided on as it is
+    replace = msgspec.structs.replace
+    return replace(
+        state,
+        steps={i: replace(r, output="") if r.output else r for i, r in state.steps.items()},
+        attempts=[],
+        artifacts=[],
+        compacted=True,
+    )
+
+
+def whole_needed(state: Task | None, request: AnyTaskRequest) -> bool:
+    """Whether a request to this task must be decided on the whole task, read
+    back from the log: its answer is the task's view, outputs included."""
+    return state is not None and state.compacted
 
 
 def evolve(state: Task | None, envelope: Envelope) -> Task | None:

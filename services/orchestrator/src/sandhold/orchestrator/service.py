@@ -90,7 +90,7 @@ class Orchestrator:
             self._output = OutputLog(shell.js, self._names)
             sandbox_store = shell.store("sandbox", sb.evolve, compact=sb.compact)
             # Each instance appends as itself: the log says which one drove what.
-            self.tasks = shell.store("task", tk.evolve, actor=self._instance)
+            self.tasks = shell.store("task", tk.evolve, actor=self._instance, compact=tk.compact)
             self._sandbox_store = sandbox_store
             self._sandboxes = Sandboxes(shell.nc, self._names, sandbox_store)
             self._save_store = SaveStore(shell.nc, self._names)
@@ -163,6 +163,8 @@ class Orchestrator:
                 id_base=f"req:{request.key}",
                 causation_id=request.key,
                 correlation_id=request.key,
+                # An ended task's outputs are in the log only; its view shows them.
+                whole=lambda state: tk.whole_needed(state, request),
             )
         except Rejected:
             if kept:

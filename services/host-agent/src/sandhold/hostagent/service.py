@@ -124,6 +124,8 @@ class HostAgent:
         self._image_roots = image_roots
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
+        # Set once a command's start is in the log (or will not be): its end waits.
+        self._start_told: dict[str, asyncio.Event] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
@@ -710,6 +712,11 @@ class HostAgent:
             kill_grace_s=work.kill_grace_s,
             user="root" if work.user == "root" else "user",
         )
+        # Watched from now, not once the start is reported: a short command's
+        # output and end are read while its start is being appended, and its end
+        # is reported right after (never before: the log keeps their order).
+        told = self._start_told.setdefault(work.command_id, asyncio.Event())
+        self._watch(handle, generation=work.generation, start_told=told)
         started = await handle.started()
         if isinstance(started, int):
             report = ev.CommandStarted(
@@ -720,12 +727,18 @@ class HostAgent:
             )
             with contextlib.suppress(Rejected):
                 await self._report(work.sandbox_id, report, work.msg_id)
-        self._watch(handle, generation=work.generation)
+        # (Not set when the report failed: the instruction comes again and sets it.)
+        told.set()
 
-    def _watch(self, handle: CommandHandle, generation: int | None = None) -> None:
+    def _watch(
+        self,
+        handle: CommandHandle,
+        generation: int | None = None,
+        start_told: asyncio.Event | None = None,
+    ) -> None:
         if handle.command_id in self._watchers:
             return
-        task = asyncio.create_task(self._follow(handle, generation))
+        task = asyncio.create_task(self._follow(handle, generation, start_told))
         self._watchers[handle.command_id] = task
         self._watcher_sandbox[handle.command_id] = handle.sandbox_id
         task.add_done_callback(lambda _: self._forget(handle.command_id))
@@ -733,9 +746,13 @@ class HostAgent:
     def _forget(self, command_id: str) -> None:
         self._watchers.pop(command_id, None)
         self._watcher_sandbox.pop(command_id, None)
+        self._start_told.pop(command_id, None)
 
-    async def _follow(self, handle: CommandHandle, generation: int | None) -> None:
-        """Stream a command's output to OUTPUT, then report how it ended."""
+    async def _follow(
+        self, handle: CommandHandle, generation: int | None, start_told: asyncio.Event | None
+    ) -> None:
+        """Stream a command's output to OUTPUT, then report how it ended (after
+        its start, when this agent launched it)."""
         sid, cid = handle.sandbox_id, handle.command_id
         # Only a command this agent did not launch can have output in OUTPUT already.
         fresh = not handle.adopted
@@ -754,6 +771,11 @@ class HostAgent:
             else:
                 exit_record = item
         assert exit_record is not None
+        if start_told is not None:
+            # A start whose report keeps failing does not hold the end for ever.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_START_TOLD_WAIT_S):
+                    await start_told.wait()
         if generation is None:
             state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
@@ -838,6 +860,8 @@ class HostAgent:
 _RETRIED: tuple[type[Exception], ...] = (InfraError, nats.errors.Error, *ELECTING)
 # Failures of any other kind before a command's end report is given up on.
 _REPORT_BUG_ATTEMPTS = 10
+# How long a command's end waits for its start to be reported (see `_launch`).
+_START_TOLD_WAIT_S = 30.0
 
 _PHASES_FOR: dict[type, frozenset[str]] = {
     wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),

@@ -8,7 +8,16 @@ from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.task_manifest import load_manifest
 from sandhold.telemetry.log_metrics import LogMetrics, labels
 
-from tests.domain.history import RUNNING, SID, command_ended, dispatched, envelopes_for, run
+from tests.domain.history import (
+    DELETED,
+    RUNNING,
+    SID,
+    command_ended,
+    deleted,
+    dispatched,
+    envelopes_for,
+    run,
+)
 
 MANIFEST = load_manifest({"name": "t", "agent": {"command": ["true"]}})
 
@@ -215,3 +224,21 @@ def test_the_fold_keeps_no_ended_command_and_counts_the_same() -> None:
     assert list(kept.commands) == [kept.unended_ids[0]], "only the one not ended"
     assert metrics.total("sandhold_commands_ended_total") == 40
     assert metrics.gauges(now=0.0)["sandhold_sandboxes"] == {labels(phase="running"): 1}
+
+
+def test_a_deleted_sandbox_is_counted_not_kept() -> None:
+    """Deleted is final: the fold counts it and keeps nothing of it, so memory and
+    each scrape's pass go with the sandboxes that exist, not every one ever made;
+    what a second writer appends after the end changes nothing."""
+    late = deleted()  # a second report of the same end
+    metrics = LogMetrics()
+    for seq, envelope in enumerate(envelopes_for([*DELETED, late]), start=1):
+        metrics.apply(seq, envelope)
+    assert metrics.sandboxes == {}
+    assert metrics.gauges(now=0.0)["sandhold_sandboxes"] == {labels(phase="deleted"): 1}
+    # The same log replayed from any point of a redelivery counts it once.
+    again = LogMetrics()
+    envelopes = envelopes_for([*DELETED, late])
+    for seq, envelope in [*enumerate(envelopes, start=1), *enumerate(envelopes, start=1)]:
+        again.apply(seq, envelope)
+    assert again.gauges(now=0.0)["sandhold_sandboxes"] == {labels(phase="deleted"): 1}

@@ -105,7 +105,8 @@ class LogMetrics:
         self.samples: dict[str, deque[float]] = {
             m.name: deque(maxlen=keep_samples) for m in CATALOG if m.kind == "histogram"
         }
-        self.sandboxes: dict[str, sb.Sandbox] = {}
+        self.sandboxes: dict[str, sb.Sandbox] = {}  # sandboxes not deleted
+        self.deleted = 0  # sandboxes deleted: counted, not kept
         self.hosts: dict[str, host_domain.Host] = {}
         self.tasks: dict[str, tk.Task] = {}  # tasks not ended yet
         self._ended_tasks: set[str] = set()
@@ -160,9 +161,18 @@ class LogMetrics:
             case ev.SandboxStarted() if sid in self._recovering_since:
                 self._observe("sandhold_recovery_seconds", at - self._recovering_since.pop(sid))
         after = sb.evolve(before, envelope)
-        if after is not None:
-            # Phases and saves are what the gauges read: no ended command (decision 057).
-            self.sandboxes[sid] = sb.compact(after)
+        if after is None:
+            return
+        if after.phase == "deleted":
+            # Deleted is final: counted, not kept, or memory (and each scrape's
+            # pass over the sandboxes) would grow with every sandbox ever made.
+            # Whatever comes after is of no sandbox (evolve of nothing: nothing).
+            self.deleted += 1
+            self.sandboxes.pop(sid, None)
+            self._recovering_since.pop(sid, None)
+            return
+        # Phases and saves are what the gauges read: no ended command (decision 057).
+        self.sandboxes[sid] = sb.compact(after)
 
     def _host(self, envelope: Envelope) -> None:
         hid = envelope.aggregate_id
@@ -221,7 +231,9 @@ class LogMetrics:
         sandboxes = tuple(self.sandboxes.items())
         hosts = tuple(self.hosts.values())
         tasks = tuple(self.tasks.values())
-        phases: dict[Labels, float] = {}
+        phases: dict[Labels, float] = (
+            {labels(phase="deleted"): self.deleted} if self.deleted else {}
+        )
         lag: dict[Labels, float] = {}
         for sid, state in sandboxes:
             key = labels(phase=state.phase)

@@ -530,21 +530,25 @@ class ProcessDriver:
             box=placement.box,
             disk_dir=placement.disk,
         )
-        write_json(paths.spec, spec.to_json())
-        for stream in (paths.stdout, paths.stderr):
-            stream.touch()
+        # The supervisor is handed its spec, so the record on disk is written
+        # while it starts the command (it makes the output files itself). Until
+        # then `supervisor_alive` counts it as launching; an agent that dies
+        # before either the record or the supervisor's own is in place leaves
+        # a command never confirmed (`handle._vanished`), as before a hand-over.
+        raw_spec = spec.to_json()
         while True:
             try:
                 supervisor = await self._pool.take()
             except SupervisorStartError as err:
                 self._record_launch_failure(handle, str(err))
-                return
+                break
             handle.attach(Doorbell(supervisor.doorbell_fd))
             try:
-                supervisor.hand_over(paths.directory, secrets)
-                return
+                supervisor.hand_over(paths.directory, raw_spec, secrets)
+                break
             except BrokenPipeError:
                 handle.detach()  # it died while idle; take the next one
+        write_json(paths.spec, raw_spec)
 
     def _record_launch_failure(self, handle: CommandHandle, detail: str) -> None:
         now = time.time()

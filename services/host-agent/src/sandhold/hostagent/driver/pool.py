@@ -19,6 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SUPERVISOR_MODULE = "sandhold.hostagent.driver.supervisor"
 ZYGOTE_MODULE = "sandhold.hostagent.driver.zygote"
@@ -39,10 +40,14 @@ class WarmSupervisor:
     stdin_fd: int
     doorbell_fd: int
 
-    def hand_over(self, command_dir: Path, secrets: dict[str, str] | None = None) -> None:
-        """Give it its command (and the command's secrets, which exist nowhere
-        else on this host); raises BrokenPipeError if it died while idle."""
-        line = json.dumps({"command_dir": str(command_dir), "secrets": secrets or {}}).encode()
+    def hand_over(
+        self, command_dir: Path, spec: dict[str, Any], secrets: dict[str, str] | None = None
+    ) -> None:
+        """Give it its command: its directory, its spec (as `spec.json` has it,
+        not read back from there), and its secrets, which exist nowhere else on
+        this host; raises BrokenPipeError if it died while idle."""
+        handed = {"command_dir": str(command_dir), "spec": spec, "secrets": secrets or {}}
+        line = json.dumps(handed).encode()
         line += b"\n"
         view = memoryview(line)
         try:

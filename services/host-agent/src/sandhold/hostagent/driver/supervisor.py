@@ -2,10 +2,11 @@
 
 Started warm by the driver (``python -m sandhold.hostagent.driver.supervisor``),
 it detaches, announces its pid on stdout and waits for one line on stdin naming
-a command directory. Then it runs the command from ``spec.json``, copies its
-output into files, enforces the timeout and interrupts, and writes
-``exit.json``. stdout stays a pipe to the agent: one byte there (the doorbell)
-after every write tells the agent to look at the files. If the agent is gone
+a command directory, with the command's spec (the driver's record of it is
+``spec.json``) and secrets. Then it runs the command, copies its output into
+files, enforces the timeout and interrupts, and writes ``exit.json``. stdout
+stays a pipe to the agent: one byte there (the doorbell) after every write
+tells the agent to look at the files. If the agent is gone
 the doorbell is silently lost and the files remain the truth.
 """
 
@@ -437,7 +438,7 @@ def serve() -> int:
     identity = ProcessIdentity.of(os.getpid())
     assert identity is not None
     write_json(paths.supervisor, identity.to_json())
-    spec = CommandSpec.from_json(read_json(paths.spec) or {})
+    spec = CommandSpec.from_json(handed["spec"])
     # Secrets came through the pipe: into the command's environment, in memory only.
     secrets = handed.get("secrets") or {}
     spec = dataclasses.replace(spec, env={**spec.env, **secrets})

@@ -7,6 +7,7 @@ time (in clock ticks since boot) and the boot id tell the two apart.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ def parse_stat(text: str) -> tuple[str, int]:
     return after_comm[0], int(after_comm[19])
 
 
+@functools.cache  # a process never outlives its boot: read once
 def boot_id() -> str:
     try:
         return (_PROC / "sys/kernel/random/boot_id").read_text().strip()

@@ -422,6 +422,8 @@ def serve() -> int:
     # A handler rather than SIG_IGN: ignored signals would be inherited by the command.
     signal.signal(signal.SIGHUP, lambda *_: None)
     _detach()
+    identity = ProcessIdentity.of(os.getpid())  # (while waiting: it needs no command)
+    assert identity is not None
     line = sys.stdin.buffer.readline()
     if not line:
         return 0  # the driver let this warm supervisor go unused
@@ -435,8 +437,6 @@ def serve() -> int:
     os.close(log)
     os.set_blocking(_DOORBELL, False)
     wakeup = _signals()
-    identity = ProcessIdentity.of(os.getpid())
-    assert identity is not None
     write_json(paths.supervisor, identity.to_json())
     spec = CommandSpec.from_json(handed["spec"])
     # Secrets came through the pipe: into the command's environment, in memory only.

@@ -51,24 +51,69 @@ async def test_a_follower_reaching_past_the_log_end_times_out(nc: nats.NATS, nam
 
 async def test_sync_expecting_news_folds_every_new_event_in_order(nc: nats.NATS, names: Names):
     """A host's read before it acts on an instruction (`news_expected`): the first
-    new event is read alongside the last sequence, the rest after it, none twice
-    and none skipped, so the state is the log's and the next append's fence right."""
+    new event is read alongside the subject's last, the rest after them, none
+    twice and none skipped, whether one, two or several are new, or a message
+    that is no event lies between: the state is the log's, the next fence right."""
     reader = AggregateStore(nc.jetstream(), names, "sandbox", sb.evolve, actor="host", follow=False)
+    reads = counting_reads(reader)
     sandbox_id = await running_sandbox(nc, names, "news", "h1")
-    state, seq = await reader.sync(sandbox_id, from_leader=True, news_expected=True)
-    whole, last = await reader.read_whole(sandbox_id)
-    assert (state, seq) == (whole, last) and state is not None and state.phase == "running"
-    # More by another writer, as before a run instruction: each folded once, in order.
-    queued = sb.decide(state, rq.RunCommand(key="run-1", sandbox_id=sandbox_id, argv=["true"]))
-    (command_id,) = [e.command_id for e in queued if isinstance(e, ev.CommandQueued)]
-    await append(nc, names, "sandbox", sandbox_id, queued)
-    dispatched = ev.CommandDispatched(command_id=command_id, host="h1", generation=1)
-    await append(nc, names, "sandbox", sandbox_id, [dispatched])
-    state, seq = await reader.sync(sandbox_id, from_leader=True, news_expected=True)
-    whole, last = await reader.read_whole(sandbox_id)
-    assert (state, seq) == (whole, last) and state is not None
+
+    async def synced_as_the_log_has_it() -> sb.Sandbox:
+        state, seq = await reader.sync(sandbox_id, from_leader=True, news_expected=True)
+        assert (state, seq) == await reader.read_whole(sandbox_id)
+        assert state is not None
+        return state
+
+    state = await synced_as_the_log_has_it()  # four new, from nothing
+    # Two new, as before a run instruction (queued, dispatched): one round trip,
+    # the last event naming the first as the one before it.
+    command_id = await queue_and_dispatch(nc, names, state, "run-1")
+    reads.clear()
+    state = await synced_as_the_log_has_it()
     assert state.commands[command_id].state == "dispatched"
+    assert reads == [state_seq(reader, sandbox_id) - 1], "the first new one only"
+    # One new: it is both the first and the last.
+    started = ev.CommandStarted(command_id=command_id, host="h1", generation=1, pid=7)
+    await append(nc, names, "sandbox", sandbox_id, [started])
+    reads.clear()
+    state = await synced_as_the_log_has_it()
+    assert state.commands[command_id].state == "running" and len(reads) == 1
+    # Several new, with a message that is no event among them (no fence).
+    command_id = await queue_and_dispatch(nc, names, state, "run-2")
+    await nc.jetstream().publish(names.events("sandbox", sandbox_id), b"not an event")
+    ended = ev.CommandEnded(command_id=command_id, state="exited", exit_code=0, host="h1",
+                            generation=1)  # fmt: skip
+    await append(nc, names, "sandbox", sandbox_id, [ended])
+    state = await synced_as_the_log_has_it()
+    assert command_id not in state.commands or state.commands[command_id].ended
     assert reader.folded == 0  # nothing follows here: every event came through sync
+
+
+def counting_reads(store: AggregateStore[sb.Sandbox]) -> list[int]:
+    """The sequences `store` asks the subject's next message from, as asked."""
+    reads: list[int] = []
+    read = store._next_msg
+
+    async def counted(subject: str, seq: int):  # type: ignore[no-untyped-def]
+        reads.append(seq)
+        return await read(subject, seq)
+
+    store._next_msg = counted  # type: ignore[method-assign]
+    return reads
+
+
+def state_seq(store: AggregateStore[sb.Sandbox], sandbox_id: str) -> int:
+    """The sequence of the last event the store folded of a sandbox."""
+    return store.get(sandbox_id)[1]
+
+
+async def queue_and_dispatch(nc: nats.NATS, names: Names, state: sb.Sandbox, key: str) -> str:
+    queued = sb.decide(state, rq.RunCommand(key=key, sandbox_id=state.id, argv=["true"]))
+    (command_id,) = [e.command_id for e in queued if isinstance(e, ev.CommandQueued)]
+    await append(nc, names, "sandbox", state.id, queued)
+    dispatched = ev.CommandDispatched(command_id=command_id, host="h1", generation=1)
+    await append(nc, names, "sandbox", state.id, [dispatched])
+    return command_id
 
 
 async def test_sync_expecting_news_when_there_is_none_changes_nothing(nc: nats.NATS, names: Names):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nats.js import JetStreamContext
-from nats.js.api import Header
+from nats.js.api import Header, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 from sandhold.bus.codec import TYPE_HEADER, encode_envelope
 from sandhold.bus.electing import ELECTING, NATS_TIMEOUT_S, attempt_timeouts, patiently
@@ -124,13 +124,20 @@ async def last_sequence(
     """The subject's last sequence, 0 when it has no message yet. A direct get may
     be answered by a replica a moment behind; `from_leader` asks the stream's
     leader, for a barrier that must cover every append acknowledged so far."""
+    last = await last_message(js, stream, subject, from_leader=from_leader)
+    return 0 if last is None else last.seq or 0
+
+
+async def last_message(
+    js: JetStreamContext, stream: str, subject: str, *, from_leader: bool = False
+) -> RawStreamMsg | None:
+    """The subject's last message (`last_sequence`'s read), None when it has none."""
     # A read: through an election, or a reconnect to another node that lost the
     # answer, it is asked again in short attempts (electing.py).
     try:
-        last = await patiently(
+        return await patiently(
             lambda: js.get_last_msg(stream, subject, direct=not from_leader),
             attempt_s=2.0 if from_leader else 1.0,
         )
     except NotFoundError:
-        return 0
-    return last.seq or 0
+        return None

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
-from sandhold.bus.append import WrongSequence, append, last_sequence
+from sandhold.bus.append import WrongSequence, append, last_message, last_sequence
 from sandhold.bus.checkpoint import (
     Checkpoint,
     Checkpoints,
@@ -31,7 +31,7 @@ from sandhold.bus.checkpoint import (
     fold_version,
     path_for,
 )
-from sandhold.bus.codec import decode_envelope, has_fence
+from sandhold.bus.codec import FENCE_HEADER, decode_envelope, has_fence
 from sandhold.bus.electing import patiently
 from sandhold.bus.follow import (  # noqa: F401 - stream_sequence re-exported
     Follower,
@@ -308,17 +308,28 @@ class AggregateStore(Generic[S]):
         append acknowledged so far (a direct get's replica may be a moment behind).
         `news_expected`: the caller knows of an event not read yet (a host's
         instruction follows one), so the first one is asked for alongside the
-        last sequence: one round trip less, one wasted where there was none."""
+        last: one round trip where one or two events are new (the usual), and one
+        wasted where there were none."""
         subject = self.subject(aggregate_id)
-        asked = last_sequence(self._js, self._stream, subject, from_leader=from_leader)
-        if news_expected:
-            last, first = await asyncio.gather(
-                asked, self._next_or_none(subject, self._seqs.get(aggregate_id, 0) + 1)
+        if not news_expected:
+            last = await last_sequence(self._js, self._stream, subject, from_leader=from_leader)
+        else:
+            last_msg, first = await asyncio.gather(
+                last_message(self._js, self._stream, subject, from_leader=from_leader),
+                self._next_or_none(subject, self._seqs.get(aggregate_id, 0) + 1),
             )
+            last = 0 if last_msg is None else last_msg.seq or 0
             if first is not None:
                 self._apply_raw(aggregate_id, first)
-        else:
-            last = await asked
+            if (
+                from_leader  # (a direct get's headers are not the stored ones alone)
+                and last_msg is not None
+                and _previous_on_subject(last_msg) == self._seqs.get(aggregate_id, 0)
+            ):
+                # The last event names the one before it on the subject (its fence,
+                # checked by the server when it was stored): the one just read, so
+                # nothing lies between them and nothing more is read.
+                self._apply_raw(aggregate_id, last_msg)
         while (known := self._seqs.get(aggregate_id, 0)) < last:
             raw = await self._next_or_none(subject, known + 1)
             if raw is None:
@@ -565,3 +576,14 @@ class Selection(Grouping[S]):
 
     def __len__(self) -> int:
         return len(self._members.get(_SELECTED, ()))
+
+
+def _previous_on_subject(raw: RawStreamMsg) -> int | None:
+    """The sequence of the subject's message before an event: what its append
+    expected (`FENCE_HEADER`); None for a message that is no event."""
+    if not has_fence(raw.headers):
+        return None
+    try:
+        return int((raw.headers or {})[FENCE_HEADER])
+    except ValueError:
+        return None

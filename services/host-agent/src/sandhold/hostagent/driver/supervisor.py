@@ -6,8 +6,8 @@ a command directory, with the command's spec (the driver's record of it is
 ``spec.json``) and secrets. Then it runs the command, copies its output into
 files, enforces the timeout and interrupts, and writes ``exit.json``. stdout
 stays a pipe to the agent: one byte there (the doorbell) after every write
-tells the agent to look at the files. If the agent is gone
-the doorbell is silently lost and the files remain the truth.
+tells the agent to look at the files. If the agent is gone the doorbell is
+silently lost and the files remain the truth.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from .history import (
     apply,
     command_ended,
     command_started,
+    delete,
+    deleted,
     dispatched,
     given,
     given_sandbox,
@@ -160,6 +162,30 @@ def test_retention_keeps_the_last_saves_every_snapshot_and_parents_in_flight() -
     assert set(policy.retained(state)) == {snap_id(), *ids[2:]}
     [due] = policy.due_save(state, now=T0 + 10**7, cause="next")
     assert due.parent_id == ids[-1]
+
+
+def test_a_deleted_sandbox_keeps_only_its_snapshots() -> None:
+    """Decision 060: once deleted, nothing restores or is placed from its other
+    saves (nor from the Snapshot it was made from, which its owner retains)."""
+    state = given_sandbox(*RUNNING, snapshot())
+    state = apply(state, [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    state = msgspec.structs.replace(state, source_snapshot_id="its-origin")
+    ids = []
+    for n in range(3):
+        [due] = policy.due_save(state, now=T0 + 100_000 * (n + 1), cause=f"s{n}")
+        state = apply(state, [due], time=T0 + 100_000 * (n + 1))
+        state = apply(state, [completed(due.save_id)], time=T0 + 100_000 * (n + 1) + 1)
+        ids.append(due.save_id)
+    assert policy.expired(state, keep_last=5) == []
+    assert "its-origin" in policy.retained(state)
+    state = apply(state, [*decide(state, delete()), deleted()])
+    assert state.phase == "deleted"
+    [expired] = policy.expired(state, keep_last=5)
+    assert expired == ev.SavesExpired(save_ids=ids)
+    state = apply(state, [expired])
+    assert policy.retained(state) == [snap_id()]
+    assert sorted(policy.dropped(state)) == sorted(ids)
+    assert policy.expired(state, keep_last=5) == []
 
 
 def test_stop_takes_a_final_save_of_the_stopped_processes() -> None:

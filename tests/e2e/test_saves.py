@@ -519,3 +519,66 @@ async def test_gc_removes_expired_saves_and_keeps_every_retained_one_whole(up: U
     for save_id in gone:
         with pytest.raises(Exception, match="manifest"):
             await store.get_manifest(save_id)
+
+
+async def test_a_deleted_sandboxs_saves_are_collected_and_its_snapshots_kept(
+    up: Up, client: Client
+):
+    """Decision 060: a deleted sandbox's files are discarded, so its saves go too
+    (their manifests, and chunks nothing retained names); a Snapshot stays, and
+    a sandbox can still be created from it."""
+    source = await running_sandbox(client, save_interval_s=1)
+    assert (
+        await client.exec(source, ["sh", "-c", "head -c 200000 /dev/urandom > kept"])
+    ).command.exit_code == 0
+    snap = await client.wait_for_save(source, (await client.snapshot(source, "m1")).id, timeout=60)
+    assert snap.state == "completed"
+    digest = (await client.exec(source, ["sha256sum", "kept"])).stdout
+    # Content only the saves after the Snapshot hold: their chunks must go.
+    assert (
+        await client.exec(source, ["sh", "-c", "head -c 300000 /dev/urandom > gone"])
+    ).command.exit_code == 0
+    after = time.time()
+    await client.wait_for(
+        source,
+        lambda s: s if any(
+            r.kind == "scheduled" and r.state == "completed" and r.requested_at > after
+            for r in s.saves.values()
+        ) else None,
+        timeout=60,
+        what="a scheduled save holding `gone`",
+    )  # fmt: skip
+    await client.delete_sandbox(source)
+    state = await client.wait_for(
+        source,
+        lambda s: (
+            s
+            if s.phase == "deleted"
+            and not [
+                r
+                for r in s.saves.values()
+                if r.kind != "snapshot"
+                and r.state in ("requested", "captured", "uploaded", "completed")
+            ]
+            else None
+        ),  # fmt: skip
+        timeout=60,
+        what="every save but the Snapshot expired",
+    )
+    expired = [r.id for r in state.saves.values() if r.state == "expired"]
+    assert expired and state.saves[snap.id].state == "completed"
+    done = up.cli("admin", "gc", "--grace", "0")
+    assert done.returncode == 0, done.stderr
+    result = msgspec.json.decode(done.stdout)
+    assert result["ok"] and result["deleted_chunks"] > 0, result
+    store = SaveStore(client.nc, client.names)
+    for save_id in expired:
+        with pytest.raises(Exception, match="manifest"):  # (as the test above)
+            await store.get_manifest(save_id)
+    manifest = await store.get_manifest(snap.id)
+    assert await store.verify(manifest, recheck=manifest.digests) == []
+    copy = await client.create_sandbox(from_snapshot=snap.id, save_interval_s=3600)
+    await client.wait_for_phase(copy.id, {"running"}, timeout=60)
+    assert (await client.exec(copy.id, ["sha256sum", "kept"])).stdout == digest
+    assert (await client.exec(copy.id, ["test", "!", "-e", "gone"])).command.exit_code == 0
+    await client.stop_sandbox(copy.id)

@@ -126,7 +126,12 @@ def timed_out(state: Sandbox, *, now: float, timeout_s: float) -> list[ev.AnyEve
 
 
 def expired(state: Sandbox, *, keep_last: int) -> list[ev.AnyEvent]:
-    """Keep the last `keep_last` completed saves and every Snapshot."""
+    """Keep the last `keep_last` completed saves and every Snapshot. A deleted
+    sandbox keeps only its Snapshots (decision 060): its files were discarded,
+    nothing can be restored or placed from its other saves, and a Snapshot is a
+    named milestone others may still be created from."""
+    if state.phase == "deleted":
+        keep_last = 0
     completed = sorted(
         (state.saves[i] for i in state.saves_completed if state.saves[i].kind != "snapshot"),
         key=lambda s: s.completed_at or 0.0,
@@ -140,7 +145,8 @@ def retained(state: Sandbox) -> list[str]:
     and the parents of saves under way (they reuse the parent's chunks unsent)."""
     keep = set(state.saves_completed)
     keep |= {s.parent_id for s in state.saves_under_way() if s.parent_id}
-    if state.source_snapshot_id is not None:  # a fresh placement may still restore it
+    if state.source_snapshot_id is not None and state.phase != "deleted":
+        # A fresh placement may still restore it (a deleted sandbox has none).
         keep.add(state.source_snapshot_id)
     return sorted(keep)
 

@@ -15,7 +15,7 @@ from sandhold.saves import (
     Manifest,
     SaveStore,
     collect_garbage,
-    delete_dropped_manifests,
+    delete_unretained_manifests,
 )
 
 
@@ -98,22 +98,31 @@ class _CountingDeletes(SaveStore):
         return await super().delete_manifest(save_id)
 
 
-async def test_only_stored_manifests_of_dropped_saves_are_deleted(
+async def test_manifests_no_retained_save_has_are_deleted_dropped_ones_at_once(
     store: SaveStore, nc: nats.NATS, names: Names
 ) -> None:
-    """Dropped saves whose manifests went at an earlier collection (or were
-    never stored: a save that failed before its upload) are not deleted again;
-    a retained one is kept whatever else says it was dropped."""
+    """Dropped saves' manifests go at once; any other no retained save has goes
+    once older than the grace (its sandbox forgotten, decision 061); a
+    retained one is kept whatever else says it was dropped. Manifests gone at an
+    earlier collection (or never stored) are not deleted again."""
     counting = _CountingDeletes(nc, names)
     counting.asked = []
     big = [os.urandom(64) for _ in range(3)]
-    for save_id in ("sv-dropped", "sv-kept", "sv-old"):
+    for save_id in ("sv-dropped", "sv-kept", "sv-old", "sv-unheld"):
         await store.put_manifest(manifest_of(save_id, *big))
     assert await store.delete_manifest("sv-old")  # collected before
     dropped = ["sv-dropped", "sv-old", "sv-never-stored", "sv-kept"]
-    assert await store.stored_manifests() == {"sv-dropped", "sv-kept"}
-    assert await delete_dropped_manifests(counting, dropped, ["sv-kept"]) == 1
+    assert await store.stored_manifests() == {"sv-dropped", "sv-kept", "sv-unheld"}
+    now = time.time()
+    # Within the grace, only the dropped one goes:
+    kept = ["sv-kept"]
+    assert await delete_unretained_manifests(counting, dropped, kept, now=now, grace_s=60) == 1
     assert counting.asked == ["sv-dropped"]
+    assert await store.stored_manifests() == {"sv-kept", "sv-unheld"}
+    # Past it, the one no save retains goes too; the retained one stays:
+    later = now + 120
+    assert await delete_unretained_manifests(counting, dropped, kept, now=later, grace_s=60) == 1
+    assert counting.asked == ["sv-dropped", "sv-unheld"]
     assert await store.stored_manifests() == {"sv-kept"}
-    assert await delete_dropped_manifests(counting, dropped, ["sv-kept"]) == 0
-    assert counting.asked == ["sv-dropped"]  # nothing asked the second time
+    assert await delete_unretained_manifests(counting, dropped, kept, now=later, grace_s=60) == 0
+    assert counting.asked == ["sv-dropped", "sv-unheld"]  # nothing asked the third time

@@ -42,7 +42,7 @@ from sandhold.bus.connection import close_quickly, connect
 from sandhold.bus.electing import patiently
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume
-from sandhold.bus.store import AggregateStore, Compact, Evolve
+from sandhold.bus.store import AggregateStore, Compact, Evolve, Forget
 from sandhold.bus.streams import await_streams
 from sandhold.telemetry import metrics, setup
 
@@ -125,10 +125,12 @@ class Shell:
         actor: str | None = None,
         follow: bool = True,
         compact: Compact[S] | None = None,
+        forget: Forget[S] | None = None,
     ) -> AggregateStore[S]:
         """An aggregate store of `kind`, stopped with the shell (`start_stores` folds
         it; one made with `follow=False` reads aggregates on demand instead), its
-        states kept as `compact` leaves them (`AggregateStore`)."""
+        states kept as `compact` leaves them, none kept that `forget` says of
+        (`AggregateStore`)."""
         kept = os.environ.get(checkpoint.ENV)  # `--checkpoint-dir`
         store = AggregateStore(
             self.js,
@@ -139,6 +141,7 @@ class Shell:
             follow=follow,
             checkpoint_dir=Path(kept) if kept else None,
             compact=compact,
+            forget=forget,
         )
         self._stores.append(store)
         return store

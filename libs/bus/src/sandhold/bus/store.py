@@ -52,6 +52,7 @@ G = TypeVar("G", bound="Grouping[Any]")  # an index kept in step with a store (`
 Evolve = Callable[[S | None, Envelope], S | None]
 Decide = Callable[[S | None], list[AnyEvent]]
 Compact = Callable[[S], S]
+Forget = Callable[[S], bool]
 
 # A checkpoint is written when this many events were folded since the last one,
 # looked at every CHECKPOINT_EVERY_S, and when the store stops: a restart then
@@ -78,6 +79,7 @@ class AggregateStore(Generic[S]):
         follow: bool = True,
         checkpoint_dir: Path | None = None,
         compact: Compact[S] | None = None,
+        forget: Forget[S] | None = None,
     ) -> None:
         """`follow=False`: no consumer at all; an aggregate is read (direct gets)
         when asked for (`sync`), and when a decision on what was last read is
@@ -91,7 +93,13 @@ class AggregateStore(Generic[S]):
         `compact`: what is kept of each state after every change (decision 057):
         memory and checkpoints then grow with what deciding needs, not with every
         command ever ended; a decision that reads what it drops says so
-        (`execute(whole=...)`) and is then made on the whole state, read back."""
+        (`execute(whole=...)`) and is then made on the whole state, read back.
+
+        `forget`: whether an aggregate needs nothing kept at all any more (a
+        deleted sandbox nothing is left of, decision 061): it is dropped from
+        memory and checkpoints as that state is folded, its later events fold
+        onto nothing, and a decision on an aggregate not held is made on it read
+        back whole (`read_whole`). Only where a follower keeps the rest current."""
         self._js = js
         self._follow = follow
         self._stream = names.events_stream
@@ -99,11 +107,13 @@ class AggregateStore(Generic[S]):
         self._kind = kind
         self._evolve = evolve
         self._compact = compact
+        self._forget = forget if follow else None
         self._actor = actor
         self._states: dict[str, S] = {}
         self._seqs: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._watchers: list[Callable[[str, list[Envelope]], None]] = []
+        self._forgetters: list[Callable[[str, S], None]] = []
         self._follower: Follower[Envelope] | None = None
         # Decisions on one aggregate in this process take turns; other processes
         # are kept honest by the fence. Held only while someone decides (with how
@@ -125,6 +135,7 @@ class AggregateStore(Generic[S]):
         self._checkpointed = 0  # the position the last checkpoint covers
         self._checkpointing: asyncio.Task[None] | None = None
         self.folded = 0  # events folded in by this store (a checkpoint's not counted)
+        self.forgotten = 0  # aggregates dropped by `forget` since the start
 
     # --- reading --------------------------------------------------------------
 
@@ -169,6 +180,13 @@ class AggregateStore(Generic[S]):
             return 0
         self._states = {k: v for k, v in found.states.items() if v is not None}
         self._seqs, self._traces = found.seqs, found.traces
+        if self._forget is not None:  # (one written before this store forgot so)
+            for aggregate_id, state in list(self._states.items()):
+                if self._forget(state):
+                    self.forgotten += 1
+                    for forgetter in self._forgetters:
+                        forgetter(aggregate_id, state)
+                    self._drop(aggregate_id)
         self._last_event = (found.last_event_seq, found.last_event_id)
         self._checkpointed = found.position
         for aggregate_id in self._states:
@@ -259,11 +277,25 @@ class AggregateStore(Generic[S]):
         as they are folded (not those a checkpoint already holds)."""
         self._watchers.append(callback)
 
+    def on_forget(self, callback: Callable[[str, S], None]) -> None:
+        """`callback(aggregate_id, state)` with the last state of an aggregate
+        as it is forgotten (`forget`), before its listeners hear of the change:
+        what a service kept beside the state about it can go with it."""
+        self._forgetters.append(callback)
+
     def get(self, aggregate_id: str) -> tuple[S | None, int]:
         return self._states.get(aggregate_id), self._seqs.get(aggregate_id, 0)
 
     def ids(self) -> list[str]:
         return list(self._states)
+
+    async def known(self, aggregate_id: str) -> bool:
+        """Whether the aggregate has events: held here, or in the log (one not
+        folded yet, or forgotten); one read from the leader when not held."""
+        if aggregate_id in self._seqs:
+            return True
+        subject = self.subject(aggregate_id)
+        return await last_sequence(self._js, self._stream, subject, from_leader=True) > 0
 
     def subject(self, aggregate_id: str) -> str:
         return self._names.events(self._kind, aggregate_id)
@@ -290,15 +322,31 @@ class AggregateStore(Generic[S]):
             return  # already applied (our own append, or a catch-up read)
         self._note_trace(aggregate_id, traceparent)
         state = fold(self._evolve, envelopes, self._states.get(aggregate_id))
-        if state is not None:
-            self._states[aggregate_id] = state if self._compact is None else self._compact(state)
-        self._seqs[aggregate_id] = seq
+        if state is not None and self._compact is not None:
+            state = self._compact(state)
+        if self._forget is not None and (state is None or self._forget(state)):
+            # Nothing kept, not even its sequence: a later event folds onto
+            # nothing, and a decision reads the aggregate back (`_execute`).
+            if state is not None and aggregate_id in self._states:  # (not one read again)
+                self.forgotten += 1
+                for forgetter in self._forgetters:
+                    forgetter(aggregate_id, state)
+            self._drop(aggregate_id)
+        else:
+            if state is not None:
+                self._states[aggregate_id] = state
+            self._seqs[aggregate_id] = seq
         if envelopes and seq > self._last_event[0]:
             self._last_event = (seq, envelopes[-1].id)
         for watcher in self._watchers:
             watcher(aggregate_id, envelopes)
         for callback in self._listeners:
             callback(aggregate_id)
+
+    def _drop(self, aggregate_id: str) -> None:
+        self._states.pop(aggregate_id, None)
+        self._seqs.pop(aggregate_id, None)
+        self._traces.pop(aggregate_id, None)
 
     async def sync(
         self, aggregate_id: str, *, from_leader: bool = False, news_expected: bool = False
@@ -310,31 +358,50 @@ class AggregateStore(Generic[S]):
         instruction follows one), so the first one is asked for alongside the
         last: one round trip where one or two events are new (the usual), and one
         wasted where there were none."""
+        if self._forget is not None and aggregate_id not in self._seqs:
+            return await self._read_unheld(aggregate_id)
         subject = self.subject(aggregate_id)
+        # Where the reading is: not the cache's sequence, which an aggregate
+        # forgotten while it is read no longer has.
+        position = self._seqs.get(aggregate_id, 0)
         if not news_expected:
             last = await last_sequence(self._js, self._stream, subject, from_leader=from_leader)
         else:
             last_msg, first = await asyncio.gather(
                 last_message(self._js, self._stream, subject, from_leader=from_leader),
-                self._next_or_none(subject, self._seqs.get(aggregate_id, 0) + 1),
+                self._next_or_none(subject, position + 1),
             )
             last = 0 if last_msg is None else last_msg.seq or 0
             if first is not None:
-                self._apply_raw(aggregate_id, first)
+                position = self._apply_raw(aggregate_id, first)
             if (
                 from_leader  # (a direct get's headers are not the stored ones alone)
                 and last_msg is not None
-                and _previous_on_subject(last_msg) == self._seqs.get(aggregate_id, 0)
+                and _previous_on_subject(last_msg) == position
             ):
                 # The last event names the one before it on the subject (its fence,
                 # checked by the server when it was stored): the one just read, so
                 # nothing lies between them and nothing more is read.
-                self._apply_raw(aggregate_id, last_msg)
-        while (known := self._seqs.get(aggregate_id, 0)) < last:
-            raw = await self._next_or_none(subject, known + 1)
+                position = self._apply_raw(aggregate_id, last_msg)
+        while position < last:
+            raw = await self._next_or_none(subject, position + 1)
             if raw is None:
                 break
-            self._apply_raw(aggregate_id, raw)
+            position = self._apply_raw(aggregate_id, raw)
+        return self.get(aggregate_id)
+
+    async def _read_unheld(self, aggregate_id: str) -> tuple[S | None, int]:
+        """`sync` of an aggregate a forgetting store does not hold (forgotten,
+        or not folded yet): its events folded in one change, so no listener
+        sees a state of its past, and one forgotten stays so."""
+        records = await read_range(
+            self._js, self._stream, self.subject(aggregate_id), decode_envelope,
+            what=f"{self._kind} events",
+        )  # fmt: skip
+        if records:
+            last_seq, last_msg, _ = records[-1]
+            traceparent = (last_msg.headers or {}).get(context.TRACEPARENT)
+            self._apply(aggregate_id, last_seq, [e for _, _, e in records], traceparent)
         return self.get(aggregate_id)
 
     async def _next_or_none(self, subject: str, seq: int) -> RawStreamMsg | None:
@@ -346,13 +413,14 @@ class AggregateStore(Generic[S]):
         except NotFoundError:
             return None
 
-    def _apply_raw(self, aggregate_id: str, raw: RawStreamMsg) -> None:
+    def _apply_raw(self, aggregate_id: str, raw: RawStreamMsg) -> int:
+        """Fold one message read; its sequence."""
         # A message stored without the fence is not an event (follow.py): passed
         # over, so the next append still expects the subject's real last sequence.
         believed = [decode_envelope(raw.data or b"")] if has_fence(raw.headers) else []
-        self._apply(
-            aggregate_id, raw.seq or 0, believed, (raw.headers or {}).get(context.TRACEPARENT)
-        )
+        seq = raw.seq or 0
+        self._apply(aggregate_id, seq, believed, (raw.headers or {}).get(context.TRACEPARENT))
+        return seq
 
     async def _next_msg(self, subject: str, seq: int) -> RawStreamMsg:
         return await self._js.get_msg(self._stream, seq=seq, subject=subject, next=True)
@@ -444,7 +512,14 @@ class AggregateStore(Generic[S]):
         read_back: tuple[S | None, int] | None = None  # the whole state, when needed
         for _ in range(attempts):
             state, seq = read_back or self.get(aggregate_id)
-            if read_back is None and whole is not None and whole(state):
+            if read_back is None and state is None and self._forget is not None:
+                # Not held: never created, not folded yet, or forgotten (`forget`).
+                # Decided on what the log has; what it appends folds onto
+                # nothing here (no sequence is kept for it), and the follower
+                # brings the cache along if the aggregate is one to keep.
+                read_back = await self.read_whole(aggregate_id)
+                state, seq = read_back
+            elif read_back is None and whole is not None and whole(state):
                 read_back = await self.read_whole(aggregate_id)
                 state, seq = read_back
                 # The events decided are folded into the cache once appended: it
@@ -472,17 +547,18 @@ class AggregateStore(Generic[S]):
                 kind="producer",
                 **{f"{self._kind}_id": aggregate_id},
             ):
-                appended = await self._append(
+                done = await self._append(
                     aggregate_id, events, seq, id_base, causation_id, correlation_id, trace_id
                 )
-            if appended is None:
+            if done is None:
                 await self.sync(aggregate_id)
                 synced, read_back = True, None
                 continue
-            if read_back is not None:  # the whole state, as the cache's now is
-                return Executed(
-                    fold(self._evolve, appended, state), self.get(aggregate_id)[1], appended
-                )
+            appended, last = done
+            if read_back is not None or aggregate_id not in self._seqs:
+                # The whole state, as the cache's now is; or one the cache forgot
+                # as these were folded: what it was decided on, and them.
+                return Executed(fold(self._evolve, appended, state), last, appended)
             state, seq = self.get(aggregate_id)
             return Executed(state, seq, appended)
         raise InfraError(
@@ -498,8 +574,9 @@ class AggregateStore(Generic[S]):
         causation_id: str,
         correlation_id: str,
         trace_id: str | None,
-    ) -> list[Envelope] | None:
-        """Append `events` after `seq` and apply them; None if someone wrote first."""
+    ) -> tuple[list[Envelope], int] | None:
+        """Append `events` after `seq` and apply them; the envelopes and the last
+        one's sequence, None if someone wrote first."""
         envelopes = wrap(
             events,
             aggregate_id=aggregate_id,
@@ -521,7 +598,7 @@ class AggregateStore(Generic[S]):
         traceparent = context.traceparent()
         for envelope, new_seq in zip(envelopes, sequences, strict=True):
             self._apply(aggregate_id, new_seq, [envelope], traceparent)
-        return envelopes
+        return envelopes, sequences[-1]
 
 
 class Grouping(Generic[S]):
@@ -564,7 +641,7 @@ _SELECTED = "selected"
 class Selection(Grouping[S]):
     """Some of a store's aggregates, by their state (`AggregateStore.select`): a
     periodic pass over them costs what they are, not every aggregate the log
-    ever held (a deleted sandbox stays in the store, and costs no pass). One
+    ever held (a deleted sandbox kept in the store costs no pass). One
     group of a grouping: those that pass."""
 
     def __init__(self, store: AggregateStore[S], keep: Callable[[S], bool]) -> None:

@@ -395,6 +395,21 @@ def compact(state: Sandbox) -> Sandbox:
     )
 
 
+def forgettable(state: Sandbox) -> bool:
+    """Whether a service need keep nothing of this sandbox (decision 061): it is
+    deleted, no command of it is unended, no save of it is under way, and it has
+    no completed save left (retention expires all but its Snapshots once it is
+    deleted, decision 060; a sandbox with Snapshots is kept, as they are
+    starting points that name it). Nothing periodic decides on it again; a
+    request to it is decided on it read back from the log."""
+    return (
+        state.phase == "deleted"
+        and not state.unended_ids
+        and not state.saves_in_flight
+        and not state.saves_completed
+    )
+
+
 def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
     """Whether deciding `request` on this (compacted) state may read what
     `compact` dropped: then it is decided on the whole state, read back from the

@@ -20,7 +20,7 @@ from sandhold.saves.errors import (
     RestoreError,
     SaveStoreError,
 )
-from sandhold.saves.gc import GcStats, collect_garbage, collectable, delete_dropped_manifests
+from sandhold.saves.gc import GcStats, collect_garbage, collectable, delete_unretained_manifests
 from sandhold.saves.manifest import Entry, Manifest, decode_manifest, encode_manifest
 from sandhold.saves.restore import RestoreStats, restore
 from sandhold.saves.store import Progress, SaveStore, UploadStats
@@ -52,7 +52,7 @@ __all__ = [
     "clear_spool",
     "finish_capture",
     "collect_garbage",
-    "delete_dropped_manifests",
+    "delete_unretained_manifests",
     "collectable",
     "decode_manifest",
     "encode_manifest",

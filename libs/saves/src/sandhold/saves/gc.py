@@ -44,16 +44,27 @@ def collectable(
     return {d for d, stored_at in stored.items() if d not in referenced and stored_at < cutoff}
 
 
-async def delete_dropped_manifests(
-    store: SaveStore, dropped_save_ids: Iterable[str], retained_save_ids: Iterable[str]
+async def delete_unretained_manifests(
+    store: SaveStore,
+    dropped_save_ids: Iterable[str],
+    retained_save_ids: Iterable[str],
+    *,
+    now: float,
+    grace_s: float,
 ) -> int:
-    """Delete the stored manifests of dropped saves (expired or failed) that are
-    not retained; returns how many. Only those the store still holds are
-    touched: a sandbox that dropped 10,000 saves over its life costs one
-    listing per collection, not 10,000 deletes of manifests long gone."""
-    doomed = (await store.stored_manifests()).intersection(dropped_save_ids)
+    """Delete the stored manifests no retained save has: those of dropped saves
+    (expired or failed) at once, and any other older than `grace_s` (a save
+    whose sandbox is no longer held at all, decision 061; a seed never used);
+    returns how many. The grace keeps a manifest stored just before its save
+    says so (or its sandbox is created) as it keeps chunks. One listing of what
+    is stored, however many saves the log has dropped since."""
+    stored = await store.stored_manifest_times()
+    retained = set(retained_save_ids)
+    cutoff = now - grace_s
+    doomed = {i for i, stored_at in stored.items() if stored_at < cutoff}
+    doomed |= stored.keys() & set(dropped_save_ids)
     deleted = 0
-    for save_id in sorted(doomed.difference(retained_save_ids)):
+    for save_id in sorted(doomed - retained):
         if await store.delete_manifest(save_id):
             deleted += 1
     return deleted

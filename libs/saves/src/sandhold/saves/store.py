@@ -357,6 +357,16 @@ class SaveStore:
         subjects = await self._s.subjects(self._names.manifest("*"))
         return {subject[cut:].split("~", 1)[0] for subject in subjects}
 
+    async def stored_manifest_times(self) -> dict[str, float]:
+        """The save ids with a manifest (or a part of one) stored, each with the
+        unix time of its newest part."""
+        cut = len(self._names.manifest(""))
+        times: dict[str, float] = {}
+        for subject, at in (await self._s.stored_times(self._names.manifest("*"))).items():
+            save_id = subject[cut:].split("~", 1)[0]
+            times[save_id] = max(at, times.get(save_id, at))
+        return times
+
     async def delete_manifest(self, save_id: str) -> bool:
         """Delete a save's manifest (parts first, head last); False when there was none."""
         check_save_id(save_id)

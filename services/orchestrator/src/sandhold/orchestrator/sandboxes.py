@@ -44,13 +44,14 @@ class Sandboxes:
         self._js = nc.jetstream()
         self._names = names
         self._store = store
-        self._changed: dict[str, asyncio.Event] = {}
+        # sandbox id -> (set on each change, how many wait): held only while waited on
+        self._changed: dict[str, tuple[asyncio.Event, int]] = {}
         store.listen(self._on_change)
 
     def _on_change(self, sandbox_id: str) -> None:
-        event = self._changed.get(sandbox_id)
-        if event is not None:
-            event.set()
+        waited = self._changed.get(sandbox_id)
+        if waited is not None:
+            waited[0].set()
 
     def state(self, sandbox_id: str) -> sb.Sandbox | None:
         return self._store.get(sandbox_id)[0]
@@ -149,13 +150,35 @@ class Sandboxes:
         poll_s: float = 5.0,
     ) -> T:
         """Until `check(state)` gives something. The live projection wakes us; every
-        few seconds the log is read directly in case a live event was missed."""
-        changed = self._changed.setdefault(sandbox_id, asyncio.Event())
+        few seconds the log is read directly in case a live event was missed. A
+        sandbox the store does not hold is judged as the log has it (not folded
+        yet, or forgotten: deleted with nothing left, decision 061)."""
+        changed, waiting = self._changed.get(sandbox_id, (asyncio.Event(), 0))
+        self._changed[sandbox_id] = (changed, waiting + 1)
+        try:
+            return await self._wait(sandbox_id, changed, check, timeout, poll_s)
+        finally:
+            changed, waiting = self._changed[sandbox_id]
+            if waiting == 1:
+                del self._changed[sandbox_id]
+            else:
+                self._changed[sandbox_id] = (changed, waiting - 1)
+
+    async def _wait(
+        self,
+        sandbox_id: str,
+        changed: asyncio.Event,
+        check: Callable[[sb.Sandbox], T | None],
+        timeout: float | None,
+        poll_s: float,
+    ) -> T:
         deadline = None if timeout is None else time.monotonic() + timeout
         last_sync = time.monotonic()
         while True:
             changed.clear()
             state = self.state(sandbox_id)
+            if state is None:
+                state = await self.whole(sandbox_id)
             if state is not None:
                 found = check(state)
                 if found is not None:

@@ -88,7 +88,9 @@ class Orchestrator:
             shell.on_close(self._end_runners)
             shell.on_close(self._close_http)
             self._output = OutputLog(shell.js, self._names)
-            sandbox_store = shell.store("sandbox", sb.evolve, compact=sb.compact)
+            sandbox_store = shell.store(
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
+            )
             # Each instance appends as itself: the log says which one drove what.
             self.tasks = shell.store("task", tk.evolve, actor=self._instance, compact=tk.compact)
             self._sandbox_store = sandbox_store

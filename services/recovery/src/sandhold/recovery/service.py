@@ -60,7 +60,9 @@ class Recovery:
             settings = leases.RecoverySettings(lease_ttl_s=self._ttl, fence_margin_s=self._margin)
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
             self.hosts = shell.store("host", host_domain.evolve)
-            self.sandboxes = shell.store("sandbox", sb.evolve, compact=sb.compact)
+            self.sandboxes = shell.store(
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
+            )
             # What a tick looks at, kept in step with the log (decision 056): the
             # places held on each host, and the sandboxes whose loss still has
             # something to say; not every sandbox ever made.

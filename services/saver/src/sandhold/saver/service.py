@@ -42,7 +42,7 @@ from sandhold.saves import (
     MissingManifest,
     SaveStore,
     collect_garbage,
-    delete_dropped_manifests,
+    delete_unretained_manifests,
 )
 
 log = logging.getLogger("sandhold.saver")
@@ -88,7 +88,9 @@ class Saver:
         async with self._shell as shell:
             self._js = shell.js
             self.store = SaveStore(shell.nc, self._names)
-            self.sandboxes = shell.store("sandbox", sb.evolve, compact=sb.compact)
+            self.sandboxes = shell.store(
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
+            )
             self.sandboxes.listen(self._mark_dirty)
             # What the schedule looks at each tick (not every sandbox ever made).
             self._scheduled = self.sandboxes.select(policy.on_schedule)
@@ -193,7 +195,8 @@ class Saver:
         if not self.duty.held():
             return  # lapsed while garbage collection had the lock: the new holder verifies
         state, _ = self.sandboxes.get(sandbox_id)
-        assert state is not None
+        if state is None or save_id not in state.saves:
+            return  # (an uploaded save keeps its sandbox held: not expected)
         save = state.saves[save_id]
         # What the host stored just before it said so is read as the stream's leader
         # has it (a replica a moment behind is asked no further: SavesStream.get).
@@ -264,11 +267,15 @@ class Saver:
         await self.sandboxes.catch_up()
         states = (self.sandboxes.get(sandbox_id)[0] for sandbox_id in self.sandboxes.ids())
         retained, dropped = retained_and_dropped(s for s in states if s is not None)
-        # Manifests of expired and failed saves go first; then every chunk that
+        # Manifests of expired and failed saves go first (and any other no
+        # retained save has, once older than the grace); then every chunk that
         # no retained manifest names (and that is older than the grace) goes too.
-        manifests = await delete_dropped_manifests(self.store, dropped, retained)
+        now = time.time()
+        manifests = await delete_unretained_manifests(
+            self.store, dropped, retained, now=now, grace_s=grace_s
+        )
         stats = await collect_garbage(
-            self.store, retained, now=time.time(), grace_s=grace_s, may_delete=self.duty.held
+            self.store, retained, now=now, grace_s=grace_s, may_delete=self.duty.held
         )
         result = {**msgspec.structs.asdict(stats), "deleted_manifests": manifests}
         log.info("garbage collection: %s", result)

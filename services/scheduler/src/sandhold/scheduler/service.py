@@ -88,6 +88,9 @@ class Scheduler:
         # those of commands ended before are `_forget_left_secrets`'s).
         self._secrets_held: dict[str, set[str]] = {}
         self._connections_forgotten: set[str] = set()  # deleted sandboxes' ids, likewise
+        # A sandbox the store forgot (decision 061): the secrets and whether the
+        # Connections it may have left, for the pass its forgetting sets off.
+        self._leftovers: dict[str, tuple[frozenset[str], bool]] = {}
         self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
@@ -97,7 +100,10 @@ class Scheduler:
         async with self._shell as shell:
             self._nc, self._js = shell.nc, shell.js
             self.hosts = shell.store("host", host_domain.evolve)
-            self.sandboxes = shell.store("sandbox", sb.evolve, compact=sb.compact)
+            self.sandboxes = shell.store(
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
+            )
+            self.sandboxes.on_forget(self._forgotten)
             self.leases = leases.LeaseWatcher(
                 await leases.lease_bucket(shell.js, self._names), ttl=self._lease_ttl
             )
@@ -269,6 +275,35 @@ class Scheduler:
             values[name] = kept["value"]
         return values
 
+    def _forgotten(self, sandbox_id: str, state: sb.Sandbox) -> None:
+        """What is kept here beside a sandbox the store forgets goes with it: the
+        values it may have left are removed by the pass that follows."""
+        held = self._secrets_held.pop(sandbox_id, None)
+        for save_id in state.snapshot_ids:
+            self._snapshot_owner.pop(save_id, None)
+        connections = (
+            state.connections_revision > 0 and sandbox_id not in self._connections_forgotten
+        )
+        self._connections_forgotten.discard(sandbox_id)
+        if held or connections:
+            self._leftovers[sandbox_id] = (frozenset(held or ()), connections)
+
+    async def _forget_leftovers(self, sandbox_id: str) -> None:
+        left = self._leftovers.get(sandbox_id)
+        if left is None:
+            return
+        secrets, connections = left
+        for command_id in sorted(secrets):
+            await secret_store.forget(self._js, self._names, self._names.secret(command_id))
+        if connections:
+            await secret_store.forget(
+                self._js,
+                self._names,
+                self._names.connections_of(sandbox_id),
+                stream=self._names.connections_stream,
+            )
+        del self._leftovers[sandbox_id]
+
     async def _forget_deleted(self, state: sb.Sandbox) -> None:
         """A deleted sandbox's Connections' values go with it."""
         if state.phase != "deleted" or state.connections_revision == 0:
@@ -344,6 +379,29 @@ class Scheduler:
             self.left_secrets_removed = removed
         except Exception as err:  # noqa: BLE001 - they expire on their own (streams.py)
             log.warning("secrets left over not looked for: %r", err)
+        try:
+            await self._forget_left_connections()
+        except Exception as err:  # noqa: BLE001 - the next start looks again
+            log.warning("Connections left over not looked for: %r", err)
+
+    async def _forget_left_connections(self) -> None:
+        """Once, after start: the Connections' values of a deleted sandbox the
+        store forgot before the pass that removes them ran (decision 061). They
+        do not expire, so they are looked for (names only; a sandbox not held
+        is read back to be sure it is deleted)."""
+        stream = self._names.connections_stream
+        held = await secret_store.held(
+            self._js, self._names, self._names.connections_of("*"), stream=stream
+        )
+        for sandbox_id in sorted({subject.split(".")[-2] for subject in held}):
+            if self.sandboxes.get(sandbox_id)[0] is not None:
+                continue
+            whole, _ = await self.sandboxes.read_whole(sandbox_id)
+            if whole is not None and whole.phase == "deleted":
+                log.info("removing the Connections left by deleted sandbox %s", sandbox_id)
+                await secret_store.forget(
+                    self._js, self._names, self._names.connections_of(sandbox_id), stream=stream
+                )
 
     def _note_secrets(self, sandbox_id: str, envelopes: list[Envelope]) -> None:
         """Remember the commands queued with secrets, as their events are folded:
@@ -373,9 +431,8 @@ class Scheduler:
         """A seed must be stored, and staged for exactly this sandbox: the id is
         derived from tenant and key, so no one can start from another's files.
         With its digest (the orchestrator's), it must be the manifest staged."""
-        state, _ = self.sandboxes.get(sandbox_id)
-        if state is not None:
-            return  # already created: the aggregate answers the retry
+        if await self.sandboxes.known(sandbox_id):
+            return  # already created (perhaps deleted and forgotten): the aggregate answers
         # Manifests by direct get only (its permissions pin the subjects), so no
         # leader's get: a replica behind is waited for below instead.
         store = SaveStore(self._nc, self._names, leader_reads=False)
@@ -469,6 +526,7 @@ class Scheduler:
     async def _reconcile(self, sandbox_id: str) -> None:
         state, seq = self.sandboxes.get(sandbox_id)
         if state is None:
+            await self._forget_leftovers(sandbox_id)
             return
         executed = await self.sandboxes.execute(
             sandbox_id,
@@ -477,8 +535,8 @@ class Scheduler:
             causation_id=f"{sandbox_id}@{seq}",
             correlation_id=f"{sandbox_id}@{seq}",
         )
-        if executed.state is None:
-            return
+        if executed.state is None or self.sandboxes.get(sandbox_id)[0] is None:
+            return  # (forgotten as it was decided: the pass that set off cleans up)
         # From the state the decision was made on (it may have been re-read). When
         # events were just appended, their follow-up work (the run instruction after
         # `command.dispatched`) goes out now rather than on the next pass.

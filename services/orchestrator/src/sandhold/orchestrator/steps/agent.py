@@ -107,9 +107,9 @@ class AgentStep:
         """A step claimed by an orchestrator that stopped. True: its command exists
         (now), go on waiting for it; False: the step's end was recorded."""
         assert record.sandbox_id and record.command_id
-        await runner.sandboxes.wait(record.sandbox_id, lambda s: True, timeout=None)
-        sandbox = runner.sandboxes.state(record.sandbox_id)
-        if sandbox is not None and sb.queued_by(sandbox, record.idempotency_key):
+        # (As waited for: the store may hold it no more, decision 061.)
+        sandbox = await runner.sandboxes.wait(record.sandbox_id, lambda s: s, timeout=None)
+        if sb.queued_by(sandbox, record.idempotency_key):
             log.info("%s: re-attaching to %s (%s)", runner.task_id, record.command_id, record.id)
             return True
         # No command in the sandbox's log. Whether its request left can be learnt

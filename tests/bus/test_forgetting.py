@@ -1,0 +1,123 @@
+"""A store that forgets (decision 061) on a real server: a sandbox deleted with
+nothing left of it is dropped from memory and checkpoints, its later events
+fold onto nothing, and a request to it is still decided on what the log has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nats
+import pytest
+from sandhold.bus.names import Names
+from sandhold.bus.store import AggregateStore, Executed
+from sandhold.domain import events as ev
+from sandhold.domain import requests as rq
+from sandhold.domain import sandbox as sb
+from sandhold.domain.errors import Rejected
+
+from tests.twins.support import append, running_sandbox
+
+HOST = "h1"
+
+
+def _store(
+    nc: nats.NATS, names: Names, *, forget: bool = True, directory: Path | None = None
+) -> AggregateStore[sb.Sandbox]:
+    return AggregateStore(
+        nc.jetstream(),
+        names,
+        "sandbox",
+        sb.evolve,
+        actor="test",
+        compact=sb.compact,
+        forget=sb.forgettable if forget else None,
+        checkpoint_dir=directory,
+    )
+
+
+async def _decide(
+    store: AggregateStore[sb.Sandbox], request: rq.AnyRequest, sandbox_id: str
+) -> Executed[sb.Sandbox]:
+    """A request decided as the scheduler decides one."""
+    return await store.execute(
+        sandbox_id,
+        lambda s: sb.decide(s, request),
+        id_base=f"req:{request.key}",
+        causation_id=request.key,
+        correlation_id=request.key,
+        whole=lambda s: sb.whole_needed(s, request),
+    )
+
+
+async def _deleted_sandbox(nc: nats.NATS, names: Names, key: str) -> str:
+    """A sandbox that ran and was deleted, with no save: nothing left of it."""
+    sandbox_id = await running_sandbox(nc, names, key, HOST)
+    await append(
+        nc, names, "sandbox", sandbox_id,
+        [
+            ev.SandboxDeleteRequested(request_key=f"{key}-delete", request_digest="d"),
+            ev.SandboxDeleted(host=HOST, generation=1),
+        ],
+    )  # fmt: skip
+    return sandbox_id
+
+
+async def test_a_deleted_sandbox_with_nothing_left_is_forgotten_and_still_answered(
+    nc: nats.NATS, names: Names
+):
+    kept = await running_sandbox(nc, names, "alive", HOST)
+    gone = await _deleted_sandbox(nc, names, "gone")
+    store = _store(nc, names)
+    await store.start()
+    try:
+        assert store.ids() == [kept], "only what is alive is held"
+        assert store.get(gone) == (None, 0) and store.forgotten == 1
+        # A later event on its subject folds onto nothing, and keeps nothing.
+        await append(
+            nc, names, "sandbox", gone, [ev.RequestNoted(request_key="k", request_digest="d")]
+        )
+        await store.catch_up()
+        assert store.get(gone) == (None, 0) and gone not in store._seqs
+
+        # Requests are decided on what the log has, not on "no such sandbox":
+        retry = await _decide(store, rq.CreateSandbox(key="gone", tenant="default"), gone)
+        assert retry.appended == [], "a retried create is a retry, not a new sandbox"
+        assert retry.state is not None and retry.state.phase == "deleted"
+        with pytest.raises(Rejected) as refused:
+            await _decide(store, rq.StartSandbox(key="s", tenant="default", sandbox_id=gone), gone)
+        assert refused.value.code == "sandbox_deleted"
+        # ... and reading it does not keep it again (a read must end, too).
+        assert await store.sync(gone) == (None, 0)
+        assert store.ids() == [kept]
+
+        # A new sandbox is created as ever (nothing in the log: one read, nothing folded).
+        create = rq.CreateSandbox(key="new", tenant="default")
+        new = await _decide(store, create, rq.sandbox_id_for("default", "new"))
+        assert [type(e.event) for e in new.appended] == [ev.SandboxCreated]
+    finally:
+        await store.stop()
+
+
+async def test_a_forgotten_sandbox_is_in_no_checkpoint(nc: nats.NATS, names: Names, tmp_path: Path):
+    kept = await running_sandbox(nc, names, "alive", HOST)
+    gone = await _deleted_sandbox(nc, names, "gone")
+    # A checkpoint written by a store that did not forget holds it ...
+    keeping = _store(nc, names, forget=False, directory=tmp_path)
+    await keeping.start()
+    assert sorted(keeping.ids()) == sorted([kept, gone])
+    await keeping.stop()
+    # ... and one that forgets leaves it out when it loads it, and writes it out.
+    forgetting = _store(nc, names, directory=tmp_path)
+    await forgetting.start()
+    try:
+        assert forgetting.folded == 0, "the checkpoint was believed"
+        assert forgetting.ids() == [kept] and forgetting.get(gone) == (None, 0)
+        await append(
+            nc, names, "sandbox", kept, [ev.RequestNoted(request_key="k", request_digest="d")]
+        )
+        await forgetting.catch_up()
+        assert await forgetting.checkpoint() > 0
+    finally:
+        await forgetting.stop()
+    read = forgetting._checkpoints.read()  # type: ignore[union-attr]
+    assert read is not None and set(read.states) == {kept} and gone not in read.seqs

@@ -333,9 +333,11 @@ def sandbox_id(i: int, tag: str = "bench") -> str:
     return rq.sandbox_id_for("default", f"{tag}-{i}")
 
 
-def sandbox_events(sid: str, count: int) -> list[ev.AnyEvent]:
+def sandbox_events(sid: str, count: int, *, deleted: bool = False) -> list[ev.AnyEvent]:
     """The first `count` events of a sandbox's life: created, placed, starting,
-    started, then commands that are queued, dispatched, started and ended."""
+    started, then commands that are queued, dispatched, started and ended;
+    `deleted`: its last two are a delete (requested, then done), after its
+    last whole command."""
     out: list[ev.AnyEvent] = [
         ev.SandboxCreated(
             sandbox_id=sid, request_key=f"create-{sid}", request_digest="d" * 32, tenant="default"
@@ -373,15 +375,23 @@ def sandbox_events(sid: str, count: int) -> list[ev.AnyEvent]:
             ),
         ]
         n += 1
-    return out[:count]
+    if not deleted:
+        return out[:count]
+    whole = 4 + (count - 2 - 4) // 4 * 4  # (no command cut in half by the delete)
+    return out[:whole] + [
+        ev.SandboxDeleteRequested(request_key=f"delete-{sid}", request_digest="f" * 32),
+        ev.SandboxDeleted(host=HOST, generation=1),
+    ]
 
 
-def envelopes_for(sid: str, count: int, t0: float | None = None) -> list[Envelope]:
+def envelopes_for(
+    sid: str, count: int, t0: float | None = None, *, deleted: bool = False
+) -> list[Envelope]:
     """Envelopes as the services write them: one `wrap` per decision, id based on
     the sequence the decision was made on."""
     t0 = time.time() if t0 is None else t0
     out: list[Envelope] = []
-    for i, event in enumerate(sandbox_events(sid, count)):
+    for i, event in enumerate(sandbox_events(sid, count, deleted=deleted)):
         actor = (
             "scheduler"
             if i < 2 or isinstance(event, (ev.CommandQueued, ev.CommandDispatched))
@@ -400,7 +410,12 @@ def envelopes_for(sid: str, count: int, t0: float | None = None) -> list[Envelop
 
 
 async def append_histories(
-    js: JetStreamContext, names: Names, sandbox_ids: Sequence[str], per_sandbox: int
+    js: JetStreamContext,
+    names: Names,
+    sandbox_ids: Sequence[str],
+    per_sandbox: int,
+    *,
+    deleted: Callable[[str], bool] = lambda sid: False,
 ) -> tuple[int, str]:
     """Each sandbox's history (`envelopes_for`) appended with the fenced `append`,
     1,000 appends in flight, a few thousand sandboxes at a time (one task per
@@ -413,7 +428,7 @@ async def append_histories(
         nonlocal last
         expected = 0
         subject = names.events("sandbox", sid)
-        for envelope in envelopes_for(sid, per_sandbox):
+        for envelope in envelopes_for(sid, per_sandbox, deleted=deleted(sid)):
             async with sem:
                 expected = (await append(js, names.events_stream, subject, [envelope], expected))[0]
             last = max(last, (expected, envelope.id))

@@ -1,8 +1,12 @@
 """(k) A store's start-up at 100k, 1M (and 10M) events in the log: from zero and from a checkpoint.
 
-For each log size N: N sandbox events (sandboxes × 100: created, placed,
-starting, started, then commands queued, dispatched, started, ended), written
-with the fenced `append`. Then, on fresh connections:
+For each log size N and each shape: N sandbox events (sandboxes × 100:
+created, placed, starting, started, then commands queued, dispatched, started,
+ended), written with the fenced `append`. Shapes: "all live" (every sandbox
+still there: 10× the sandboxes for 10× the log) and "churn" (the last 1,000
+sandboxes live, every one before them deleted: an installation that has run
+for a while, whose log grows with what it did, not with what exists). Then,
+on fresh connections:
   from zero:       `AggregateStore.start()` without a checkpoint: what every
                    service start cost before decision 039 (up to --zero-max
                    events; above it, the fold is estimated from the rate below);
@@ -54,13 +58,23 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.fold import fold
 
 PER_SANDBOX = 100
+LIVE = 1000  # the churned log's sandboxes that still exist
+SHAPES = ("churn", "all live")
 AFTER = 1000  # events appended after the checkpoint: about 30 s of a busy log
 GOAL_FLAT = 2.0  # from the smallest log to the largest, start-up within 2×
 GOAL_S = 2.0  # and under 2 s at the largest
 NAMES = Names("startup")
 
 
-async def write_events(url: str, sandboxes: range, tag: str, per_sandbox: int) -> tuple[int, str]:
+def deleted_ones(shape: str, sandboxes: int, tag: str) -> frozenset[str]:
+    if shape == "all live":
+        return frozenset()
+    return frozenset(sandbox_id(i, tag) for i in range(max(0, sandboxes - LIVE)))
+
+
+async def write_events(
+    url: str, sandboxes: range, tag: str, per_sandbox: int, deleted: frozenset[str] = frozenset()
+) -> tuple[int, str]:
     """Append each sandbox's history (fenced, 1,000 appends in flight); the
     stream's last sequence and that message's envelope id."""
     nc = await nats.connect(url, name="bench-startup-writer")
@@ -68,7 +82,7 @@ async def write_events(url: str, sandboxes: range, tag: str, per_sandbox: int) -
         js = nc.jetstream()
         await ensure_streams(js, NAMES)
         ids = [sandbox_id(i, tag) for i in sandboxes]
-        return await append_histories(js, NAMES, ids, per_sandbox)
+        return await append_histories(js, NAMES, ids, per_sandbox, deleted=deleted.__contains__)
     finally:
         await nc.close()
 
@@ -76,8 +90,9 @@ async def write_events(url: str, sandboxes: range, tag: str, per_sandbox: int) -
 async def start_store(
     url: str, directory: Path | None, *, compact: bool = True
 ) -> tuple[float, AggregateStore, nats.NATS]:
-    """A store as the scheduler runs it (compacted, decision 057), or keeping
-    every state whole (`compact=False`, as every store did before)."""
+    """A store as the scheduler runs it (compacted, decision 057; deleted
+    sandboxes nothing is left of forgotten, decision 061), or keeping every
+    state whole (`compact=False`, as every store did before both)."""
     nc = await nats.connect(url, name="bench-startup-store")
     store: AggregateStore[sb.Sandbox] = AggregateStore(
         nc.jetstream(),
@@ -87,6 +102,7 @@ async def start_store(
         actor="bench",
         checkpoint_dir=directory,
         compact=sb.compact if compact else None,
+        forget=sb.forgettable if compact else None,
     )
     started = time.perf_counter()
     await store.start(timeout=3600)
@@ -101,7 +117,13 @@ async def close(store: AggregateStore, nc: nats.NATS, *, keep_checkpoint: bool =
 
 
 def checkpoint_in_process(
-    directory: Path, sandboxes: int, tag: str, last: tuple[int, str], *, compact: bool = True
+    directory: Path,
+    sandboxes: int,
+    tag: str,
+    last: tuple[int, str],
+    *,
+    compact: bool = True,
+    deleted: frozenset[str] = frozenset(),
 ) -> float:
     """The checkpoint a store would write after folding these sandboxes, folded
     here (pure evolve): for logs too long to fold through NATS in a bench run."""
@@ -109,8 +131,12 @@ def checkpoint_in_process(
     seqs: dict[str, int] = {}
     for i in range(sandboxes):
         sid = sandbox_id(i, tag)
-        state = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX), None)
-        states[sid] = sb.compact(state) if compact and state is not None else state
+        state = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX, deleted=sid in deleted), None)
+        if compact and state is not None:
+            state = sb.compact(state)
+            if sb.forgettable(state):
+                continue
+        states[sid] = state
         seqs[sid] = last[0]  # the store only compares them with later sequences
     checkpoint = Checkpoint(
         version=fold_version(),
@@ -129,13 +155,18 @@ def checkpoint_in_process(
     return time.perf_counter() - started
 
 
-async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, object]:
+async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -> dict[str, object]:
     sandboxes = size // PER_SANDBOX
     tag = f"s{size}"
+    deleted = deleted_ones(shape, sandboxes, tag)
+    live = sandboxes - len(deleted)
     started = time.perf_counter()
-    last = await write_events(url, range(sandboxes), tag, PER_SANDBOX)
-    print(f"{size:,}: wrote {last[0]:,} events in {time.perf_counter() - started:.0f}s", flush=True)
-    result: dict[str, object] = {"size": size}
+    last = await write_events(url, range(sandboxes), tag, PER_SANDBOX, deleted)
+    print(
+        f"{size:,} ({shape}): wrote {last[0]:,} events in {time.perf_counter() - started:.0f}s",
+        flush=True,
+    )
+    result: dict[str, object] = {"size": size, "shape": shape, "live": live}
     with tempfile.TemporaryDirectory(prefix="sandhold-bench-startup-") as tmp:
         directory = Path(tmp)
         whole_directory = directory / "whole"  # the same, kept whole (before decision 057)
@@ -148,9 +179,11 @@ async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, 
             await close(store, nc)
             print(f"{size:,}: from zero {zero:.1f}s", flush=True)
         else:
-            result["write"] = checkpoint_in_process(directory, sandboxes, tag, last)
+            result["write"] = checkpoint_in_process(
+                directory, sandboxes, tag, last, deleted=deleted
+            )
         result["bytes"] = path_for(directory, "sandbox").stat().st_size
-        checkpoint_in_process(whole_directory, sandboxes, tag, last, compact=False)
+        checkpoint_in_process(whole_directory, sandboxes, tag, last, compact=False, deleted=deleted)
         result["whole_bytes"] = path_for(whole_directory, "sandbox").stat().st_size
         # A crash's worth of events after the checkpoint (10 sandboxes × 100).
         await write_events(
@@ -167,8 +200,9 @@ async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, 
                 if store.folded != AFTER:
                     raise RuntimeError(f"folded {store.folded} events at start, not {AFTER}")
                 folded = store.folded
-                if len(store.ids()) != sandboxes + AFTER // PER_SANDBOX:
-                    raise RuntimeError(f"started with {len(store.ids())} sandboxes")
+                held = (live if compact else sandboxes) + AFTER // PER_SANDBOX
+                if len(store.ids()) != held:
+                    raise RuntimeError(f"started with {len(store.ids())} sandboxes, not {held}")
                 await close(store, nc)
                 del store
         result["checkpoint"] = median(times)
@@ -178,7 +212,7 @@ async def measure(url: str, size: int, zero_max: int, rounds: int) -> dict[str, 
         floor = time.perf_counter()
         path_for(directory, "sandbox").read_bytes()
         result["floor"] = time.perf_counter() - floor
-    print(f"{size:,}: from the checkpoint {result['checkpoint']:.2f}s", flush=True)
+    print(f"{size:,} ({shape}): from the checkpoint {result['checkpoint']:.2f}s", flush=True)
     return result
 
 
@@ -194,14 +228,17 @@ async def main() -> None:
     sizes = [int(s) for s in (args.sizes or default).split(",")]
     rounds = 1 if args.quick else 3
     results = []
-    for size in sizes:
-        with nats_server("startup") as server:  # each size on a log of its own
-            results.append(await measure(server.admin_url, size, args.zero_max, rounds))
+    for shape in SHAPES:
+        for size in sizes:
+            with nats_server("startup") as server:  # each size and shape on a log of its own
+                results.append(await measure(server.admin_url, size, args.zero_max, rounds, shape))
     rows = []
     for r in results:
         zero = r.get("zero")
         rows.append(
             [
+                str(r["shape"]),
+                f"{r['live']:,}",
                 f"{r['size']:,}",
                 f"{zero:.1f}" if isinstance(zero, float) else "not run",
                 f"{rate(r['size'] / zero)}/s" if isinstance(zero, float) else "",
@@ -215,8 +252,12 @@ async def main() -> None:
                 f"{r['floor'] * 1000:.0f}",
             ]
         )
-    first, last = results[0], results[-1]
+    churn = [r for r in results if r["shape"] == "churn"]
+    first, last = churn[0], churn[-1]
     flat = last["checkpoint"] / first["checkpoint"]  # type: ignore[operator]
+    fast = last["checkpoint"] <= GOAL_S  # type: ignore[operator]
+    live = [r for r in results if r["shape"] == "all live"]
+    live_flat = live[-1]["checkpoint"] / live[0]["checkpoint"]  # type: ignore[operator]
     body = f"""
 Per log size, a fresh `nats-server` (`sync_interval: always`): the sandbox
 events written with the fenced `append` ({PER_SANDBOX} per sandbox), then the
@@ -229,6 +270,8 @@ folded in this process from the same envelopes.
 {
         table(
             [
+                "shape",
+                "sandboxes that exist",
                 "events in the log",
                 "start from zero (s)",
                 "fold rate",
@@ -245,18 +288,23 @@ folded in this process from the same envelopes.
         )
     }
 
-Goal: flat (within {GOAL_FLAT}× from {first["size"]:,} to {last["size"]:,} events) → {flat:.1f}×
-{verdict(flat <= GOAL_FLAT)}; under {GOAL_S:.0f} s at {last["size"]:,} → {last["checkpoint"]:.2f} s
-{verdict(last["checkpoint"] <= GOAL_S)}.
+Goal: flat (within {GOAL_FLAT}× from {first["size"]:,} to {last["size"]:,} events, the churned
+log: {LIVE:,} sandboxes exist at every size) → {flat:.1f}× {verdict(flat <= GOAL_FLAT)}; under
+{GOAL_S:.0f} s at {last["size"]:,} → {last["checkpoint"]:.2f} s {verdict(fast)}.
+The log whose sandboxes all exist ({live[0]["live"]:,} → {live[-1]["live"]:,}): {live_flat:.1f}×
+from the smallest to the largest (a start grows with the sandboxes that exist; memory per
+sandbox is bench j's).
 
 The store is compacted as the scheduler, the saver and recovery run theirs
-(decision 057: ended commands dropped, their request keys kept); "kept whole"
-is the same start from a checkpoint of whole states (every ended command),
-as every store kept them before, in the same run.
+(decision 057: ended commands dropped, their request keys kept; decision 061:
+a deleted sandbox nothing is left of forgotten); "kept whole" is the same
+start from a checkpoint of whole states (every ended command, every deleted
+sandbox), as every store kept them before, in the same run.
 
 Reading: a start from a checkpoint costs decoding the checkpoint (which grows
-with the number of aggregates and what each keeps, not with the events that
-made them) plus the events after it; from zero it grows with the whole log.
+with the number of sandboxes that exist and what each keeps, not with the
+events that made them, nor with the sandboxes deleted) plus the events after
+it; from zero it grows with the whole log.
 """
     emit(args, "startup", "(k) Start-up: from zero and from a checkpoint", body)
 

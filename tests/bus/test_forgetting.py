@@ -121,3 +121,34 @@ async def test_a_forgotten_sandbox_is_in_no_checkpoint(nc: nats.NATS, names: Nam
         await forgetting.stop()
     read = forgetting._checkpoints.read()  # type: ignore[union-attr]
     assert read is not None and set(read.states) == {kept} and gone not in read.seqs
+
+
+async def test_a_decision_on_a_sandbox_read_back_never_folds_onto_part_of_it(
+    nc: nats.NATS, names: Names
+):
+    """Decided on the sandbox read back (not held), while the follower folded
+    only the first of its events meanwhile: what is appended is left to the
+    follower, not folded onto that first state (which the sequence would then
+    pass off as the whole)."""
+    sandbox_id = await running_sandbox(nc, names, "behind", HOST)
+    store = _store(nc, names)  # (not started: nothing folds but what the test does)
+    read_whole = store.read_whole
+
+    async def read_while_the_follower_folds_one(aggregate_id: str):
+        found = await read_whole(aggregate_id)
+        first = await nc.jetstream().get_msg(
+            names.events_stream, seq=1, subject=store.subject(aggregate_id), next=True
+        )
+        store._apply_raw(aggregate_id, first)  # the follower, a moment behind
+        return found
+
+    store.read_whole = read_while_the_follower_folds_one  # type: ignore[method-assign]
+    run = rq.RunCommand(key="run-1", tenant="default", sandbox_id=sandbox_id, argv=["true"])
+    done = await _decide(store, run, sandbox_id)
+    assert [type(e.event) for e in done.appended] == [ev.CommandQueued]
+    assert done.state is not None and done.state.phase == "running", "decided on the whole"
+    held, seq = store.get(sandbox_id)
+    whole, last = await read_whole(sandbox_id)
+    assert whole is not None and held is not None
+    assert seq < last and held.phase == "pending", "left behind, for the follower to fold"
+    assert rq.command_id_for(sandbox_id, "run-1") not in held.commands

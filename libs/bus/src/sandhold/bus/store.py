@@ -180,6 +180,7 @@ class AggregateStore(Generic[S]):
             return 0
         self._states = {k: v for k, v in found.states.items() if v is not None}
         self._seqs, self._traces = found.seqs, found.traces
+        dropped = []
         if self._forget is not None:  # (one written before this store forgot so)
             for aggregate_id, state in list(self._states.items()):
                 if self._forget(state):
@@ -187,9 +188,10 @@ class AggregateStore(Generic[S]):
                     for forgetter in self._forgetters:
                         forgetter(aggregate_id, state)
                     self._drop(aggregate_id)
+                    dropped.append(aggregate_id)
         self._last_event = (found.last_event_seq, found.last_event_id)
         self._checkpointed = found.position
-        for aggregate_id in self._states:
+        for aggregate_id in [*self._states, *dropped]:
             for callback in self._listeners:
                 callback(aggregate_id)
         log.info(
@@ -392,17 +394,17 @@ class AggregateStore(Generic[S]):
 
     async def _read_unheld(self, aggregate_id: str) -> tuple[S | None, int]:
         """`sync` of an aggregate a forgetting store does not hold (forgotten,
-        or not folded yet): its events folded in one change, so no listener
-        sees a state of its past, and one forgotten stays so."""
-        records = await read_range(
-            self._js, self._stream, self.subject(aggregate_id), decode_envelope,
-            what=f"{self._kind} events",
-        )  # fmt: skip
-        if records:
-            last_seq, last_msg, _ = records[-1]
-            traceparent = (last_msg.headers or {}).get(context.TRACEPARENT)
-            self._apply(aggregate_id, last_seq, [e for _, _, e in records], traceparent)
-        return self.get(aggregate_id)
+        or not folded yet): what the log has, as this store would keep it, but
+        not kept: the follower folds it in order if it is one to keep (a state
+        put in beside it could miss what it folds meanwhile), and no listener
+        sees a state of its past."""
+        state, last = await self.read_whole(aggregate_id)
+        if state is not None and self._compact is not None:
+            state = self._compact(state)
+        assert self._forget is not None
+        if state is None or self._forget(state):
+            return None, 0
+        return state, last
 
     async def _next_or_none(self, subject: str, seq: int) -> RawStreamMsg | None:
         """The subject's first message from `seq` on, None if there is none."""
@@ -596,8 +598,14 @@ class AggregateStore(Generic[S]):
         except WrongSequence:
             return None
         traceparent = context.traceparent()
+        previous = seq
         for envelope, new_seq in zip(envelopes, sequences, strict=True):
-            self._apply(aggregate_id, new_seq, [envelope], traceparent)
+            # Folded here only onto the state it follows: a decision made on a
+            # state read back (not held, or held behind it) leaves them to the
+            # follower, which folds what lies between first.
+            if self._seqs.get(aggregate_id, 0) == previous:
+                self._apply(aggregate_id, new_seq, [envelope], traceparent)
+            previous = new_seq
         return envelopes, sequences[-1]
 
 

@@ -259,15 +259,16 @@ class Runner:
         if state.state == "completed":
             return
         sandbox_id = state.sandbox_id
+        sandbox = None if sandbox_id is None else self.sandboxes.state(sandbox_id)
         if sandbox_id is None:
             if state.failed_stage != "provisioning":
                 return
             # It ended while its sandbox was being made: the create may still be
-            # decided after this, so wait for the sandbox (its id follows from the task).
+            # decided after this, so wait for the sandbox (its id follows from the task),
+            # as the log has it (the store may not hold it yet).
             sandbox_id = self.sandbox_id()
             with contextlib.suppress(TimeoutError):
-                await self.sandboxes.wait(sandbox_id, lambda s: True, timeout=RELEASE_WAIT_S)
-        sandbox = self.sandboxes.state(sandbox_id)
+                sandbox = await self.sandboxes.wait(sandbox_id, lambda s: s, timeout=RELEASE_WAIT_S)
         if sandbox is None or sandbox.phase not in {"pending", *sb.ACTIVE_PHASES}:
             return
         with contextlib.suppress(Rejected):

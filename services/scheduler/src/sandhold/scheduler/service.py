@@ -316,7 +316,8 @@ class Scheduler:
             self._names.connections_of(state.id),
             stream=self._names.connections_stream,
         )
-        self._connections_forgotten.add(state.id)
+        if self.sandboxes.get(state.id)[0] is not None:  # (not forgotten meanwhile)
+            self._connections_forgotten.add(state.id)
 
     async def _with_values(self, state: sb.Sandbox, work: wk.AnyWork) -> wk.AnyWork | None:
         """The instruction with the values it carries: a start's or a delivery's

@@ -15,7 +15,9 @@ on fresh connections:
                    events are appended (a crash's ~30 s of them) and a new store
                    starts from the checkpoint: load, verify against the log, fold
                    the 1,000;
-  floor:           reading the checkpoint file's bytes (the disk, no decode).
+  floor:           reading the checkpoint file's bytes (the disk, no decode);
+  metrics fold:    the metrics service's `LogMetrics` from zero, then from its
+                   own checkpoint with the same 1,000 events after it.
 Above --zero-max the checkpoint is written by folding the same envelopes in
 this process (pure `evolve`, what the store would hold) instead of through
 NATS, so a 10M run takes minutes rather than an hour.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +47,7 @@ from _common import (
     table,
     verdict,
 )
+from sandhold.bus import checkpoint
 from sandhold.bus.checkpoint import (
     Checkpoint,
     Checkpoints,
@@ -56,6 +60,7 @@ from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
 from sandhold.domain.fold import fold
+from sandhold.metrics.service import MetricsService, follow_log
 
 PER_SANDBOX = 100
 LIVE = 1000  # the churned log's sandboxes that still exist
@@ -155,6 +160,24 @@ def checkpoint_in_process(
     return time.perf_counter() - started
 
 
+async def metrics_start(url: str, directory: Path) -> tuple[float, MetricsService]:
+    """The metrics service's fold as it starts (decision 062): from its checkpoint
+    in `directory` when there is a good one, else from zero; the time to have
+    folded what the log holds."""
+    os.environ[checkpoint.ENV] = str(directory)
+    service = MetricsService(url, NAMES)
+    nc = await nats.connect(url, name="bench-startup-metrics")
+    try:
+        started = time.perf_counter()
+        await service._load(nc.jetstream(), directory / "metrics.checkpoint")  # noqa: SLF001
+        follower = await follow_log(nc.jetstream(), NAMES, service.folded, timeout=3600)
+        elapsed = time.perf_counter() - started
+        await follower.stop()
+    finally:
+        await nc.close()
+    return elapsed, service
+
+
 async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -> dict[str, object]:
     sandboxes = size // PER_SANDBOX
     tag = f"s{size}"
@@ -178,6 +201,8 @@ async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -
             result["write"] = time.perf_counter() - written
             await close(store, nc)
             print(f"{size:,}: from zero {zero:.1f}s", flush=True)
+            result["metrics_zero"], service = await metrics_start(url, directory)
+            await service.checkpoint()
         else:
             result["write"] = checkpoint_in_process(
                 directory, sandboxes, tag, last, deleted=deleted
@@ -205,6 +230,14 @@ async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -
                     raise RuntimeError(f"started with {len(store.ids())} sandboxes, not {held}")
                 await close(store, nc)
                 del store
+        if size <= zero_max:
+            metrics_times = []
+            for _ in range(rounds):
+                elapsed, service = await metrics_start(url, directory)
+                if service.from_checkpoint == 0:
+                    raise RuntimeError("the metrics fold did not start from its checkpoint")
+                metrics_times.append(elapsed)
+            result["metrics"] = median(metrics_times)
         result["checkpoint"] = median(times)
         result["whole"] = median(whole_times)
         result["runs"] = times
@@ -250,6 +283,8 @@ async def main() -> None:
                 f"{r['whole_bytes'] / 1e6:.1f}",
                 f"{r['write']:.2f}",
                 f"{r['floor'] * 1000:.0f}",
+                f"{r['metrics_zero']:.1f}" if "metrics_zero" in r else "not run",
+                f"{r['metrics']:.2f}" if "metrics" in r else "not run",
             ]
         )
     churn = [r for r in results if r["shape"] == "churn"]
@@ -283,6 +318,8 @@ folded in this process from the same envelopes.
                 "kept whole: MB",
                 "checkpoint write (s)",
                 "floor: read the file (ms)",
+                "metrics fold: from zero (s)",
+                "metrics fold: from its checkpoint (s)",
             ],
             rows,
         )
@@ -300,6 +337,11 @@ The store is compacted as the scheduler, the saver and recovery run theirs
 a deleted sandbox nothing is left of forgotten); "kept whole" is the same
 start from a checkpoint of whole states (every ended command, every deleted
 sandbox), as every store kept them before, in the same run.
+
+The metrics service's fold (its own checkpoint, decision 062) is started the
+same way: from zero after the write, then from its checkpoint with the
+{AFTER:,} events after it ({rounds} start(s), median; not run above
+{args.zero_max:,} events).
 
 Reading: a start from a checkpoint costs decoding the checkpoint (which grows
 with the number of sandboxes that exist and what each keeps, not with the

@@ -3,10 +3,11 @@ values from envelope times, and the same numbers from any replay of the log."""
 
 from __future__ import annotations
 
+from sandhold.bus.codec import decode_envelope, encode_envelope
 from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.task_manifest import load_manifest
-from sandhold.telemetry.log_metrics import LogMetrics, labels
+from sandhold.telemetry.log_metrics import BOUNDS, LogMetrics, dump, labels, load
 
 from tests.domain.history import (
     DELETED,
@@ -95,21 +96,56 @@ def test_tasks_are_counted_by_end_status_with_durations_from_envelope_times() ->
     assert gauges["tasks_running"] == {(): 1}
 
 
-def test_histogram_observers_see_every_value_once() -> None:
+def test_histograms_count_every_value_once_in_its_bucket() -> None:
     log = scripted()
+    log.add("ok-again", 100.0, ev.TaskSubmitted(
+        task_id="ok-again", request_key="ok-again", request_digest="d", manifest=MANIFEST
+    ))  # fmt: skip
+    log.add("ok-again", 105.0, ev.TaskCompleted())  # 5 s: on a bound, counted in its bucket
     metrics = LogMetrics()
-    seen: list[tuple[str, float, tuple]] = []
-    metrics.on_observation(lambda name, value, key: seen.append((name, value, key)))
     for seq, envelope in enumerate(log.envelopes, start=1):
         metrics.apply(seq, envelope)
         metrics.apply(seq, envelope)  # a redelivery counts nothing twice
-    assert sorted(seen) == [
-        ("task_duration_seconds", 10.0, labels(status="completed")),
-        ("task_duration_seconds", 30.0, labels(status="failed")),
-    ]
+    series = dict((k, (c, total)) for k, c, total in metrics.histogram_series(
+        "task_duration_seconds"
+    ))  # fmt: skip
+    bounds = BOUNDS["task_duration_seconds"]  # 1, 5, 15, 30, ...
+    completed, completed_sum = series[labels(status="completed")]
+    assert completed[: bounds.index(15) + 1] == [0, 1, 2] and completed[-1] == 2
+    assert completed_sum == 15.0
+    failed, failed_sum = series[labels(status="failed")]
+    assert failed[bounds.index(15)] == 0 and failed[bounds.index(30)] == 1 and failed[-1] == 1
+    assert failed_sum == 30.0 and len(failed) == len(bounds) + 1
 
 
-def test_commands_saves_hosts_and_recovery() -> None:
+def test_a_fold_loaded_from_its_dump_goes_on_as_the_whole_fold() -> None:
+    """The metrics service's checkpoint (decision 062): cut anywhere, dumped and
+    loaded in another process, then the rest folded: the same numbers, the
+    histograms' buckets included, as folding everything in one go."""
+    log = scripted()
+    log.envelopes += commands_saves_hosts().envelopes
+    log.envelopes += envelopes_for((*RUNNING, *DELETED))
+    # As the log holds them (a manifest comes back as recorded, not as given).
+    log.envelopes = [decode_envelope(encode_envelope(e)) for e in log.envelopes]
+    whole = log.folded()
+    for cut in range(len(log.envelopes) + 1):
+        resumed = load(dump(log.folded(upto=cut)))
+        assert resumed.position == cut
+        for seq, envelope in enumerate(log.envelopes, start=1):
+            resumed.apply(seq, envelope)
+        assert resumed.counters == whole.counters
+        assert {n: resumed.histogram_series(n) for n in BOUNDS} == {
+            n: whole.histogram_series(n) for n in BOUNDS
+        }
+        assert resumed.samples == whole.samples
+        assert resumed.gauges(now=500.0) == whole.gauges(now=500.0)
+        assert (resumed.sandboxes, resumed.hosts, resumed.tasks, resumed.deleted) == (
+            whole.sandboxes, whole.hosts, whole.tasks, whole.deleted,
+        )  # fmt: skip
+        assert (resumed.position, resumed.last_event_id) == (whole.position, whole.last_event_id)
+
+
+def commands_saves_hosts() -> Log:
     log = Log()
     sid = "sb-1"
     log.add(sid, 1.0, ev.SandboxCreated(sandbox_id=sid, request_key="k", request_digest="d"))
@@ -149,6 +185,12 @@ def test_commands_saves_hosts_and_recovery() -> None:
     log.add(sid, 60.0, ev.SandboxRecoveryRequested(cause="command"))
     log.add(sid, 61.0, ev.SandboxPlaced(host="h2", generation=2, restore_save_id="s1"))
     log.add(sid, 63.5, ev.SandboxStarted(host="h2", generation=2))
+    return log
+
+
+def test_commands_saves_hosts_and_recovery() -> None:
+    sid = "sb-1"
+    log = commands_saves_hosts()
     metrics = log.folded()
 
     assert metrics.counters["sandhold_commands_ended_total"] == {

@@ -44,6 +44,8 @@ def test_scraping_while_folding_never_sees_a_dict_change_size(switch_often: None
                 for metric in CATALOG:
                     if metric.kind == "counter":
                         folded.counter_series(metric.name)
+                    elif metric.kind == "histogram":
+                        folded.histogram_series(metric.name)
             except RuntimeError as err:
                 failures.append(err)
                 return
@@ -58,3 +60,5 @@ def test_scraping_while_folding_never_sees_a_dict_change_size(switch_often: None
         scraper.join()
     assert not failures, failures
     assert folded.total("tasks_completed_total") == 2000
+    [(_, buckets, _)] = folded.histogram_series("task_duration_seconds")
+    assert buckets[-1] == 2000

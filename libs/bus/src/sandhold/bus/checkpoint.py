@@ -176,17 +176,22 @@ class Checkpoints(Generic[S]):
     def write(self, checkpoint: Checkpoint[S]) -> int:
         """Write atomically (in a thread: a large state takes a while to encode);
         the bytes written."""
-        data = self._encoder.encode(checkpoint)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        with temporary.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        temporary.replace(self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-        return len(data)
+        return write_atomically(self.path, self._encoder.encode(checkpoint))
+
+
+def write_atomically(path: Path, data: bytes) -> int:
+    """`data` as the file `path`, whole or not at all, on disk when this returns
+    (a temporary file fsynced, renamed, the directory fsynced); its length."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    with temporary.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    temporary.replace(path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return len(data)

@@ -9,12 +9,14 @@ the same ones in every process that folds them: the metrics service and
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
+from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope
@@ -86,7 +88,27 @@ CATALOG: tuple[Metric, ...] = (
     Metric("sandhold_log_position", "gauge", "The last stream sequence folded into these metrics"),
 )
 
-Observer = Callable[[str, float, Labels], None]
+BOUNDS = {m.name: m.buckets for m in CATALOG if m.kind == "histogram"}
+
+
+class Buckets(msgspec.Struct, array_like=True):
+    """One histogram series as Prometheus shows it: how many values fell in each
+    bucket (at most its bound, above the one before; the last one: above every
+    bound), and their sum. Kept by the fold, so a checkpoint holds it."""
+
+    counts: list[int]
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        out, running = [], 0
+        for n in self.counts:
+            running += n
+            out.append(running)
+        return out
 
 
 def labels(**pairs: str) -> Labels:
@@ -98,9 +120,11 @@ class LogMetrics:
 
     def __init__(self, *, keep_samples: int = 10_000) -> None:
         self.position = 0
+        self.last_event_id = ""  # the id of the event at `position` (a checkpoint's check)
         self.counters: dict[str, dict[Labels, float]] = {
             m.name: {} for m in CATALOG if m.kind == "counter"
         }
+        self.histograms: dict[str, dict[Labels, Buckets]] = {name: {} for name in BOUNDS}
         # The latest observations of each histogram, for percentiles in `sandhold top`.
         self.samples: dict[str, deque[float]] = {
             m.name: deque(maxlen=keep_samples) for m in CATALOG if m.kind == "histogram"
@@ -111,18 +135,13 @@ class LogMetrics:
         self.tasks: dict[str, tk.Task] = {}  # tasks not ended yet
         self._ended_tasks: set[str] = set()
         self._recovering_since: dict[str, float] = {}
-        self._observers: list[Observer] = []
-
-    def on_observation(self, observer: Observer) -> None:
-        """`observer(histogram name, value, labels)` for every histogram value."""
-        self._observers.append(observer)
 
     # --- folding ----------------------------------------------------------------
 
     def apply(self, seq: int, envelope: Envelope) -> None:
         if seq <= self.position:
             return  # seen already
-        self.position = seq
+        self.position, self.last_event_id = seq, envelope.id
         kind = envelope.type.split(".", 1)[0]
         self._count("sandhold_events_total", type=envelope.type)
         if kind in ("sandbox", "command", "save", "request"):
@@ -216,8 +235,12 @@ class LogMetrics:
         value = max(0.0, value)  # envelope times come from different hosts' clocks
         self.samples[name].append(value)
         key = labels(**pairs)
-        for observer in self._observers:
-            observer(name, value, key)
+        series = self.histograms[name]
+        buckets = series.get(key)
+        if buckets is None:
+            buckets = series[key] = Buckets(counts=[0] * (len(BOUNDS[name]) + 1))
+        buckets.counts[bisect_left(BOUNDS[name], value)] += 1
+        buckets.sum += value
 
     # --- reading ----------------------------------------------------------------
 
@@ -257,10 +280,96 @@ class LogMetrics:
         """A counter's series, copied (safe from another thread, like `gauges`)."""
         return list(self.counters[name].items())
 
+    def histogram_series(self, name: str) -> list[tuple[Labels, list[int], float]]:
+        """A histogram's series (cumulative counts per bound and +Inf, sum),
+        copied (safe from another thread, like `gauges`)."""
+        return [(k, b.cumulative(), b.sum) for k, b in list(self.histograms[name].items())]
+
     def total(self, name: str, **pairs: str) -> float:
         """A counter summed over every series whose labels include `pairs`."""
         wanted = set(pairs.items())
         return sum(v for k, v in self.counters[name].items() if wanted <= set(k))
+
+
+# --- a checkpoint of the fold (the metrics service's bounded start) -----------------
+
+
+class _Series(msgspec.Struct, array_like=True):
+    labels: Labels
+    value: float
+
+
+class _Histogram(msgspec.Struct, array_like=True):
+    labels: Labels
+    buckets: Buckets
+
+
+class _Kept(msgspec.Struct, kw_only=True):
+    """A `LogMetrics` as written by `dump`: everything its numbers come from.
+    The states are encoded apart (`Raw`): decoded into their wire twins."""
+
+    position: int
+    last_event_id: str
+    counters: dict[str, list[_Series]]
+    histograms: dict[str, list[_Histogram]]
+    samples: dict[str, list[float]]
+    deleted: int
+    ended_tasks: list[str]
+    recovering_since: dict[str, float]
+    sandboxes: msgspec.Raw
+    hosts: msgspec.Raw
+    tasks: msgspec.Raw
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=pmap.enc_hook)
+
+
+def dump(folded: LogMetrics) -> bytes:
+    """The fold's state, to be `load`ed in another process: what a restart of
+    the metrics service starts from instead of the first event (its histograms
+    are the fold's own numbers, not an exporter's, decision 062)."""
+    kept = _Kept(
+        position=folded.position,
+        last_event_id=folded.last_event_id,
+        counters={n: [_Series(k, v) for k, v in s.items()] for n, s in folded.counters.items()},
+        histograms={
+            n: [_Histogram(k, b) for k, b in s.items()] for n, s in folded.histograms.items()
+        },
+        samples={n: list(d) for n, d in folded.samples.items()},
+        deleted=folded.deleted,
+        ended_tasks=sorted(folded._ended_tasks),
+        recovering_since=dict(folded._recovering_since),
+        sandboxes=msgspec.Raw(_encoder.encode(folded.sandboxes)),
+        hosts=msgspec.Raw(_encoder.encode(folded.hosts)),
+        tasks=msgspec.Raw(_encoder.encode(folded.tasks)),
+    )
+    return _encoder.encode(kept)
+
+
+def _states(raw: msgspec.Raw, state_type: Any) -> dict[str, Any]:
+    decoded = msgspec.msgpack.decode(raw, type=dict[str, pmap.wire(state_type)])  # type: ignore[misc]
+    return {key: pmap.from_wire(value) for key, value in decoded.items()}
+
+
+def load(data: bytes, *, keep_samples: int = 10_000) -> LogMetrics:
+    """A `LogMetrics` as `dump` wrote it (`msgspec.DecodeError` or
+    `ValidationError` when it is not one)."""
+    kept = msgspec.msgpack.decode(data, type=_Kept)
+    folded = LogMetrics(keep_samples=keep_samples)
+    folded.position, folded.last_event_id = kept.position, kept.last_event_id
+    for name, series in kept.counters.items():
+        folded.counters[name] = {s.labels: s.value for s in series}
+    for name, hseries in kept.histograms.items():
+        folded.histograms[name] = {h.labels: h.buckets for h in hseries}
+    for name, values in kept.samples.items():
+        folded.samples[name].extend(values)
+    folded.deleted = kept.deleted
+    folded._ended_tasks = set(kept.ended_tasks)
+    folded._recovering_since = dict(kept.recovering_since)
+    folded.sandboxes = _states(kept.sandboxes, sb.Sandbox)
+    folded.hosts = _states(kept.hosts, host_domain.Host)
+    folded.tasks = _states(kept.tasks, tk.Task)
+    return folded
 
 
 def _files_as_of(state: sb.Sandbox, now: float) -> float:

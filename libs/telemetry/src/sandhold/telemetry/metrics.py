@@ -12,10 +12,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from sandhold.telemetry.log_metrics import CATALOG, Labels, LogMetrics, Metric
+from sandhold.telemetry.log_metrics import CATALOG, LogMetrics, Metric
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Meter, Observation
 
@@ -194,11 +194,14 @@ def serve(service: str, listen_on: int, *, addr: str | None = None) -> int:
 
 
 def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.time) -> None:
-    """Publish `folded`'s counters and gauges (read at scrape time) and every
-    histogram value it observes from now on. Call before folding the first event,
-    so the histograms hold the whole log."""
+    """Publish `folded`'s counters, gauges and histograms, all read at scrape
+    time: the histograms are the fold's own bucket counts (decision 062), so a
+    fold started from a checkpoint shows the whole log's, as one from zero."""
     assert _meter is not None, "serve() first"
     from opentelemetry.metrics import Observation
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
 
     def counter(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         # Called from the Prometheus server's thread: read copies (`LogMetrics.gauges`).
@@ -209,7 +212,7 @@ def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.
             Observation(v, dict(k)) for k, v in folded.gauges(clock())[name].items()
         ]
 
-    histograms: dict[str, Histogram] = {}
+    histograms = []
     for metric in CATALOG:
         name = _instrument_name(metric)
         if metric.kind == "counter":
@@ -221,11 +224,24 @@ def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.
                 metric.name, callbacks=[gauge(metric.name)], description=metric.help
             )
         else:
-            histograms[metric.name] = _meter.create_histogram(
-                name, unit="s", description=metric.help
-            )
+            histograms.append(metric)
 
-    def observe(name: str, value: float, key: Labels) -> None:
-        histograms[name].record(value, dict(key))
+    class LogHistograms:
+        """The fold's histograms, for the Prometheus server (its own thread)."""
 
-    folded.on_observation(observe)
+        def collect(self) -> Iterator[HistogramMetricFamily]:
+            for metric in histograms:
+                series = folded.histogram_series(metric.name)
+                if not series:
+                    continue
+                bounds = [*map(floatToGoString, metric.buckets), "+Inf"]
+                family = HistogramMetricFamily(
+                    metric.name, metric.help, labels=[n for n, _ in series[0][0]]
+                )
+                for key, cumulative, total in series:
+                    family.add_metric(
+                        [v for _, v in key], list(zip(bounds, cumulative, strict=True)), total
+                    )
+                yield family
+
+    REGISTRY.register(LogHistograms())

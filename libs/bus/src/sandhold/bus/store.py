@@ -516,9 +516,8 @@ class AggregateStore(Generic[S]):
             state, seq = read_back or self.get(aggregate_id)
             if read_back is None and state is None and self._forget is not None:
                 # Not held: never created, not folded yet, or forgotten (`forget`).
-                # Decided on what the log has; what it appends folds onto
-                # nothing here (no sequence is kept for it), and the follower
-                # brings the cache along if the aggregate is one to keep.
+                # Decided on what the log has; what it appends is the follower's
+                # to fold (`_append`), if the aggregate is one to keep.
                 read_back = await self.read_whole(aggregate_id)
                 state, seq = read_back
             elif read_back is None and whole is not None and whole(state):

@@ -147,6 +147,7 @@ async def test_a_second_up_on_the_same_data_dir_reuses_the_log(tmp_path: Path):
     for instance in ("scheduler", "recovery"):
         for kind in ("sandbox", "host"):
             assert (checkpoints / instance / f"{kind}.checkpoint").stat().st_size > 0
+    assert (checkpoints / "metrics" / "metrics.checkpoint").stat().st_size > 0  # decision 062
     second = Up(tmp_path / "data").start()
     try:
         shown = second.cli_json("sandbox", "show", created["id"])

@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -183,12 +184,19 @@ def write_atomically(path: Path, data: bytes) -> int:
     """`data` as the file `path`, whole or not at all, on disk when this returns
     (a temporary file fsynced, renamed, the directory fsynced); its length."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    with temporary.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    temporary.replace(path)
+    # A name of its own: two writes at once (a periodic one still in its thread
+    # when the stop writes) must not write into one temporary file.
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    temporary = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)

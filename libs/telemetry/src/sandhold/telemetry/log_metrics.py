@@ -337,7 +337,7 @@ def dump(folded: LogMetrics) -> bytes:
         },
         samples={n: list(d) for n, d in folded.samples.items()},
         deleted=folded.deleted,
-        ended_tasks=sorted(folded._ended_tasks),
+        ended_tasks=list(folded._ended_tasks),
         recovering_since=dict(folded._recovering_since),
         sandboxes=msgspec.Raw(_encoder.encode(folded.sandboxes)),
         hosts=msgspec.Raw(_encoder.encode(folded.hosts)),

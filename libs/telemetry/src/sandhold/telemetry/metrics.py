@@ -201,7 +201,6 @@ def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.
     from opentelemetry.metrics import Observation
     from prometheus_client import REGISTRY
     from prometheus_client.core import HistogramMetricFamily
-    from prometheus_client.utils import floatToGoString
 
     def counter(name: str) -> Callable[[CallbackOptions], list[Observation]]:
         # Called from the Prometheus server's thread: read copies (`LogMetrics.gauges`).
@@ -226,6 +225,10 @@ def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.
         else:
             histograms.append(metric)
 
+    # As OpenTelemetry's exporter showed them when they were its instruments:
+    # the same names, unit, bounds as written there and labels (its scope's too).
+    scope = {"otel_scope_name": "sandhold", "otel_scope_schema_url": "", "otel_scope_version": ""}
+
     class LogHistograms:
         """The fold's histograms, for the Prometheus server (its own thread)."""
 
@@ -234,13 +237,17 @@ def export_log_metrics(folded: LogMetrics, *, clock: Callable[[], float] = time.
                 series = folded.histogram_series(metric.name)
                 if not series:
                     continue
-                bounds = [*map(floatToGoString, metric.buckets), "+Inf"]
+                bounds = [*(f"{b}" for b in metric.buckets), "+Inf"]
+                names = sorted({*scope, *(n for key, _, _ in series for n, _ in key)})
                 family = HistogramMetricFamily(
-                    metric.name, metric.help, labels=[n for n, _ in series[0][0]]
+                    metric.name, metric.help, labels=names, unit="seconds"
                 )
                 for key, cumulative, total in series:
+                    values = {**scope, **dict(key)}
                     family.add_metric(
-                        [v for _, v in key], list(zip(bounds, cumulative, strict=True)), total
+                        [values.get(n, "") for n in names],
+                        list(zip(bounds, cumulative, strict=True)),
+                        total,
                     )
                 yield family
 

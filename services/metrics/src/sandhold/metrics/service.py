@@ -11,7 +11,6 @@ the fold there (decision 062), so a restart folds only the events after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -129,9 +128,12 @@ class MetricsService:
             if self.folded.position - self._written < CHECKPOINT_MIN_EVENTS:
                 continue
             started = time.monotonic()
-            with contextlib.suppress(OSError):  # a full disk: the next start folds more
+            try:
                 size = await self.checkpoint()
-                log.info("checkpoint: %d bytes in %.2fs", size, time.monotonic() - started)
+            except Exception:  # a full disk must not stop the service: it folds more
+                log.exception("checkpoint not written")
+                continue
+            log.info("checkpoint: %d bytes in %.2fs", size, time.monotonic() - started)
 
 
 async def follow_log(

@@ -25,6 +25,7 @@ def _store(
     compact: bool = True,
     directory: Path | None = None,
     follow: bool = True,
+    forget: bool = False,
 ) -> AggregateStore[sb.Sandbox]:
     return AggregateStore(
         nc.jetstream(),
@@ -35,6 +36,7 @@ def _store(
         compact=sb.compact if compact else None,
         checkpoint_dir=directory,
         follow=follow,
+        forget=sb.forgettable if forget else None,
     )
 
 

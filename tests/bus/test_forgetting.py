@@ -15,6 +15,7 @@ from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain.errors import Rejected
 
+from tests.bus.test_compaction import _store as compaction_store
 from tests.twins.support import append, running_sandbox
 
 HOST = "h1"
@@ -23,16 +24,7 @@ HOST = "h1"
 def _store(
     nc: nats.NATS, names: Names, *, forget: bool = True, directory: Path | None = None
 ) -> AggregateStore[sb.Sandbox]:
-    return AggregateStore(
-        nc.jetstream(),
-        names,
-        "sandbox",
-        sb.evolve,
-        actor="test",
-        compact=sb.compact,
-        forget=sb.forgettable if forget else None,
-        checkpoint_dir=directory,
-    )
+    return compaction_store(nc, names, forget=forget, directory=directory)
 
 
 async def _decide(

@@ -147,15 +147,22 @@ def test_saves_under_way_too_long_fail() -> None:
     assert policy.timed_out(state, now=T0 + 10, timeout_s=60) == []
 
 
-def test_retention_keeps_the_last_saves_every_snapshot_and_parents_in_flight() -> None:
+def _with_a_snapshot_and_saves(count: int) -> tuple[Sandbox, list[str]]:
+    """A running sandbox with a completed Snapshot, then `count` scheduled saves
+    completed one after another; their ids, oldest first."""
     state = given_sandbox(*RUNNING, snapshot())
     state = apply(state, [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
     ids = []
-    for n in range(4):
+    for n in range(count):
         [due] = policy.due_save(state, now=T0 + 100_000 * (n + 1), cause=f"s{n}")
         state = apply(state, [due], time=T0 + 100_000 * (n + 1))
         state = apply(state, [completed(due.save_id)], time=T0 + 100_000 * (n + 1) + 1)
         ids.append(due.save_id)
+    return state, ids
+
+
+def test_retention_keeps_the_last_saves_every_snapshot_and_parents_in_flight() -> None:
+    state, ids = _with_a_snapshot_and_saves(4)
     [expired] = policy.expired(state, keep_last=2)
     assert expired == ev.SavesExpired(save_ids=ids[:2])
     state = apply(state, [expired])
@@ -167,15 +174,8 @@ def test_retention_keeps_the_last_saves_every_snapshot_and_parents_in_flight() -
 def test_a_deleted_sandbox_keeps_only_its_snapshots() -> None:
     """Decision 060: once deleted, nothing restores or is placed from its other
     saves (nor from the Snapshot it was made from, which its owner retains)."""
-    state = given_sandbox(*RUNNING, snapshot())
-    state = apply(state, [captured(snap_id()), uploaded(snap_id()), completed(snap_id())])
+    state, ids = _with_a_snapshot_and_saves(3)
     state = msgspec.structs.replace(state, source_snapshot_id="its-origin")
-    ids = []
-    for n in range(3):
-        [due] = policy.due_save(state, now=T0 + 100_000 * (n + 1), cause=f"s{n}")
-        state = apply(state, [due], time=T0 + 100_000 * (n + 1))
-        state = apply(state, [completed(due.save_id)], time=T0 + 100_000 * (n + 1) + 1)
-        ids.append(due.save_id)
     assert policy.expired(state, keep_last=5) == []
     assert "its-origin" in policy.retained(state)
     state = apply(state, [*decide(state, delete()), deleted()])

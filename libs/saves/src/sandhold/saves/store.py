@@ -351,11 +351,8 @@ class SaveStore:
         return manifest
 
     async def stored_manifests(self) -> set[str]:
-        """The save ids with a manifest (or a part of one) stored: one listing,
-        however many saves the log has dropped since."""
-        cut = len(self._names.manifest(""))
-        subjects = await self._s.subjects(self._names.manifest("*"))
-        return {subject[cut:].split("~", 1)[0] for subject in subjects}
+        """The save ids with a manifest (or a part of one) stored."""
+        return set(await self.stored_manifest_times())
 
     async def stored_manifest_times(self) -> dict[str, float]:
         """The save ids with a manifest (or a part of one) stored, each with the

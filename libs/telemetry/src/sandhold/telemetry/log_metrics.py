@@ -99,10 +99,6 @@ class Buckets(msgspec.Struct, array_like=True):
     counts: list[int]
     sum: float = 0.0
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def cumulative(self) -> list[int]:
         out, running = [], 0
         for n in self.counts:

@@ -296,13 +296,17 @@ class Scheduler:
         for command_id in sorted(secrets):
             await secret_store.forget(self._js, self._names, self._names.secret(command_id))
         if connections:
-            await secret_store.forget(
-                self._js,
-                self._names,
-                self._names.connections_of(sandbox_id),
-                stream=self._names.connections_stream,
-            )
+            await self._forget_connections(sandbox_id)
         del self._leftovers[sandbox_id]
+
+    async def _forget_connections(self, sandbox_id: str) -> None:
+        """Remove every Connection value kept for the sandbox."""
+        await secret_store.forget(
+            self._js,
+            self._names,
+            self._names.connections_of(sandbox_id),
+            stream=self._names.connections_stream,
+        )
 
     async def _forget_deleted(self, state: sb.Sandbox) -> None:
         """A deleted sandbox's Connections' values go with it."""
@@ -310,12 +314,7 @@ class Scheduler:
             return
         if state.id in self._connections_forgotten:
             return
-        await secret_store.forget(
-            self._js,
-            self._names,
-            self._names.connections_of(state.id),
-            stream=self._names.connections_stream,
-        )
+        await self._forget_connections(state.id)
         if self.sandboxes.get(state.id)[0] is not None:  # (not forgotten meanwhile)
             self._connections_forgotten.add(state.id)
 
@@ -390,9 +389,11 @@ class Scheduler:
         store forgot before the pass that removes them ran (decision 061). They
         do not expire, so they are looked for (names only; a sandbox not held
         is read back to be sure it is deleted)."""
-        stream = self._names.connections_stream
         held = await secret_store.held(
-            self._js, self._names, self._names.connections_of("*"), stream=stream
+            self._js,
+            self._names,
+            self._names.connections_of("*"),
+            stream=self._names.connections_stream,
         )
         for sandbox_id in sorted({subject.split(".")[-2] for subject in held}):
             if self.sandboxes.get(sandbox_id)[0] is not None:
@@ -400,9 +401,7 @@ class Scheduler:
             whole, _ = await self.sandboxes.read_whole(sandbox_id)
             if whole is not None and whole.phase == "deleted":
                 log.info("removing the Connections left by deleted sandbox %s", sandbox_id)
-                await secret_store.forget(
-                    self._js, self._names, self._names.connections_of(sandbox_id), stream=stream
-                )
+                await self._forget_connections(sandbox_id)
 
     def _note_secrets(self, sandbox_id: str, envelopes: list[Envelope]) -> None:
         """Remember the commands queued with secrets, as their events are folded:

@@ -4,16 +4,24 @@ not believed: the store folds from zero, as without one."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import signal
 from pathlib import Path
 
 import msgspec
 import nats
+import pytest
 from sandhold.bus import checkpoint
 from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
 
+from tests.support.bus import make_streams
+from tests.support.waiting import wait_until
 from tests.twins.support import running_sandbox
 
 
@@ -110,3 +118,43 @@ async def test_a_checkpoint_of_other_domain_code_or_garbage_is_not_believed(
         await _same_as_a_fold_from_zero(nc, names, third)
     finally:
         await third.stop()
+
+
+async def test_a_checkpoint_checked_while_the_server_does_not_answer_is_believed_once_it_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    # A restart through an election (or a server a moment from answering) must
+    # not take a timed-out check for a stale checkpoint and fold the whole log.
+    names = Names("sh")
+    server = NatsServer(tmp_path / "nats", names=names)
+    server.start()
+    conn = None
+    try:
+        await make_streams(server, names)
+        conn = await nats.connect(server.admin_url)
+        for i in range(3):
+            await running_sandbox(conn, names, f"sb-{i}", "h1")
+        first = await _started(conn, names, tmp_path / "checkpoints")
+        await first.stop()  # (writes its checkpoint)
+        assert server.pid is not None
+        second = _store(conn, names, tmp_path / "checkpoints")
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger="sandhold.bus.checkpoint"):
+                starting = asyncio.create_task(second.start())
+                await wait_until(
+                    lambda: "no answer" in caplog.text, timeout=30, what="the check asked again"
+                )
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        await asyncio.wait_for(starting, 60)
+        try:
+            assert second.folded == 0  # all from the checkpoint, nothing from zero
+            assert "folding from zero" not in caplog.text
+            await _same_as_a_fold_from_zero(conn, names, second)
+        finally:
+            await second.stop()
+    finally:
+        if conn is not None:
+            await conn.close()
+        server.stop()

@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from nats.js import JetStreamContext
 from sandhold.bus.codec import decode_envelope
+from sandhold.bus.electing import patiently
 from sandhold.domain import pmap
 
 log = logging.getLogger(__name__)
@@ -165,19 +166,35 @@ class Checkpoints(Generic[S]):
             )
         if found.last_event_seq == 0:
             return ""  # nothing folded yet: nothing to check
-        try:
-            raw = await js.get_msg(stream, seq=found.last_event_seq)
-            held = decode_envelope(raw.data or b"").id
-        except Exception as err:  # noqa: BLE001 - not there, or not an event: not believed
-            return f"the log has no event at {found.last_event_seq} ({err!r})"
-        if held != found.last_event_id:
-            return f"the log holds another event at {found.last_event_seq}"
-        return ""
+        return await log_disowns(js, stream, found.last_event_seq, found.last_event_id)
 
     def write(self, checkpoint: Checkpoint[S]) -> int:
         """Write atomically (in a thread: a large state takes a while to encode);
         the bytes written."""
         return write_atomically(self.path, self._encoder.encode(checkpoint))
+
+
+async def log_disowns(js: JetStreamContext, stream: str, seq: int, event_id: str) -> str:
+    """Why the log does not bear out a fold whose last event was `event_id` at
+    `seq` ("" when it does): a store's checkpoint and the metrics fold's alike.
+
+    A read, asked again while the server does not answer (an election, a server
+    a moment from ready): a restart that took a timeout for a stale checkpoint
+    would fold the whole log from zero, minutes on a large one."""
+    try:
+        raw = await patiently(
+            lambda: js.get_msg(stream, seq=seq),
+            attempt_s=1.0,
+            on_first_wait=lambda err: log.warning(
+                "checking a checkpoint against %s: no answer (%r); asking again", stream, err
+            ),
+        )
+        held = decode_envelope(raw.data or b"").id
+    except Exception as err:  # noqa: BLE001 - not there, or not an event: not believed
+        return f"the log has no event at {seq} ({err!r})"
+    if held != event_id:
+        return f"the log holds another event at {seq}"
+    return ""
 
 
 def write_atomically(path: Path, data: bytes) -> int:

@@ -92,10 +92,12 @@ class MetricsService:
             if kept.version != fold_version() or kept.stream != self._names.events_stream:
                 raise ValueError("written by other code, or for another stream")
             folded = log_metrics.load(kept.fold)
-            if folded.position:
-                raw = await js.get_msg(self._names.events_stream, seq=folded.position)
-                if decode_envelope(raw.data or b"").id != folded.last_event_id:
-                    raise ValueError(f"the log holds another event at {folded.position}")
+            if folded.position and (
+                why := await checkpoint.log_disowns(
+                    js, self._names.events_stream, folded.position, folded.last_event_id
+                )
+            ):
+                raise ValueError(why)
         except FileNotFoundError:
             return
         except Exception as err:  # noqa: BLE001 - not believed: folded from zero

@@ -520,8 +520,12 @@ class Client:
             start_seq=after + 1, what="sandbox events",
         )  # fmt: skip
         async with contextlib.AsyncExitStack() as listening:
-            await events.start(timeout=None, target=after)
-            listening.push_async_callback(_quietly, events.stop)
+            # The consumer starts after the sequence read above, so it delivers
+            # every event the request causes however late it is made: it is made
+            # while the request is stored and decided, not before (one round
+            # trip off every exec).
+            following = asyncio.ensure_future(events.start(timeout=None, target=after))
+            listening.push_async_exit(_following_stopped(following, events.stop))
             chunks = await self.nc.subscribe(
                 self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk
             )
@@ -543,6 +547,7 @@ class Client:
             assert reply.command is not None
             record = reply.command
             if record.state not in _END_STATES:
+                await following  # (its failure is this exec's)
                 at, end = await self._wait_for_end(sandbox_id, command_id, ended, wait_timeout)
                 record = ended_view(record, end, at=at)
         if record.cold and record.cold_start is None:  # what waking its sandbox cost
@@ -692,6 +697,25 @@ class _OutputPrinter:
 async def _quietly(stop: Callable[[], Awaitable[object]]) -> None:
     with contextlib.suppress(Exception):  # a closed connection has no subscriptions
         await stop()
+
+
+def _following_stopped(
+    starting: asyncio.Future[None], stop: Callable[[], Awaitable[object]]
+) -> Callable[..., Awaitable[bool]]:
+    """An exit callback that stops a follower whose start may still be under
+    way: after that start is over (cut short when leaving on an error), so no
+    subscription is made once it was stopped."""
+
+    async def stopped(exc_type: type[BaseException] | None, *_: object) -> bool:
+        if exc_type is not None:
+            starting.cancel()
+        await asyncio.wait([starting])
+        if not starting.cancelled():
+            starting.exception()  # (raised to the exec already, or of no matter now)
+        await _quietly(stop)
+        return False
+
+    return stopped
 
 
 async def connect(

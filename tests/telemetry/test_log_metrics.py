@@ -284,3 +284,32 @@ def test_a_deleted_sandbox_is_counted_not_kept() -> None:
     for seq, envelope in [*enumerate(envelopes, start=1), *enumerate(envelopes, start=1)]:
         again.apply(seq, envelope)
     assert again.gauges(now=0.0)["sandhold_sandboxes"] == {labels(phase="deleted"): 1}
+
+
+def test_an_ended_task_is_counted_not_kept() -> None:
+    """A fold's memory goes with the tasks under way, not every task ever run:
+    nothing of an ended task is in its dump, not even its id, and what another
+    writer appends after an end changes no number."""
+
+    def ended(n: int) -> LogMetrics:
+        log = Log()
+        for i in range(n):
+            task(
+                log,
+                f"t-{i:03}",
+                100.0,
+                (101.0, ev.TaskStageEntered(stage="running")),
+                (110.0, ev.TaskCompleted()),
+                (111.0, ev.TaskFailed(reason="a second writer's late end")),
+            )
+        metrics = LogMetrics(keep_samples=4)
+        for seq, envelope in enumerate(log.envelopes, start=1):
+            metrics.apply(seq, envelope)
+        return metrics
+
+    folded = ended(60)
+    assert folded.tasks == {}
+    assert b"t-000" not in dump(folded)  # (the last event's id names the last one)
+    assert folded.counters["tasks_completed_total"] == {labels(status="completed"): 60}
+    assert folded.total("tasks_submitted_total") == 60
+    assert load(dump(folded)).counters == folded.counters

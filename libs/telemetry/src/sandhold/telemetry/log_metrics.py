@@ -128,8 +128,9 @@ class LogMetrics:
         self.sandboxes: dict[str, sb.Sandbox] = {}  # sandboxes not deleted
         self.deleted = 0  # sandboxes deleted: counted, not kept
         self.hosts: dict[str, host_domain.Host] = {}
-        self.tasks: dict[str, tk.Task] = {}  # tasks not ended yet
-        self._ended_tasks: set[str] = set()
+        # Tasks not ended yet: an ended one is counted, not kept (a later event of
+        # it folds onto nothing, as `tk.evolve` ignores all but a submission there).
+        self.tasks: dict[str, tk.Task] = {}
         self._recovering_since: dict[str, float] = {}
 
     # --- folding ----------------------------------------------------------------
@@ -201,8 +202,6 @@ class LogMetrics:
 
     def _task(self, envelope: Envelope) -> None:
         tid = envelope.aggregate_id
-        if tid in self._ended_tasks:
-            return  # counted when it ended; nothing after that changes the numbers
         before = self.tasks.get(tid)
         after = tk.evolve(before, envelope)
         if after is None:
@@ -213,7 +212,6 @@ class LogMetrics:
             self._count("task_hang_warnings_total")
         if after.terminal:
             self.tasks.pop(tid, None)  # ended tasks are not kept
-            self._ended_tasks.add(tid)
             ended_at = after.finished_at or envelope.time
             self._count("tasks_completed_total", status=after.state)
             self._observe(
@@ -310,7 +308,6 @@ class _Kept(msgspec.Struct, kw_only=True):
     histograms: dict[str, list[_Histogram]]
     samples: dict[str, list[float]]
     deleted: int
-    ended_tasks: list[str]
     recovering_since: dict[str, float]
     sandboxes: msgspec.Raw
     hosts: msgspec.Raw
@@ -333,7 +330,6 @@ def dump(folded: LogMetrics) -> bytes:
         },
         samples={n: list(d) for n, d in folded.samples.items()},
         deleted=folded.deleted,
-        ended_tasks=list(folded._ended_tasks),
         recovering_since=dict(folded._recovering_since),
         sandboxes=msgspec.Raw(_encoder.encode(folded.sandboxes)),
         hosts=msgspec.Raw(_encoder.encode(folded.hosts)),
@@ -360,7 +356,6 @@ def load(data: bytes, *, keep_samples: int = 10_000) -> LogMetrics:
     for name, values in kept.samples.items():
         folded.samples[name].extend(values)
     folded.deleted = kept.deleted
-    folded._ended_tasks = set(kept.ended_tasks)
     folded._recovering_since = dict(kept.recovering_since)
     folded.sandboxes = _states(kept.sandboxes, sb.Sandbox)
     folded.hosts = _states(kept.hosts, host_domain.Host)

@@ -125,6 +125,40 @@ async def test_a_host_agent_takes_its_own_work_and_no_other_hosts(server: NatsSe
         )
 
 
+async def test_a_host_agent_takes_its_own_saves_and_no_other_hosts(server: NatsServer):
+    # Its save instructions come in a queue of their own (decision 064).
+    async with as_user(server, "host-h1") as h1:
+        own = ConsumerConfig(
+            durable_name="saves-h1", name="saves-h1", filter_subject="sh.work.h1.saves"
+        )
+        await h1.js.add_consumer(NAMES.hostwork_stream, own)  # its own: allowed
+        other = ConsumerConfig(
+            durable_name="saves-h2", name="saves-h2", filter_subject="sh.work.h2.saves"
+        )
+        await h1.refused(
+            h1.js.add_consumer(NAMES.hostwork_stream, other), "CONSUMER.CREATE.SH_HOSTWORK.saves-h2"
+        )
+        sneaky = ConsumerConfig(
+            durable_name="saves-h1", name="saves-h1", filter_subject="sh.work.h2.saves"
+        )
+        await h1.refused(
+            h1.js.add_consumer(NAMES.hostwork_stream, sneaky), "saves-h1.sh.work.h2.saves"
+        )
+
+
+async def test_the_saver_sends_hosts_save_instructions_and_no_other_work(server: NatsServer):
+    async with as_user(server, "saver") as saver:
+        await saver.js.publish("sh.work.h1.saves", b"{}", stream=NAMES.hostwork_stream)
+        await saver.refused(
+            saver.js.publish("sh.work.h1", b"{}", stream=NAMES.hostwork_stream), '"sh.work.h1"'
+        )
+    async with as_user(server, "scheduler") as scheduler:  # which sends no save
+        await scheduler.refused(
+            scheduler.js.publish("sh.work.h1.saves", b"{}", stream=NAMES.hostwork_stream),
+            '"sh.work.h1.saves"',
+        )
+
+
 @pytest.mark.parametrize("stream", ["SH_EVENTS", "SH_OUTPUT", "SH_SAVES"])
 async def test_a_host_agent_reads_streams_by_direct_get_and_makes_no_consumer_on_them(
     server: NatsServer, stream: str

@@ -124,8 +124,15 @@ class Names(msgspec.Struct, frozen=True):
     def all_requests(self) -> str:
         return f"{self.prefix}.req.>"
 
-    def work(self, host: str) -> str:
-        return f"{self.prefix}.work.{host}"
+    def work(self, host: str, *, saves: bool = False) -> str:
+        """A host's instructions; `saves`: its save instructions, a queue of their
+        own (decision 064): a burst of saves is never ahead of a command."""
+        return f"{self.prefix}.work.{host}.saves" if saves else f"{self.prefix}.work.{host}"
+
+    def work_consumer(self, host: str, *, saves: bool = False) -> str:
+        """The durable that takes `work(host, saves=...)` off the queue. (Two
+        prefixes, so no host's name makes one another host's.)"""
+        return f"saves-{host}" if saves else f"host-{host}"
 
     def output(self, sandbox_id: str, command_id: str) -> str:
         return f"{self.prefix}.out.{sandbox_id}.{command_id}"

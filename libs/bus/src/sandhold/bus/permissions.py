@@ -159,7 +159,7 @@ def row(
         case "saver":
             pub = [
                 names.events("sandbox"),
-                f"{p}.work.*",
+                names.work("*", saves=True),  # save instructions, no other
                 *_read(ev),
                 *_read(saves),
                 # garbage collection removes unreferenced chunks and manifests
@@ -216,7 +216,10 @@ def row(
         case "host-agent":
             if host is None:
                 raise ValueError("a host-agent's permissions are for one host")
-            durable = f"host-{host}"
+            durable, saves_durable = (
+                names.work_consumer(host),
+                names.work_consumer(host, saves=True),
+            )
             pub = [
                 names.events("sandbox"),
                 names.events("host", host),
@@ -234,8 +237,9 @@ def row(
                 _api("STREAM.MSG.GET", leases),
                 # its own work and no other host's: the filter is in the subject
                 *_work_queue(work, durable, filtered_create=names.work(host)),
+                *_work_queue(work, saves_durable, filtered_create=names.work(host, saves=True)),
             ]
-            sub = [_advisory(work, durable)]
+            sub = [_advisory(work, durable), _advisory(work, saves_durable)]
         case _:
             raise ValueError(f"no role {role!r}; roles: {', '.join(ROLES)}")
     if role in INSTANCE_WRITERS:

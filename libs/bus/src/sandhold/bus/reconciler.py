@@ -15,7 +15,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import Header
 from sandhold.bus.names import Names
-from sandhold.domain.work import AnyWork
+from sandhold.domain.work import AnyWork, SaveSandboxWork
 from sandhold.telemetry import context, metrics
 
 log = logging.getLogger(__name__)
@@ -82,13 +82,14 @@ class DirtyLoop:
 
 
 async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
-    """Publish to `<prefix>.work.<host>`; the deterministic id makes a resend harmless."""
+    """Publish to `<prefix>.work.<host>` (a save to the host's queue of saves);
+    the deterministic id makes a resend harmless."""
     headers: dict[str, str] = {Header.MSG_ID: work.msg_id}
     traceparent = context.traceparent()
     if traceparent:
         headers[context.TRACEPARENT] = traceparent
     await js.publish(
-        names.work(host),
+        names.work(host, saves=isinstance(work, SaveSandboxWork)),
         _work_encoder.encode(work),
         stream=names.hostwork_stream,
         headers=headers,

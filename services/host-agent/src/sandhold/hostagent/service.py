@@ -182,24 +182,31 @@ class HostAgent:
             await self._check_connections()
             shell.on_close(self._end_watchers)
             shell.spawn(self._renew_lease(), "lease renewal")
-            # Work given up on is dropped: the scheduler sends again what state calls for.
-            consumer = ConsumerConfig(
-                durable_name=f"host-{self.host_id}",
-                filter_subject=self._names.work(self.host_id),
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=60,
-                max_deliver=20,
-            )
-            working = await shell.work_queue(
-                self._names.hostwork_stream,
-                consumer,
-                self._handle,
-                what=f"work for {self.host_id}",
-                # Each sandbox's work in order, sandboxes side by side: a command
-                # never waits behind another sandbox's restore or final save.
-                lane=_work_lane,
-                concurrency=WORK_CONCURRENCY,
-            )
+            # Two queues (decision 064): saves come in bursts (every changed
+            # sandbox every interval), and a command taken off one queue with
+            # them would wait behind the burst; a restore or a final save (part
+            # of a start or a stop) keeps its sandbox's order with the rest.
+            working = [
+                await shell.work_queue(
+                    self._names.hostwork_stream,
+                    # Work given up on is dropped: whoever sent it sends again what
+                    # the state calls for.
+                    ConsumerConfig(
+                        durable_name=self._names.work_consumer(self.host_id, saves=saves),
+                        filter_subject=self._names.work(self.host_id, saves=saves),
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=60,
+                        max_deliver=20,
+                    ),
+                    self._handle,
+                    what=f"{'saves' if saves else 'work'} for {self.host_id}",
+                    # Each sandbox's work in order, sandboxes side by side: a command
+                    # never waits behind another sandbox's restore or final save.
+                    lane=_work_lane,
+                    concurrency=WORK_CONCURRENCY,
+                )
+                for saves in (False, True)
+            ]
             shell.on_stopping(lambda: self._wind_down(working))
             log.info(
                 "host-agent %s ready (epoch %d, %s)",
@@ -209,13 +216,15 @@ class HostAgent:
             )
             await shell.serve(host=self.host_id, epoch=self.epoch)
 
-    async def _wind_down(self, working: asyncio.Task[None]) -> None:
+    async def _wind_down(self, working: list[asyncio.Task[None]]) -> None:
         """No new work, no job left half-done; with `interrupt_on_exit`, every
         command interrupted while the lease is still renewed (a slow command's
         grace must not look like a host failure)."""
-        working.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await working
+        for queue in working:
+            queue.cancel()
+        for queue in working:
+            with contextlib.suppress(asyncio.CancelledError):
+                await queue
         for job in list(self._jobs):
             job.cancel()
         if self._interrupt_on_exit:

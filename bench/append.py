@@ -8,14 +8,22 @@ the same subjects with the same writers and the same concurrency.
 A middle row, raw `js.publish` with the same headers `append` sends, splits the
 server's fence/de-duplication cost from the Python cost of the wrapper.
 
+Then the latency of one decision of 1-3 events, one after another: `append`'s
+fenced appends in sequence (one write and fsync each) against the same events
+as one JetStream atomic batch (`Nats-Batch-Id`/`-Sequence`/`-Commit`, nats-server
+>= 2.12, a stream with `allow_atomic`; nats-py has no API for it), both on such
+a stream.
+
     uv run python bench/append.py [--quick] [--write]
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
+import msgspec
 import nats
 from _common import (
     CpuMeter,
@@ -27,12 +35,13 @@ from _common import (
     median,
     nats_server,
     nproc,
+    percentile,
     rate,
     sandbox_id,
     table,
     verdict,
 )
-from nats.js.api import Header
+from nats.js.api import Header, StorageType, StreamConfig
 from sandhold.bus.append import append
 from sandhold.bus.codec import TYPE_HEADER, encode_envelope
 from sandhold.bus.names import Names
@@ -97,6 +106,75 @@ async def one_run(
         await nc.close()
 
 
+async def decision_latency(url: str, samples: int) -> list[list[str]]:
+    """p50/p90 ms of one decision of k events: k fenced appends in sequence vs
+    one atomic batch carrying the same headers (the fence on its first message)."""
+    nc = await nats.connect(url, name="bench-append-decision")
+    try:
+        js = nc.jetstream()
+        stream = "DECIDE"
+        await js.add_stream(
+            StreamConfig(
+                name=stream,
+                subjects=["decide.>"],
+                storage=StorageType.FILE,
+                allow_atomic=True,
+                allow_direct=True,
+                duplicate_window=120.0,
+            )
+        )
+        subjects = (f"decide.sandbox.{i}" for i in itertools.count())
+        envelopes = envelopes_for(sandbox_id(0, "decide"), 8)[4:7]  # queued, dispatched, started
+
+        async def in_sequence(k: int) -> None:
+            # Ids of their own: the stream would take a repeated id for a retry.
+            subject = next(subjects)
+            fresh = [msgspec.structs.replace(e, id=f"{e.id}:{subject}") for e in envelopes[:k]]
+            await append(js, stream, subject, fresh, 0)
+
+        async def as_batch(k: int) -> None:
+            subject, batch = next(subjects), f"b{time.perf_counter_ns()}"
+            for n, envelope in enumerate(envelopes[:k], start=1):
+                headers = {
+                    "Nats-Batch-Id": batch,
+                    "Nats-Batch-Sequence": str(n),
+                    Header.MSG_ID: f"{envelope.id}:{batch}",
+                    TYPE_HEADER: envelope.type,
+                }
+                if n == 1:
+                    headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
+                if n < k:
+                    await nc.publish(subject, encode_envelope(envelope), headers=headers)
+                    continue
+                headers["Nats-Batch-Commit"] = "1"
+                ack = await nc.request(subject, encode_envelope(envelope), headers=headers)
+                if b'"error"' in ack.data:
+                    raise RuntimeError(f"batch refused: {ack.data!r}")
+
+        rows = []
+        for k in (1, 2, 3):
+            times: dict[str, list[float]] = {"seq": [], "batch": []}
+            for i in range(samples):
+                # Alternated, so neither gets the quieter moments.
+                for name, run in sorted(
+                    (("seq", in_sequence), ("batch", as_batch)), reverse=bool(i % 2)
+                ):
+                    started = time.perf_counter()
+                    await run(k)
+                    times[name].append((time.perf_counter() - started) * 1000)
+            rows.append(
+                [
+                    str(k),
+                    f"{median(times['seq']):.2f} / {percentile(times['seq'], 90):.2f}",
+                    f"{median(times['batch']):.2f} / {percentile(times['batch'], 90):.2f}",
+                ]
+            )
+        await js.delete_stream(stream)
+        return rows
+    finally:
+        await nc.close()
+
+
 async def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     per_subject = 5 if args.quick else 10
@@ -115,6 +193,7 @@ async def main() -> None:
         warm = [(sid, envs[:2]) for sid, envs in plan[:200]]  # not counted
         for variant in VARIANTS:
             await one_run(server.admin_url, server.pid, variant, 99, warm)
+        decisions = await decision_latency(server.admin_url, 100 if args.quick else 300)
         for run in range(rounds):
             # Rotate the order each round so no variant always runs first or last.
             order = VARIANTS[run % 3 :] + VARIANTS[: run % 3]
@@ -200,6 +279,17 @@ subject's last sequence and records a de-duplication entry — give
 header dict per call, the returned list) is {ratio / headers_ratio:.2f}× of that
 raw-headers row. There are no conflicts here (one writer per subject), so the
 10071 path (one extra direct get) is not timed.
+
+One decision's events, written one after another ({100 if args.quick else 300}
+decisions of each size, alternating; ms p50 / p90, from the first publish to the
+last ack), each decision on a subject of its own:
+
+{table(["events in the decision", "fenced appends in sequence", "one atomic batch"], decisions)}
+
+Whether a decision of several events should go as one write (issue 15): not on
+this server. An atomic batch is held by the server until its commit and then
+stored; its fixed cost is several fsync'd appends' worth, so every decision
+here (at most three events) is quicker as appends in sequence.
 """
     emit(args, "append", "(a) Conditional appends vs plain publishes", body)
 

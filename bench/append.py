@@ -123,54 +123,57 @@ async def decision_latency(url: str, samples: int) -> list[list[str]]:
                 duplicate_window=120.0,
             )
         )
-        subjects = (f"decide.sandbox.{i}" for i in itertools.count())
-        envelopes = envelopes_for(sandbox_id(0, "decide"), 8)[4:7]  # queued, dispatched, started
+        try:
+            subjects = (f"decide.sandbox.{i}" for i in itertools.count())
+            # queued, dispatched, started
+            envelopes = envelopes_for(sandbox_id(0, "decide"), 8)[4:7]
 
-        async def in_sequence(k: int) -> None:
-            # Ids of their own: the stream would take a repeated id for a retry.
-            subject = next(subjects)
-            fresh = [msgspec.structs.replace(e, id=f"{e.id}:{subject}") for e in envelopes[:k]]
-            await append(js, stream, subject, fresh, 0)
+            async def in_sequence(k: int) -> None:
+                # Ids of their own: the stream would take a repeated id for a retry.
+                subject = next(subjects)
+                fresh = [msgspec.structs.replace(e, id=f"{e.id}:{subject}") for e in envelopes[:k]]
+                await append(js, stream, subject, fresh, 0)
 
-        async def as_batch(k: int) -> None:
-            subject, batch = next(subjects), f"b{time.perf_counter_ns()}"
-            for n, envelope in enumerate(envelopes[:k], start=1):
-                headers = {
-                    "Nats-Batch-Id": batch,
-                    "Nats-Batch-Sequence": str(n),
-                    Header.MSG_ID: f"{envelope.id}:{batch}",
-                    TYPE_HEADER: envelope.type,
-                }
-                if n == 1:
-                    headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
-                if n < k:
-                    await nc.publish(subject, encode_envelope(envelope), headers=headers)
-                    continue
-                headers["Nats-Batch-Commit"] = "1"
-                ack = await nc.request(subject, encode_envelope(envelope), headers=headers)
-                if b'"error"' in ack.data:
-                    raise RuntimeError(f"batch refused: {ack.data!r}")
+            async def as_batch(k: int) -> None:
+                subject, batch = next(subjects), f"b{time.perf_counter_ns()}"
+                for n, envelope in enumerate(envelopes[:k], start=1):
+                    headers = {
+                        "Nats-Batch-Id": batch,
+                        "Nats-Batch-Sequence": str(n),
+                        Header.MSG_ID: f"{envelope.id}:{batch}",
+                        TYPE_HEADER: envelope.type,
+                    }
+                    if n == 1:
+                        headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
+                    if n < k:
+                        await nc.publish(subject, encode_envelope(envelope), headers=headers)
+                        continue
+                    headers["Nats-Batch-Commit"] = "1"
+                    ack = await nc.request(subject, encode_envelope(envelope), headers=headers)
+                    if b'"error"' in ack.data:
+                        raise RuntimeError(f"batch refused: {ack.data!r}")
 
-        rows = []
-        for k in (1, 2, 3):
-            times: dict[str, list[float]] = {"seq": [], "batch": []}
-            for i in range(samples):
-                # Alternated, so neither gets the quieter moments.
-                for name, run in sorted(
-                    (("seq", in_sequence), ("batch", as_batch)), reverse=bool(i % 2)
-                ):
-                    started = time.perf_counter()
-                    await run(k)
-                    times[name].append((time.perf_counter() - started) * 1000)
-            rows.append(
-                [
-                    str(k),
-                    f"{median(times['seq']):.2f} / {percentile(times['seq'], 90):.2f}",
-                    f"{median(times['batch']):.2f} / {percentile(times['batch'], 90):.2f}",
-                ]
-            )
-        await js.delete_stream(stream)
-        return rows
+            rows = []
+            for k in (1, 2, 3):
+                times: dict[str, list[float]] = {"seq": [], "batch": []}
+                for i in range(samples):
+                    # Alternated, so neither gets the quieter moments.
+                    for name, run in sorted(
+                        (("seq", in_sequence), ("batch", as_batch)), reverse=bool(i % 2)
+                    ):
+                        started = time.perf_counter()
+                        await run(k)
+                        times[name].append((time.perf_counter() - started) * 1000)
+                rows.append(
+                    [
+                        str(k),
+                        f"{median(times['seq']):.2f} / {percentile(times['seq'], 90):.2f}",
+                        f"{median(times['batch']):.2f} / {percentile(times['batch'], 90):.2f}",
+                    ]
+                )
+            return rows
+        finally:
+            await js.delete_stream(stream)
     finally:
         await nc.close()
 

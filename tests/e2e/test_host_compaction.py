@@ -45,3 +45,28 @@ async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up):
     finally:
         await nc.close()
     assert up.cli("exec", sandbox_id, "--", "cat", "count").stdout == "x\n", "ran once"
+
+
+async def test_the_queue_of_saves_takes_saves_and_nothing_else(up: Up):
+    """Only the saver may write there, and it sends saves alone (decision 064): a
+    destroy put on that subject is dropped, and the sandbox runs on."""
+    sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    destroy = wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1)
+    nc = await nats.connect(up.admin_url)
+    try:
+        js = nc.jetstream()
+        await js.publish(
+            NAMES.work("local", saves=True), msgspec.json.encode(destroy),
+            stream=NAMES.hostwork_stream, headers={"Nats-Msg-Id": "misplaced-by-the-test"},
+        )  # fmt: skip
+
+        async def dropped() -> bool:
+            info = await js.consumer_info(NAMES.hostwork_stream, "saves-local")
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await wait_until(dropped, timeout=30, what="the misplaced instruction taken and dropped")
+    finally:
+        await nc.close()
+    ran = up.cli("exec", sandbox_id, "--", "echo", "still here")
+    assert ran.returncode == 0 and ran.stdout == "still here\n", ran.stderr
+    assert up.cli_json("sandbox", "show", sandbox_id)["phase"] == "running"

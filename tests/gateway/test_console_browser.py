@@ -332,8 +332,14 @@ async def test_sign_in_and_reach_the_content_by_keyboard_alone(
 
     browser.get(gw.url + "/sign-in")
     keys = ActionChains(browser)
-    # The token field has the focus; Enter sends the form.
-    assert browser.switch_to.active_element.get_attribute("id") == "token"
+    # The token field has the focus (`autofocus`: the browser moves it there at
+    # a rendering step after the load, not always before `get` returns); Enter
+    # sends the form.
+    _wait(
+        browser,
+        lambda d: d.switch_to.active_element.get_attribute("id") == "token",
+        "the token field focused",
+    )
     keys.send_keys(gw.tokens["acme"], Keys.ENTER).perform()
     _wait(browser, lambda d: d.current_url.endswith("/sandboxes"), "signed in by keyboard")
     # The first Tab reaches the skip link, and following it moves past the header.

@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from nats.js import JetStreamContext
 from sandhold.bus.codec import decode_envelope
-from sandhold.bus.electing import patiently
+from sandhold.bus.electing import ELECTING, patiently
 from sandhold.domain import pmap
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,8 @@ async def log_disowns(js: JetStreamContext, stream: str, seq: int, event_id: str
             ),
         )
         held = decode_envelope(raw.data or b"").id
+    except ELECTING as err:
+        return f"the log did not answer whether it holds event {seq} ({err!r})"
     except Exception as err:  # noqa: BLE001 - not there, or not an event: not believed
         return f"the log has no event at {seq} ({err!r})"
     if held != event_id:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,8 @@ from sandhold.domain.views import (
     save_view,
 )
 from sandhold.telemetry import context
+
+log = logging.getLogger(__name__)
 
 _reply_decoder = msgspec.json.Decoder(Reply)
 _task_reply_decoder = msgspec.json.Decoder(TaskReply)
@@ -547,7 +550,13 @@ class Client:
             assert reply.command is not None
             record = reply.command
             if record.state not in _END_STATES:
-                await following  # (its failure is this exec's)
+                try:
+                    await following
+                except Exception as err:  # noqa: BLE001 - the request is in: wait on the log
+                    # Live delivery is best effort: `_wait_for_end` reads the log
+                    # when it hears nothing. Raising here would leave a caller
+                    # retrying with a new key to run the command twice.
+                    log.warning("no live events of %s (%r): reading the log", sandbox_id, err)
                 at, end = await self._wait_for_end(sandbox_id, command_id, ended, wait_timeout)
                 record = ended_view(record, end, at=at)
         if record.cold and record.cold_start is None:  # what waking its sandbox cost

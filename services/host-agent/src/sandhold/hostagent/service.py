@@ -1,7 +1,8 @@
 """The host-agent: does the work sent to its host and reports what happened.
 
 It registers its host (a new epoch on every start), renews its lease, takes
-instructions off `<prefix>.work.<host>`, runs them with the process driver,
+instructions off `<prefix>.work.<host>` and its save instructions off
+`<prefix>.work.<host>.saves` (decision 064), runs them with the process driver,
 streams command output to OUTPUT, and reports facts to the sandbox's subject
 through the domain's `decide_report`: a report for a superseded placement is
 refused there, and the append's expected sequence refuses anything decided
@@ -48,7 +49,8 @@ log = logging.getLogger("sandhold.host-agent")
 
 _work_decoder = msgspec.json.Decoder(wk.AnyWork)
 
-# Work messages in hand at once, across sandboxes (each sandbox's one at a time).
+# Work messages in hand at once per queue (the work, the saves), across
+# sandboxes (each sandbox's one at a time).
 WORK_CONCURRENCY = 32
 
 
@@ -198,7 +200,7 @@ class HostAgent:
                         ack_wait=60,
                         max_deliver=20,
                     ),
-                    self._handle,
+                    functools.partial(self._handle, saves_only=saves),
                     what=f"{'saves' if saves else 'work'} for {self.host_id}",
                     # Each sandbox's work in order, sandboxes side by side: a command
                     # never waits behind another sandbox's restore or final save.
@@ -487,7 +489,7 @@ class HostAgent:
 
     # --- work -----------------------------------------------------------------
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Msg, *, saves_only: bool = False) -> None:
         if reflected(msg.headers):
             # Another host had the server bounce bytes of its own here (decision 034).
             log.error("a bounced stored message on %s: not work, dropped", msg.subject)
@@ -498,6 +500,12 @@ class HostAgent:
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
             log.error("undecodable work on %s: %s", msg.subject, err)
             await dead_letter(msg, f"work for {self.host_id}")
+            return
+        if saves_only and not isinstance(work, wk.SaveSandboxWork):
+            # Only the saver may write there (its permission), and it sends saves
+            # alone: a run or a destroy on that subject is nobody's instruction.
+            log.error("a %s on %s, the queue of saves: dropped", type(work).__name__, msg.subject)
+            await dead_letter(msg, f"saves for {self.host_id}")
             return
         if self._fenced:
             await msg.nak(delay=1)  # nothing is done while fenced; decided again once back

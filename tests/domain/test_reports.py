@@ -189,3 +189,14 @@ def test_a_late_report_from_the_old_placement_is_accepted_until_it_is_replaced()
     late = command_ended(state="interrupted", exit_code=None)
     assert decide_report(given(*history), late) == [late]
     _then_stale(late, history=(*history, placed(HOST_A, 2)))
+
+
+@pytest.mark.parametrize(
+    "history", [RUNNING, STOPPED, FAILED, PLACED], ids=["running", "stopped", "failed", "placed"]
+)
+def test_a_hosts_word_alone_deletes_no_sandbox(history: tuple[Step, ...]) -> None:
+    """A host destroys a copy when told to, after a delete request; a deletion
+    it reports for a sandbox nobody asked to delete is refused."""
+    with pytest.raises(Rejected) as refusal:
+        decide_report(given(*history), deleted())
+    assert refusal.value.code == "delete_not_requested"

@@ -52,21 +52,40 @@ async def test_the_queue_of_saves_takes_saves_and_nothing_else(up: Up):
     destroy put on that subject is dropped, and the sandbox runs on."""
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
     destroy = wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1)
+    await _taken(up, destroy, saves=True)
+    _runs_on(up, sandbox_id)
+
+
+async def test_a_destroy_nobody_asked_for_destroys_nothing(up: Up):
+    """A destroy is sent after a delete request; on any other word the host
+    keeps the files (and would not be believed if it said it deleted them)."""
+    sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
+    await _taken(up, wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1))
+    _runs_on(up, sandbox_id)
+
+
+async def _taken(up: Up, work: wk.AnyWork, *, saves: bool = False) -> None:
+    """Put `work` on the host's queue (or its queue of saves) as no service would,
+    and wait until the host took it off."""
     nc = await nats.connect(up.admin_url)
     try:
         js = nc.jetstream()
         await js.publish(
-            NAMES.work("local", saves=True), msgspec.json.encode(destroy),
-            stream=NAMES.hostwork_stream, headers={"Nats-Msg-Id": "misplaced-by-the-test"},
+            NAMES.work("local", saves=saves), msgspec.json.encode(work),
+            stream=NAMES.hostwork_stream, headers={"Nats-Msg-Id": f"misplaced:{work.msg_id}"},
         )  # fmt: skip
 
-        async def dropped() -> bool:
-            info = await js.consumer_info(NAMES.hostwork_stream, "saves-local")
+        async def taken() -> bool:
+            consumer = NAMES.work_consumer("local", saves=saves)
+            info = await js.consumer_info(NAMES.hostwork_stream, consumer)
             return info.num_pending == 0 and info.num_ack_pending == 0
 
-        await wait_until(dropped, timeout=30, what="the misplaced instruction taken and dropped")
+        await wait_until(taken, timeout=30, what="the instruction taken off the queue")
     finally:
         await nc.close()
+
+
+def _runs_on(up: Up, sandbox_id: str) -> None:
     ran = up.cli("exec", sandbox_id, "--", "echo", "still here")
     assert ran.returncode == 0 and ran.stdout == "still here\n", ran.stderr
     assert up.cli_json("sandbox", "show", sandbox_id)["phase"] == "running"

@@ -49,6 +49,10 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
         case ev.SandboxStopped():
             news = state.phase in ACTIVE_PHASES
         case ev.SandboxDeleted():
+            if state.phase != "deleted" and not state.delete_requested:
+                # A host destroys a copy only when told to, after a delete request:
+                # its word alone does not delete a sandbox nobody asked to delete.
+                raise Rejected("delete_not_requested", f"no delete of {state.id} was requested")
             news = state.phase != "deleted"
         case ev.CommandStarted():
             command = state.commands.get(report.command_id)

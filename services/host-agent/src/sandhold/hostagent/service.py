@@ -655,7 +655,11 @@ class HostAgent:
                     )
                 )
             case wk.DestroySandboxWork():
-                await self._current(work)
+                state = await self._current(work)
+                if not state.delete_requested and state.phase != "deleted":
+                    # Sent only after a delete request: the files are not destroyed
+                    # on any other word (the report would be refused all the same).
+                    raise Rejected("delete_not_requested", f"no delete of {sid} was requested")
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
                 await self.driver.destroy_sandbox(sid)

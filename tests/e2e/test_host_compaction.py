@@ -49,10 +49,9 @@ async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up):
 
 async def test_the_queue_of_saves_takes_saves_and_nothing_else(up: Up):
     """Only the saver may write there, and it sends saves alone (decision 064): a
-    destroy put on that subject is dropped, and the sandbox runs on."""
+    stop put on that subject is dropped, and the sandbox runs on."""
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
-    destroy = wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1)
-    await _taken(up, destroy, saves=True)
+    await _taken(up, wk.StopSandboxWork(sandbox_id=sandbox_id, generation=1), saves=True)
     _runs_on(up, sandbox_id)
 
 

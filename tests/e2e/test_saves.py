@@ -18,6 +18,7 @@ from sandhold.client import Client, connect
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saves as sv
 from sandhold.domain.errors import Rejected
+from sandhold.domain.views import SaveView
 from sandhold.saves import SaveStore, restore
 
 from tests.e2e.conftest import running_sandbox
@@ -186,6 +187,30 @@ async def _big_change(client: Client, sandbox_id: str, name: str) -> None:
     assert result.command.exit_code == 0
 
 
+async def _snapshot_with_the_saver_stopped(
+    up: Up, client: Client, admin: Client, sandbox_id: str, label: str
+) -> tuple[int, SaveView]:
+    """Request a save and SIGSTOP the saver once it has sent the host the save
+    instruction, before the host can take it: the host then captures and uploads
+    with no saver to verify. (Stopping the saver once the save is seen `started`
+    raced a small save's upload and verification.) Returns the stopped saver's PID."""
+    agent, saver = up.service_pid("host-agent:local"), up.service_pid("saver")
+    queue = client.names.work_consumer("local", saves=True)
+
+    async def queued() -> bool:
+        info = await admin.js.consumer_info(client.names.hostwork_stream, queue)
+        return info.num_pending + info.num_ack_pending > 0
+
+    os.kill(agent, signal.SIGSTOP)  # takes no work until the saver is stopped
+    try:
+        save = await client.snapshot(sandbox_id, label)
+        await wait_until(queued, timeout=30, what="the saver to send the save instruction")
+        os.kill(saver, signal.SIGSTOP)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    return saver, save
+
+
 @pytest.mark.parametrize("stage", ["capture", "upload"])
 async def test_host_agent_killed_during_a_save_never_completes_it(
     up: Up, client: Client, stage: str
@@ -224,21 +249,17 @@ async def test_host_agent_killed_during_a_save_never_completes_it(
     await client.stop_sandbox(sandbox_id)
 
 
-async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(up: Up, client: Client):
+async def test_an_uploaded_save_counts_only_once_the_saver_verified_it(
+    up: Up, client: Client, admin: Client
+):
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     base = await client.wait_for_save(
         sandbox_id, (await client.snapshot(sandbox_id, "base")).id, timeout=60
     )
     await _big_change(client, sandbox_id, "blob")
-    saver = up.service_pid("saver")
-    save = await client.snapshot(sandbox_id, "unverified")
-    await client.wait_for(
-        sandbox_id,
-        lambda s: s if s.saves[save.id].state != "requested" else None,
-        timeout=30,
-        what="the host to take the work",
+    saver, save = await _snapshot_with_the_saver_stopped(
+        up, client, admin, sandbox_id, "unverified"
     )
-    os.kill(saver, signal.SIGSTOP)  # no verification from here on
     try:
         state = await client.wait_for(
             sandbox_id,
@@ -265,16 +286,10 @@ async def test_a_manifest_written_over_before_verification_fails_the_save(
     `save.uploaded`), not whatever the subject holds when it looks."""
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
     await client.exec(sandbox_id, ["sh", "-c", "echo real > note"])
-    saver = up.service_pid("saver")
-    save = await client.snapshot(sandbox_id, "overwritten")
-    await client.wait_for(
-        sandbox_id,
-        lambda s: s if s.saves[save.id].state != "requested" else None,
-        timeout=30,
-        what="the host to take the work",
+    saver, save = await _snapshot_with_the_saver_stopped(
+        up, client, admin, sandbox_id, "overwritten"
     )
-    os.kill(saver, signal.SIGSTOP)  # no verification until the manifest is replaced
-    try:
+    try:  # no verification until the manifest is replaced
         await client.wait_for(
             sandbox_id,
             lambda s: s if s.saves[save.id].state in ("uploaded", "failed") else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from sandhold.domain import events as ev
 from sandhold.domain.errors import Rejected
-from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox
+from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox, deletion_asked
 from sandhold.domain.saves import IN_FLIGHT
 
 HostReport = (
@@ -49,7 +49,7 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
         case ev.SandboxStopped():
             news = state.phase in ACTIVE_PHASES
         case ev.SandboxDeleted():
-            if state.phase != "deleted" and not state.delete_requested:
+            if not deletion_asked(state):
                 # A host destroys a copy only when told to, after a delete request:
                 # its word alone does not delete a sandbox nobody asked to delete.
                 raise Rejected("delete_not_requested", f"no delete of {state.id} was requested")

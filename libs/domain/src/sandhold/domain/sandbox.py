@@ -976,7 +976,7 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest):
                 return []
-            if state.phase == "deleted" or state.delete_requested:
+            if deletion_asked(state):
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
             if state.phase == "stopping":
                 raise Rejected(
@@ -1148,8 +1148,14 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             assert_never(request)
 
 
+def deletion_asked(state: Sandbox) -> bool:
+    """Deleted, or on its way there: someone asked to delete it. Nothing starts it
+    again, and only then may a host destroy its files (decision 065)."""
+    return state.phase == "deleted" or state.delete_requested
+
+
 def _refuse_if_deleted(state: Sandbox) -> None:
-    if state.phase == "deleted" or state.delete_requested:
+    if deletion_asked(state):
         raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
 
 

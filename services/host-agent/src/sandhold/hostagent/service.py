@@ -656,7 +656,7 @@ class HostAgent:
                 )
             case wk.DestroySandboxWork():
                 state = await self._current(work)
-                if not state.delete_requested and state.phase != "deleted":
+                if not sb.deletion_asked(state):
                     # Sent only after a delete request: the files are not destroyed
                     # on any other word (the report would be refused all the same).
                     raise Rejected("delete_not_requested", f"no delete of {sid} was requested")

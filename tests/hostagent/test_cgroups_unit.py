@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import NoCgroups, V1Cgroups, V2Cgroups, detect_cgroups
 from sandhold.hostagent.driver.cgroups import (
+    CgroupError,
     join_self,
     parse_frozen,
     parse_mounts,
@@ -166,3 +169,24 @@ def test_join_self_moves_only_the_caller_on_v1_and_names_the_file_it_could_not(
     assert (v2 / "cgroup.procs").read_text() == str(os.getpid())
     gone = str(tmp_path / "gone" / "cgroup.procs")
     assert join_self([gone]) == f"cannot join cgroup {gone}: No such file or directory"
+
+
+def test_a_cgroup_the_kernel_will_not_make_says_the_machine_may_be_out_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mkdir answers EBUSY once a controller has 65,535 cgroups (seen on this
+    machine, with those of thrown-away data dirs): the error says so and counts."""
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    backend = V1Cgroups(memory, None, "h1")
+
+    def refuse(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    with pytest.raises(CgroupError) as refused:
+        backend.create_sandbox("sb", None)
+    message = str(refused.value)
+    assert f"cannot create cgroup {memory / 'sandhold' / 'h1' / 'sb'}" in message
+    assert "the machine may have no more cgroups" in message
+    assert re.search(r"\(\w+ \d+(, \w+ \d+)* exist\)", message), message

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -272,3 +274,71 @@ async def test_a_command_is_born_in_its_own_cgroup_on_every_hierarchy(
         assert any(line.endswith(f"/{SB}/c1") for line in ours), ours
     assert await driver.interrupt(SB, "c1", grace_s=1.0)
     assert (await handle.wait()).reason == "interrupted"
+
+
+# Another agent of the same host id, on the same machine: it claims the host's
+# cgroups (holding every sandbox named) and keeps running.
+OTHER_AGENT = """
+import sys, time
+from pathlib import Path
+from sandhold.hostagent.driver import V2Cgroups, detect_cgroups
+host, mount, *holds = sys.argv[1:]
+cgroups = V2Cgroups(Path(mount), host) if mount else detect_cgroups(host)
+print(cgroups.claim_host(set(holds)), flush=True)
+time.sleep(600)
+"""
+
+
+def _cgroup_dirs(host_id: str, sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup in every hierarchy mounted here."""
+    return sorted(Path("/sys/fs/cgroup").glob(f"*/sandhold/{host_id}/{sandbox_id}"))
+
+
+@pytest.mark.parametrize("hierarchy", ["detected", "unified"])
+async def test_a_host_claiming_its_cgroups_removes_the_empty_ones_of_sandboxes_it_does_not_hold(
+    make_driver: MakeDriver, host_id: str, hierarchy: str
+) -> None:
+    """A data dir thrown away leaves its sandboxes' cgroups behind (they belong to
+    the machine); the next agent of that host removes those that are empty. One
+    with processes in it stays, and none goes while another agent holds the host."""
+    cgroups, mount = None, ""
+    if hierarchy == "unified":
+        mounts = unified_mounts()
+        if not mounts:
+            pytest.skip("no writable cgroup v2 hierarchy on this machine")
+        cgroups, mount = V2Cgroups(mounts[0], host_id), str(mounts[0])
+    driver = await make_driver(cgroups=cgroups)
+    if isinstance(driver.cgroups, NoCgroups):
+        pytest.skip(f"no cgroups here: {driver.cgroups.message}")
+    await driver.create_sandbox("sb-kept", None)  # in the layout: kept, running or not
+    await driver.stop_sandbox("sb-kept")
+    left = ("sb-gone", "sb-busy")  # no layout holds these
+    for sandbox_id in left:
+        driver.cgroups.create_sandbox(sandbox_id, 64 * 1024 * 1024)
+        driver.cgroups.create_command(sandbox_id, "cmd-1")
+    busy = subprocess.Popen(["sleep", "600"])
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_AGENT, host_id, mount, "sb-kept", *left],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        for procs in driver.cgroups.create_command("sb-busy", "cmd-2").procs:
+            Path(procs).write_text(str(busy.pid))
+        assert other.stdout is not None
+        assert await asyncio.to_thread(other.stdout.readline) == b"[]\n"  # it holds them all
+        assert await driver.claim_cgroups() == []  # the other agent has the host
+        assert len(_cgroup_dirs(host_id, "sb-gone")) == len(_cgroup_dirs(host_id, "sb-kept"))
+
+        other.kill()
+        other.wait()
+        assert await driver.claim_cgroups() == ["sb-gone"]
+        assert _cgroup_dirs(host_id, "sb-gone") == []
+        assert _cgroup_dirs(host_id, "sb-kept") and _cgroup_dirs(host_id, "sb-busy")
+        assert busy.pid in driver.cgroups.pids("sb-busy")
+    finally:
+        for process in (busy, other):
+            process.kill()
+            process.wait()
+        if other.stdout is not None:
+            other.stdout.close()
+        driver.cgroups.remove("sb-busy")

@@ -178,6 +178,7 @@ class HostAgent:
             await self._declare_killed_copies()
             await self._register()
             await self._drop_stale_copies()
+            await self._claim_cgroups()
             for handle in self.driver.adopt_all():
                 if self._is_current(handle.sandbox_id):
                     self._watch(handle)
@@ -469,6 +470,19 @@ class HostAgent:
                 await self._drop_if_stale(sandbox_id)
             except Exception as err:
                 log.warning("stale copy of %s not dropped now: %r", sandbox_id, err)
+
+    async def _claim_cgroups(self) -> None:
+        try:
+            removed = await self.driver.claim_cgroups()
+        except OSError as err:  # a sandbox's start then says what is wrong with them
+            log.warning("this host's cgroups not claimed: %s", err)
+            return
+        if removed:
+            log.info(
+                "removed the empty cgroups of %d sandboxes this host does not hold "
+                "(left by a data dir that is gone)",
+                len(removed),
+            )
 
     async def _drop_if_stale(self, sandbox_id: str) -> None:
         # Judged on the log as its leader has it: a copy is never dropped on a

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -74,6 +75,12 @@ class Cgroups(Protocol):
     def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def remove_host(self) -> None: ...
+    def claim_host(self, keep: Collection[str]) -> list[str]:
+        """Mark this host's cgroups in use for the rest of the process's life; if
+        no other live process had marked them, first remove the empty cgroups of
+        sandboxes not in `keep` (the ones the host's layout holds). Returns the
+        ids of the sandboxes whose cgroups went."""
+        ...
 
 
 # --- pure helpers -------------------------------------------------------------
@@ -196,6 +203,66 @@ def _rmdir_tree(top: Path, deadline: float) -> None:
             time.sleep(_POLL_S)
 
 
+def _mkdir(directory: Path, *, parents: bool = False) -> None:
+    try:
+        directory.mkdir(parents=parents, exist_ok=True)
+    except OSError as err:
+        hint = ""
+        if err.errno in (errno.EBUSY, errno.ENOSPC):
+            # What the kernel answers once it has 65,535 cgroups of a controller:
+            # typically the empty cgroups of sandboxes whose data dir is gone.
+            counts = ", ".join(f"{name} {n}" for name, n in _cgroup_counts().items())
+            hint = f": the machine may have no more cgroups ({counts} exist)"
+        raise CgroupError(
+            err.errno, f"cannot create cgroup {directory}: {err.strerror}{hint}"
+        ) from err
+
+
+def _cgroup_counts() -> dict[str, int]:
+    """How many cgroups each controller has (/proc/cgroups), the busiest first."""
+    counts = {}
+    for line in _read(Path("/proc/cgroups")).splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3 and fields[2].isdigit():
+            counts[fields[0]] = int(fields[2])
+    return dict(sorted(counts.items(), key=lambda item: -item[1])[:3])
+
+
+def _claim(
+    previous: int | None, lock_dir: Path, host_dirs: list[Path], keep: Collection[str]
+) -> tuple[int, list[str]]:
+    """`claim_host` for a backend: a shared flock on `lock_dir` (a cgroupfs
+    directory takes one), kept open for the process's life so that it goes with
+    the process, however that ends. Cgroups belong to the machine, not to a data
+    dir: a data dir thrown away (a bench, a killed test run) leaves its
+    sandboxes' cgroups behind for ever, and the kernel allows 65,535 of a
+    controller. An exclusive lock first means nobody else uses these cgroups
+    now, so an empty one of a sandbox this host does not hold is nobody's. A
+    claim made again replaces the `previous` one."""
+    if previous is not None:
+        os.close(previous)
+    _mkdir(lock_dir, parents=True)
+    fd = os.open(lock_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another agent with this host id runs on this machine
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd, []
+    left: dict[str, bool] = {}  # sandbox -> gone from every hierarchy
+    for host in host_dirs:
+        for entry in os.scandir(host) if host.is_dir() else ():
+            if not entry.is_dir(follow_symlinks=False) or entry.name in keep:
+                continue
+            try:
+                _rmdir_tree(Path(entry.path), deadline=0.0)  # busy: it has processes
+                left.setdefault(entry.name, True)
+            except CgroupError:
+                left[entry.name] = False
+    removed = [sandbox_id for sandbox_id, gone in left.items() if gone]
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd, sorted(removed)
+
+
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -217,6 +284,7 @@ class V1Cgroups:
 
     kind: CgroupKind = "v1"
     enforces_memory_limit = True
+    _claim_fd: int | None = None
 
     def __init__(
         self,
@@ -254,7 +322,7 @@ class V1Cgroups:
         cpu_limit: float | None = None,
     ) -> None:
         for directory in self._dirs(sandbox_id):
-            directory.mkdir(parents=True, exist_ok=True)
+            _mkdir(directory, parents=True)
         if self._cpu_host is not None:
             cpu = self._cpu_host / sandbox_id
             period = int(_read(cpu / "cpu.cfs_period_us").strip() or CPU_PERIOD_US)
@@ -287,7 +355,7 @@ class V1Cgroups:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
         directories = [host / sandbox_id / command_id for host in hosts]
         for directory in directories:
-            directory.mkdir(exist_ok=True)
+            _mkdir(directory)
         procs = [str(directory / "cgroup.procs") for directory in directories]
         pids_file = None
         if self._pids_host is not None:
@@ -368,6 +436,10 @@ class V1Cgroups:
             if directory.exists():
                 _rmdir_tree(directory, time.monotonic() + 5.0)
 
+    def claim_host(self, keep: Collection[str]) -> list[str]:
+        self._claim_fd, removed = _claim(self._claim_fd, self._memory_host, self._dirs(), keep)
+        return removed
+
 
 class V2Cgroups:
     """cgroup v2; detection picks it only with the memory controller available.
@@ -378,6 +450,7 @@ class V2Cgroups:
 
     kind: CgroupKind = "v2"
     can_freeze = True
+    _claim_fd: int | None = None
 
     def __init__(self, mount: Path, host_id: str, parent: str = "sandhold") -> None:
         self._mount = mount
@@ -406,7 +479,7 @@ class V2Cgroups:
         cpu_limit: float | None = None,
     ) -> None:
         sandbox = self._host / sandbox_id
-        sandbox.mkdir(parents=True, exist_ok=True)
+        _mkdir(sandbox, parents=True)
         # Each level must delegate a controller to the next, down to the command
         # cgroups, which is where memory.events and pids.events must count.
         levels = (self._mount, self._parent, self._host, sandbox)
@@ -434,7 +507,7 @@ class V2Cgroups:
 
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup:
         directory = self._host / sandbox_id / command_id
-        directory.mkdir(exist_ok=True)
+        _mkdir(directory)
         oom_file = str(directory / "memory.events") if self.enforces_memory_limit else None
         pids_file = None
         if self.enforces_pids_limit:
@@ -489,6 +562,10 @@ class V2Cgroups:
         if self._host.exists():
             _rmdir_tree(self._host, time.monotonic() + 5.0)
 
+    def claim_host(self, keep: Collection[str]) -> list[str]:
+        self._claim_fd, removed = _claim(self._claim_fd, self._host, [self._host], keep)
+        return removed
+
 
 class NoCgroups:
     """No usable cgroup: commands run, but without limit, OOM attribution or freezer."""
@@ -537,6 +614,9 @@ class NoCgroups:
 
     def remove_host(self) -> None:
         pass
+
+    def claim_host(self, keep: Collection[str]) -> list[str]:
+        return []
 
 
 def detect_cgroups(

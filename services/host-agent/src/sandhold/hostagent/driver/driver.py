@@ -588,6 +588,14 @@ class ProcessDriver:
             )
         return self._handles[key]
 
+    async def claim_cgroups(self) -> list[str]:
+        """Take this host's cgroups for the agent's life, removing the empty ones
+        of sandboxes this layout does not hold when no other agent has them (see
+        `Cgroups.claim_host`); returns the ids of those removed. Call it before
+        any sandbox is created: one being made has its directory first."""
+        keep = set(self.layout.sandbox_ids())
+        return await asyncio.to_thread(self.cgroups.claim_host, keep)
+
     def adopt_all(self) -> list[CommandHandle]:
         """Every command whose end has not been reported yet (after an agent restart)."""
         return [

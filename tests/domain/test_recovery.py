@@ -49,13 +49,13 @@ def test_a_sandbox_on_a_lost_host_is_lost_once() -> None:
 
 def test_a_host_back_from_its_fence_declares_only_the_placement_it_killed() -> None:
     state = given_sandbox(*RUNNING)
-    killed = {"host": HOST_A, "last_renewal_at": T0, "fenced_at": T0 + 5}
-    [lost] = policy.declare_killed_in_fence(state, generation=1, **killed)
+    killed = {"host": HOST_A, "last_renewal_at": T0, "fence_at": T0 + 5}
+    [lost] = policy.declare_lost_here(state, generation=1, **killed)
     assert isinstance(lost, ev.SandboxLost) and (lost.generation, lost.fence_at) == (1, T0 + 5)
     # placed anew since the fence: that placement's processes were never killed
-    assert policy.declare_killed_in_fence(state, generation=0, **killed) == []
+    assert policy.declare_lost_here(state, generation=0, **killed) == []
     # recovery judged the host first: said once
-    assert policy.declare_killed_in_fence(apply(state, [lost]), generation=1, **killed) == []
+    assert policy.declare_lost_here(apply(state, [lost]), generation=1, **killed) == []
 
 
 def test_running_ends_infrastructure_lost_dispatched_unknown_queued_stays() -> None:

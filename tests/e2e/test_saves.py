@@ -597,3 +597,33 @@ async def test_a_deleted_sandboxs_saves_are_collected_and_its_snapshots_kept(
     assert (await client.exec(copy.id, ["sha256sum", "kept"])).stdout == digest
     assert (await client.exec(copy.id, ["test", "!", "-e", "gone"])).command.exit_code == 0
     await client.stop_sandbox(copy.id)
+
+
+async def test_a_command_for_a_sandbox_whose_files_are_gone_is_not_launched_and_the_save_brings_it_back(  # noqa: E501
+    up: Up, client: Client
+):
+    """The host's copy of a running sandbox is wiped under a live agent (a disk
+    lost, an `rm -rf`): the next command never starts and says so, and the
+    sandbox is lost on that host, so the command after it runs on its last
+    completed save. (Before: the instruction came back until max_deliver and the
+    command stayed `dispatched`.)"""
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo kept > note"])
+    await client.wait_for_save(
+        sandbox_id, (await client.snapshot(sandbox_id, "kept")).id, timeout=60
+    )
+    shutil.rmtree(up.data_dir / "hosts" / "local" / "sandboxes" / sandbox_id)
+
+    gone = await client.exec(sandbox_id, ["true"], wait_timeout=60)
+    assert gone.command.state == "not_launched", gone.command
+    assert "files are gone from host local" in gone.command.reason
+    lost = await client.wait_for(
+        sandbox_id, lambda s: s.lost, timeout=30, what="its host to declare it lost"
+    )
+    assert (lost.host, lost.generation) == ("local", gone.command.generation)
+
+    again = await client.exec(sandbox_id, ["cat", "note"], wait_timeout=90)
+    assert again.command.state == "exited" and again.stdout == b"kept\n", again.command
+    view = await client.show_sandbox(sandbox_id)
+    assert view.phase == "running" and view.generation > gone.command.generation
+    await client.stop_sandbox(sandbox_id)

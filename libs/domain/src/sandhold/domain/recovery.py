@@ -28,20 +28,22 @@ def declare_lost(
     ]
 
 
-def declare_killed_in_fence(
+def declare_lost_here(
     state: Sandbox | None,
     *,
     host: str,
     generation: int,
     last_renewal_at: float,
-    fenced_at: float,
+    fence_at: float,
 ) -> list[ev.AnyEvent]:
-    """`sandbox.lost` said by the host that fenced itself: it killed this
-    placement's processes, so it is lost (and fenced since `fenced_at`) whether
-    or not recovery judged the host before it came back with a new epoch."""
+    """`sandbox.lost` said by its host itself: nothing of that placement runs
+    there any more, fenced since `fence_at`. The host killed its processes in a
+    fence (and came back with a new epoch before recovery judged it, so nobody
+    else would say it), or found the sandbox's files gone. Either way recovery
+    takes it from there: the commands' end states, then its last save."""
     if state is None or state.generation != generation:
-        return []  # placed anew since: not the copy this host killed
-    return declare_lost(state, host=host, last_renewal_at=last_renewal_at, fence_at=fenced_at)
+        return []  # placed anew since: not the copy this host lost
+    return declare_lost(state, host=host, last_renewal_at=last_renewal_at, fence_at=fence_at)
 
 
 def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:

@@ -39,7 +39,7 @@ from sandhold.domain.errors import InfraError, Rejected, SandholdError
 from sandhold.domain.reports import HostReport, decide_report
 from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, ProcessDriver
 from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
-from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation
+from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation, SandboxNotFound
 from sandhold.hostagent.driver.port import SandboxDriver
 from sandhold.hostagent.saving import HostSaves
 from sandhold.saves import DEFAULT_CACHE_BYTES, ChunkCache, SaveStore
@@ -418,11 +418,11 @@ class HostAgent:
                 marker.unlink(missing_ok=True)
                 continue
             decide = functools.partial(
-                recovery.declare_killed_in_fence,
+                recovery.declare_lost_here,
                 host=self.host_id,
                 generation=killed.generation,
                 last_renewal_at=killed.last_renewal_at,
-                fenced_at=killed.fenced_at,
+                fence_at=killed.fenced_at,
             )
             await self.sandboxes.sync(sandbox_id)
             await self.sandboxes.follow_up(sandbox_id, decide, why="killed-in-fence")
@@ -633,7 +633,10 @@ class HostAgent:
                     raise InfraError(f"{work.command_id} not read yet", retryable=True)
                 if command.ended:
                     return
-                await self._launch(work)
+                try:
+                    await self._launch(work)
+                except SandboxNotFound as err:
+                    await self._copy_gone(work, str(err))
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.DeliverConnectionsWork():
@@ -734,6 +737,34 @@ class HostAgent:
         )
 
     # --- commands -------------------------------------------------------------
+
+    async def _copy_gone(self, work: wk.RunCommandWork, why: str) -> None:
+        """The log has the sandbox running here, but its files are gone (a disk
+        lost or wiped under a live agent): this command never started, and no
+        other will here. The host says so (the command `not_launched`: sent
+        again, it runs once the sandbox is back), ends what is left of the copy,
+        and declares the placement lost, fenced from now, so that recovery ends
+        its other commands and brings it back from its last completed save at
+        its next use. Without this the instruction came back until max_deliver
+        and the command stayed `dispatched` for ever."""
+        sid, gen, me = work.sandbox_id, work.generation, self.host_id
+        log.error("%s: its files are gone from this host (%s): declared lost", sid, why)
+        never = ev.CommandEnded(
+            command_id=work.command_id,
+            state="not_launched",
+            output_complete=True,
+            reason=f"the sandbox's files are gone from host {me}: the command never started; "
+            "the sandbox comes back from its last completed save at its next use",
+            host=me,
+            generation=gen,
+        )
+        await self._report(sid, never, work.msg_id)
+        await self.driver.destroy_sandbox(sid)  # whatever of it still runs
+        now = time.time()
+        decide = functools.partial(
+            recovery.declare_lost_here, host=me, generation=gen, last_renewal_at=now, fence_at=now
+        )
+        await self.sandboxes.follow_up(sid, decide, why=f"files-gone:{work.msg_id}")
 
     async def _launch(self, work: wk.RunCommandWork) -> None:
         handle = await self.driver.launch(

@@ -346,3 +346,19 @@ def test_v6_an_idle_sandbox_is_reaped_and_a_command_starts_it_again_cold() -> No
     cold = cold_start_of(woken, command.id)
     assert cold is not None and cold.from_save == reaped.final_save_id
     assert (cold.start_ms, cold.restore_ms, cold.bytes_fetched) == (1500.0, 120.5, 10)
+
+
+def test_v7_a_scheduled_save_that_found_nothing_changed_replays() -> None:
+    """Decision 067: `save.unchanged` ends a scheduled save, and its parent holds
+    the files as of that capture."""
+    from sandhold.domain.sandbox import saved_until, unchanged_since
+
+    lines = (GOLDEN.parent / "sandbox_v7.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and sandbox.phase == "running"
+    parent, skipped = sandbox.saves["sv-7a1b2c3d4e5f6071"], sandbox.saves["sv-8b2c3d4e5f607182"]
+    assert (parent.state, skipped.state) == ("completed", "unchanged")
+    assert parent.confirmed_at == envelopes[-1].time and parent.quiet
+    assert unchanged_since(sandbox) == parent
+    assert saved_until(sandbox, now=envelopes[-1].time + 500) == envelopes[-1].time + 500

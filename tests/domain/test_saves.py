@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
 from sandhold.domain import saves as sv
 from sandhold.domain import work as wk
+from sandhold.domain.errors import Rejected
 from sandhold.domain.reconcile import plan
 from sandhold.domain.reports import decide_report
 from sandhold.domain.sandbox import Sandbox, decide
@@ -374,3 +376,111 @@ def test_the_saver_schedule_looks_at_running_sandboxes_and_saves_under_way() -> 
     )
     assert saving.phase == "stopping" and saving.saves_in_flight == ("final-1",)
     assert policy.on_schedule(saving)
+
+
+# --- a capture that finds nothing changed stores nothing (decision 067) ---
+
+
+def unchanged(save_id: str, *, quiet: bool = False) -> ev.SaveUnchanged:
+    return ev.SaveUnchanged(
+        save_id=save_id,
+        host=HOST_A,
+        generation=1,
+        freeze_ms=1.0,
+        freeze_method="cgroup",
+        quiet=quiet,
+    )
+
+
+def test_an_unchanged_capture_ends_the_save_and_its_parent_holds_the_files_as_of_then() -> None:
+    state, parent = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    state = _queued_and_ended(state, T0 + 110, "run-true")  # a command ran: a save is due
+    [due] = policy.due_save(state, now=T0 + 140, cause="x")
+    assert due.parent_id == parent
+    state = apply(state, [due], time=T0 + 140)
+    assert decide_report(state, unchanged(due.save_id)) == [unchanged(due.save_id)]
+    state = apply(state, [unchanged(due.save_id)], time=T0 + 141)
+
+    record = state.saves[due.save_id]
+    assert record.state == "unchanged" and record.captured_at == T0 + 141
+    assert not state.saves_in_flight  # nothing to verify, nothing to time out
+    latest = state.last_completed_save
+    assert latest is not None and latest.id == parent  # still the restore point
+    assert (latest.confirmed_at, latest.confirmed_generation) == (T0 + 141, 1)
+    view = sandbox_view(state, now=T0 + 150)
+    assert view.rpo_s == 150 - 141  # saved as of the capture, not the parent's completion
+    assert view.last_completed_save is not None
+    assert view.last_completed_save.confirmed_at == T0 + 141
+    # The interval counts from this save's request: the next is due 30 s later.
+    assert policy.due_save(state, now=T0 + 169, cause="y") == []
+    assert policy.due_save(state, now=T0 + 170, cause="y") != []
+    # A report of it again is no news; nor a later capture or upload of it.
+    assert decide_report(state, unchanged(due.save_id)) == []
+    assert decide_report(state, captured(due.save_id)) == []
+
+
+def test_a_quiet_unchanged_capture_holds_the_files_until_a_command_runs() -> None:
+    state, parent = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    state = _queued_and_ended(state, T0 + 110, "run-true")
+    [due] = policy.due_save(state, now=T0 + 140, cause="x")
+    state = apply(state, [due], time=T0 + 140)
+    state = apply(state, [unchanged(due.save_id, quiet=True)], time=T0 + 141)
+    # Quiet, nothing since: not saved again, nothing at risk, hours later.
+    later = T0 + 10_000
+    assert policy.due_save(state, now=later, cause="y") == []
+    view = sandbox_view(state, now=later)
+    assert view.unchanged_since_save == parent and view.rpo_s == 0.0
+    # A command ran: from its start the files may differ.
+    state = _queued_and_ended(state, T0 + 9000, "run-9")
+    view = sandbox_view(state, now=later)
+    assert view.unchanged_since_save is None and view.rpo_s == later - (T0 + 9000)
+    assert policy.due_save(state, now=T0 + 9000 + 30, cause="z") != []
+
+
+def test_an_unchanged_capture_ends_a_failure_streak() -> None:
+    state, parent = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    for i in range(sv.FAILING_AFTER):
+        [due] = policy.due_save(state, now=T0 + 200 + 100 * i, cause=f"f{i}")
+        state = apply(state, [due], time=T0 + 200 + 100 * i)
+        state = apply(state, [failed(due.save_id)], time=T0 + 201 + 100 * i)
+    view = sandbox_view(state, now=T0 + 600)
+    assert view.save_health is not None and view.save_health.state == "failing"
+    [due] = policy.due_save(state, now=T0 + 700, cause="ok")
+    state = apply(state, [due, unchanged(due.save_id)], time=T0 + 700)
+    view = sandbox_view(state, now=T0 + 701)
+    assert view.save_health is not None and view.save_health.state == "ok"
+
+
+def test_only_a_scheduled_save_with_a_parent_may_end_unchanged() -> None:
+    state, _ = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    [requested] = decide(state, snapshot())
+    state = apply(state, [requested], time=T0 + 120)
+    with pytest.raises(Rejected) as refused_snapshot:
+        decide_report(state, unchanged(snap_id()))
+    assert refused_snapshot.value.code == "save_must_be_stored"
+    first = given_sandbox(*RUNNING)
+    [due] = policy.due_save(first, now=T0 + 100, cause="first")
+    assert due.parent_id is None
+    first = apply(first, [due], time=T0 + 100)
+    with pytest.raises(Rejected):
+        decide_report(first, unchanged(due.save_id))
+
+
+def test_an_unchanged_capture_confirms_nothing_once_another_save_completed() -> None:
+    """A Snapshot completed between the request and the capture: the parent is
+    no longer the restore point, and the capture says nothing of the Snapshot."""
+    state, parent = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    state = _queued_and_ended(state, T0 + 110, "run-true")
+    [due] = policy.due_save(state, now=T0 + 140, cause="x")
+    [snap] = decide(apply(state, [due], time=T0 + 140), snapshot())
+    state = apply(state, [due, snap], time=T0 + 140)
+    state = apply(
+        state,
+        [captured(snap_id()), uploaded(snap_id()), completed(snap_id())],
+        time=T0 + 141,
+    )
+    state = apply(state, [unchanged(due.save_id, quiet=True)], time=T0 + 142)
+    assert state.saves[due.save_id].state == "unchanged"
+    latest = state.last_completed_save
+    assert latest is not None and latest.id == snap_id() and latest.confirmed_at is None
+    assert state.saves[parent].confirmed_at is None

@@ -20,6 +20,7 @@ from sandhold.domain import saves as sv
 from sandhold.domain.errors import Rejected
 from sandhold.domain.views import SaveView
 from sandhold.saves import SaveStore, restore
+from sandhold.saves.errors import MissingManifest
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
@@ -45,6 +46,11 @@ while True:
 
 # A job a finished command leaves running: the sandbox is never quiet while it runs.
 LEFT_BEHIND = "setsid sleep 600 > /dev/null 2>&1 < /dev/null &"
+# One that also writes a file, over and over.
+WRITING_JOB = (
+    "setsid sh -c 'while true; do date +%s%N > stamp; sleep 0.2; done' "
+    "> /dev/null 2>&1 < /dev/null &"
+)
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +154,22 @@ async def test_a_quiet_sandbox_is_saved_again_only_once_something_ran(client: Cl
     assert any(r.changed_bytes > 0 for r in _new(state, later))
     assert all(r.requested_at > state.saves[first].requested_at + 3 for r in _new(state, later))
 
+    job = await client.sandbox_state(sandbox_id)
     await client.exec(sandbox_id, ["sh", "-c", LEFT_BEHIND])
-    state = await client.wait_for(
-        sandbox_id,
-        lambda s: s if len(_completed(s)) >= 5 else None,
-        timeout=60,
-        what="saves while a job runs",
+    assert job is not None
+
+    def saved_while_the_job_runs(s: sb.Sandbox) -> list[sv.SaveRecord] | None:
+        # The job writes nothing, so these end `unchanged` (decision 067): taken
+        # all the same, every interval, as the job could write at any moment.
+        ended = [r for r in _new(s, job) if r.state in ("completed", "unchanged")]
+        return ended if len(ended) >= 5 else None
+
+    saves = await client.wait_for(
+        sandbox_id, saved_while_the_job_runs, timeout=60, what="saves while a job runs"
     )
-    assert sb_view(state).unchanged_since_save is None
+    assert not any(r.quiet for r in saves)
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and sb_view(state).unchanged_since_save is None
     await client.stop_sandbox(sandbox_id)
 
 
@@ -458,9 +472,10 @@ async def test_status_says_failing_when_saves_keep_failing_and_ok_once_one_compl
     client: Client, admin: Client
 ):
     sandbox_id = await running_sandbox(client, save_interval_s=1)
-    # A job left running: the sandbox can change at any time, so every interval's
-    # save is attempted (a quiet one's files stay in its last save, decision 051).
-    await client.exec(sandbox_id, ["sh", "-c", LEFT_BEHIND], key="job")
+    # A job left running that keeps writing: every interval's save is attempted
+    # (a quiet one's files stay in its last save, decision 051) and has something
+    # to store (one that found nothing changed stores nothing, decision 067).
+    await client.exec(sandbox_id, ["sh", "-c", WRITING_JOB], key="job")
     await client.wait_for(
         sandbox_id, lambda s: s if _completed(s) else None, timeout=30, what="a first save"
     )
@@ -626,4 +641,47 @@ async def test_a_command_for_a_sandbox_whose_files_are_gone_is_not_launched_and_
     assert again.command.state == "exited" and again.stdout == b"kept\n", again.command
     view = await client.show_sandbox(sandbox_id)
     assert view.phase == "running" and view.generation > gone.command.generation
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_scheduled_save_that_finds_nothing_changed_stores_nothing(
+    client: Client, tmp_path: Path
+):
+    """Decision 067: after a command that changed no file, the scheduled save
+    ends `unchanged`: no manifest, no upload, no verification; the last completed
+    save stays the restore point and holds the files as of that capture."""
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+    await client.exec(sandbox_id, ["sh", "-c", "echo kept > note"])
+    # A file written within a second of a save's capture is read again by the
+    # next capture (the racy-window rule), so one save after the write may still
+    # be stored; one a command later no longer is.
+    found = None
+    for _ in range(4):
+        ran = await client.exec(sandbox_id, ["true"])
+        ended_at = ran.command.ended_at or time.time()
+
+        def settled_after(s: sb.Sandbox, ended_at: float = ended_at) -> sv.SaveRecord | None:
+            late = [r for r in s.saves.values() if r.requested_at > ended_at]
+            done = [r for r in late if r.state not in sv.IN_FLIGHT]
+            return done[-1] if done else None
+
+        save = await client.wait_for(sandbox_id, settled_after, timeout=60, what="a save")
+        assert save.state in ("completed", "unchanged"), save
+        if save.state == "unchanged":
+            found = save
+            break
+    assert found is not None, "every save after a no-op command was stored"
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and state.last_completed_save is not None
+    parent = state.last_completed_save
+    assert parent.id == found.parent_id and parent.confirmed_at == found.captured_at
+
+    store = SaveStore(client.nc, client.names)
+    with pytest.raises(MissingManifest):
+        await store.get_manifest(found.id)  # nothing was stored under its id
+    await restore(store, await store.get_manifest(parent.id), tmp_path / "restored")
+    assert (tmp_path / "restored/root/workspace/note").read_bytes() == b"kept\n"
+    view = await client.show_sandbox(sandbox_id)
+    assert view.last_completed_save is not None
+    assert view.last_completed_save.confirmed_at == found.captured_at
     await client.stop_sandbox(sandbox_id)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from sandhold.saves import CaptureError, capture, clear_spool
+from sandhold.saves import CaptureError, capture, clear_spool, same_files
 from sandhold.saves.capture import RACY_WINDOW_S
 from sandhold.saves.manifest import FORMAT, chunk_lengths
 
@@ -357,3 +357,50 @@ def test_an_insertion_changes_only_the_chunks_around_it(workspace: Path, spool: 
     changed = set(new.chunks) - set(old.chunks)
     assert 1 <= len(changed) <= 3, (len(changed), len(new.chunks))
     assert len(new.chunks) >= 16  # about 8 MiB / (256 KiB + 64 KiB): many chunks kept
+
+
+def test_same_files_holds_only_when_a_save_would_store_nothing_new(
+    workspace: Path, spool: Path
+) -> None:
+    """Decision 067: a scheduled save whose capture is `same_files` as its
+    parent's stores nothing. Any change a save records makes it a save."""
+    write(workspace / "a", os.urandom(1000))
+    (workspace / "d").mkdir()
+    write(workspace / "d" / "b", b"b")
+    parent = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    ).manifest
+    clear_spool(spool, keep=set())
+
+    def again(n: int) -> bool:
+        """A capture now, as a host takes it (hashing deferred), is the parent's."""
+        current = capture(
+            workspace,
+            save_id=f"sv-{n}",
+            sandbox_id="sb",
+            previous=parent,
+            spool=spool.parent / f"spool-{n}",
+            now=later(),
+            defer_hashing=True,
+        ).manifest
+        return same_files(parent, current)
+
+    assert again(2)
+    changes = [
+        lambda: os.utime(workspace / "a", ns=(0, 1)),  # only its times
+        lambda: os.chmod(workspace / "d" / "b", 0o600),
+        lambda: (workspace / "d" / "b").unlink(),
+        lambda: (workspace / "e").mkdir(),
+        lambda: write(workspace / "a", os.urandom(1000)),
+        lambda: os.symlink("a", workspace / "l"),
+    ]
+    for n, change in enumerate(changes, start=3):
+        change()
+        assert not again(n), f"change {n - 3} went unseen"
+        parent = capture(
+            workspace, save_id="sv-p", sandbox_id="sb", previous=parent, spool=spool, now=later()
+        ).manifest
+        clear_spool(spool, keep=set())
+        assert again(100 + n)
+    for other in ({"layout": "root"}, {"format": FORMAT - 1}, {"chunk_size": CHUNK * 2}):
+        assert not same_files(msgspec.structs.replace(parent, **other), parent)

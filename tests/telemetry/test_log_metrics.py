@@ -179,6 +179,18 @@ def commands_saves_hosts() -> Log:
     log.add(sid, 12.0, ev.SaveCompleted(save_id="s1", total_bytes=10, files=1))
     log.add(sid, 40.0, ev.SaveRequested(save_id="s2", kind="scheduled", host="h1", generation=1))
     log.add(sid, 41.0, ev.SaveFailed(save_id="s2", stage="upload", reason="disk full"))
+    log.add(
+        sid,
+        42.0,
+        ev.SaveRequested(save_id="s3", kind="scheduled", host="h1", generation=1, parent_id="s1"),
+    )
+    log.add(
+        sid,
+        42.5,
+        ev.SaveUnchanged(
+            save_id="s3", host="h1", generation=1, freeze_ms=5.0, freeze_method="cgroup"
+        ),
+    )
     log.add("h1", 1.0, ev.HostRegistered(host="h1", epoch=1, capacity_sandboxes=1, memory_bytes=1))
     log.add("h1", 50.0, ev.HostLost(host="h1", epoch=1, last_renewal_at=45.0, fence_at=52.0))
     log.add(sid, 50.0, ev.SandboxLost(host="h1", generation=1, last_renewal_at=45.0, fence_at=52.0))
@@ -200,7 +212,8 @@ def test_commands_saves_hosts_and_recovery() -> None:
     assert metrics.total("sandhold_saves_completed_total", kind="scheduled") == 1
     assert metrics.total("sandhold_save_failures_total", stage="upload") == 1
     assert list(metrics.samples["sandhold_save_duration_seconds"]) == [2.0]
-    assert list(metrics.samples["sandhold_save_freeze_seconds"]) == [0.025]
+    assert list(metrics.samples["sandhold_save_freeze_seconds"]) == [0.025, 0.005]
+    assert metrics.total("sandhold_saves_unchanged_total") == 1
     assert metrics.total("sandhold_save_uploaded_bytes_total") == 4096
     assert metrics.total("sandhold_hosts_lost_total") == 1
     assert metrics.total("sandhold_sandboxes_lost_total") == 1

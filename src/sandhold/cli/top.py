@@ -43,6 +43,7 @@ def summary(folded: LogMetrics, now: float) -> dict[str, dict[str, object]]:
         },
         "saves": {
             "completed": folded.total("sandhold_saves_completed_total"),
+            "unchanged": folded.total("sandhold_saves_unchanged_total"),
             "failed": folded.total("sandhold_save_failures_total"),
             "duration_p50_s": _p(folded, "sandhold_save_duration_seconds", 0.5),
             "freeze_p99_s": _p(folded, "sandhold_save_freeze_seconds", 0.99),

@@ -37,6 +37,7 @@ from sandhold.domain.errors import InfraError, Rejected
 from sandhold.domain.fold import fold
 from sandhold.domain.host import Host, liveness
 from sandhold.domain.host import evolve as evolve_host
+from sandhold.domain.saves import IN_FLIGHT
 from sandhold.domain.task_manifest import TaskManifest
 from sandhold.domain.task_views import TaskReply, TaskView, task_view
 from sandhold.domain.views import (
@@ -259,11 +260,12 @@ class Client:
     async def wait_for_save(
         self, sandbox_id: str, save_id: str, *, timeout: float = 600.0
     ) -> SaveView:
-        """The save's record once it completed or failed."""
+        """The save's record once it ended: completed, unchanged (decision 067),
+        failed (or completed and expired since)."""
 
         def settled(state: sb.Sandbox) -> SaveView | None:
             record = state.saves.get(save_id)
-            if record is not None and record.state in ("completed", "failed", "expired"):
+            if record is not None and record.state not in IN_FLIGHT:
                 return save_view(sandbox_id, record)
             return None
 

@@ -277,6 +277,21 @@ class SaveUploaded(Event, tag="save.uploaded", frozen=True):
     manifest_digest: str = ""
 
 
+class SaveUnchanged(Event, tag="save.unchanged", frozen=True):
+    """A scheduled save's capture found every file as its parent save holds
+    them: nothing was stored, and the parent (the last completed save) holds
+    the sandbox's files as of this capture too (decision 067). The save itself
+    ends here, `unchanged`: it is no restore point of its own."""
+
+    save_id: str
+    host: str
+    generation: int
+    freeze_ms: float
+    freeze_method: str
+    scanned_files: int = 0
+    quiet: bool = False  # as `save.captured`'s
+
+
 class SaveCompleted(Event, tag="save.completed", frozen=True):
     """The saver verified the manifest and every chunk it names: only now it counts."""
 
@@ -528,6 +543,7 @@ AnyEvent = (
     | SaveRequested
     | SaveCaptured
     | SaveUploaded
+    | SaveUnchanged
     | SaveCompleted
     | SaveFailed
     | SavesExpired

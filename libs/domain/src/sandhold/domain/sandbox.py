@@ -300,6 +300,30 @@ def _save_advanced(state: Sandbox, save_id: str, event: ev.AnyEvent, at: float) 
     return state if new is None else _with_save(state, new)
 
 
+def _save_unchanged(state: Sandbox, event: ev.SaveUnchanged, at: float) -> Sandbox:
+    """The save ends `unchanged`; its parent, if still the last completed save,
+    holds the files as of this capture (decision 067), and may stay quiet from
+    here as a save captured now would."""
+    before = state.saves.get(event.save_id)
+    waited = event.save_id in state.requested_since_activity
+    state = _save_advanced(state, event.save_id, event, at)
+    record = state.saves.get(event.save_id)
+    latest = state.last_completed_save
+    if record is None or record == before or record.state != "unchanged":
+        return state
+    if latest is None or latest.id != record.parent_id:
+        return state  # another save completed meanwhile: this capture confirms nothing
+    state = _with_save(state, sv.confirmed(latest, record))
+    if waited and _may_stay_quiet(state.saves[latest.id]):
+        # The parent takes the place of this save: the next move of the count
+        # stamps it (`held_until`), as it would have stamped this save.
+        waiting = tuple(i for i in state.requested_since_activity if i != record.id)
+        if latest.id not in waiting:
+            waiting = (*waiting, latest.id)
+        state = msgspec.structs.replace(state, requested_since_activity=waiting)
+    return state
+
+
 def _with_save(state: Sandbox, record: sv.SaveRecord) -> Sandbox:
     """The save put in (new or moved on), with the indexes that spare a pass over
     all of them kept in step: under way, completed, Snapshots, the failure
@@ -308,8 +332,10 @@ def _with_save(state: Sandbox, record: sv.SaveRecord) -> Sandbox:
     moved = before is None or before.state != record.state
     failures, after = state.save_failures, state.save_streak_after
     counted = after is None or record.requested_at > after
-    if moved and record.state in ("completed", "expired") and counted:
-        after = record.requested_at  # a success later than the attempts before it ends the streak
+    if moved and record.state in ("completed", "unchanged", "expired") and counted:
+        # A success later than the attempts before it ends the streak (an
+        # unchanged capture too: the last completed save holds the files).
+        after = record.requested_at
         failures = tuple(f for f in failures if state.saves[f].requested_at > after)
     elif moved and record.state == "failed" and counted:
         at = bisect_right([state.saves[f].requested_at for f in failures], record.requested_at)
@@ -341,7 +367,9 @@ def _may_stay_quiet(record: sv.SaveRecord) -> bool:
     does (`held_until`), so one captured otherwise, or failed, is not stamped
     and leaves `requested_since_activity`, which a long command running with
     saves every interval would otherwise grow without end."""
-    return record.state == "requested" or (record.quiet and record.state != "failed")
+    return record.state == "requested" or (
+        record.quiet and record.state not in ("failed", "unchanged")
+    )
 
 
 def _changed(state: Sandbox, at: float) -> Sandbox:
@@ -690,6 +718,8 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return _save_requested(state, event, envelope_time)
         case ev.SaveCaptured() | ev.SaveUploaded() | ev.SaveCompleted() | ev.SaveFailed():
             return _save_advanced(state, event.save_id, event, envelope_time)
+        case ev.SaveUnchanged():
+            return _save_unchanged(state, event, envelope_time)
         case ev.SavesExpired(save_ids=save_ids):
             for save_id in save_ids:
                 state = _save_advanced(state, save_id, event, envelope_time)
@@ -714,7 +744,7 @@ def _recovered_from(state: Sandbox) -> RecoveredFrom:
     if restored is not None:  # one of its own saves (a Snapshot of itself included)
         # The save holds the files as of its capture; the failure is dated by the
         # last renewal recovery saw (a capture just after it counts as not behind).
-        taken = restored.captured_at or restored.completed_at
+        taken = sv.holds_as_of(restored)
         # A quiet save held the files until their first change (decision 051).
         held = held_until(restored, state, now=lost.last_renewal_at)
         if taken and held is not None:
@@ -897,7 +927,7 @@ def unchanged_since(state: Sandbox) -> sv.SaveRecord | None:
     if (
         state.phase != "running"
         or latest is None
-        or latest.generation != state.generation
+        or state.generation not in (latest.generation, latest.confirmed_generation)
         or not _still_holds(latest, state)
     ):
         return None
@@ -929,8 +959,9 @@ def saved_until(state: Sandbox, *, now: float) -> float | None:
     latest = state.last_completed_save
     if latest is None or latest.completed_at is None:
         return None
+    saved = max(latest.completed_at, latest.confirmed_at or 0.0)
     held = held_until(latest, state, now=now)
-    return latest.completed_at if held is None else max(latest.completed_at, held)
+    return saved if held is None else max(saved, held)
 
 
 def placed_on(state: Sandbox) -> str | None:

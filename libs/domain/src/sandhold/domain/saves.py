@@ -12,7 +12,9 @@ from typing import Literal
 import msgspec
 from sandhold.domain import events as ev
 
-SaveState = Literal["requested", "captured", "uploaded", "completed", "failed", "expired"]
+SaveState = Literal[
+    "requested", "captured", "uploaded", "completed", "unchanged", "failed", "expired"
+]
 IN_FLIGHT: frozenset[str] = frozenset({"requested", "captured", "uploaded"})
 
 DEFAULT_SAVE_INTERVAL_S = 30.0
@@ -47,6 +49,11 @@ class SaveRecord(msgspec.Struct, frozen=True, kw_only=True):
     activity: int = -1
     quiet: bool = False
     changed_at: float | None = None  # when the sandbox's count first moved after it
+    # A completed save a later capture found the files unchanged from (decision
+    # 067): that capture's time and placement. The save holds the sandbox's
+    # files as of then; `activity`, `quiet` and `changed_at` are that capture's.
+    confirmed_at: float | None = None
+    confirmed_generation: int | None = None
 
 
 class SaveHealth(msgspec.Struct, kw_only=True):
@@ -99,6 +106,14 @@ def advanced(record: SaveRecord, event: ev.AnyEvent, at: float) -> SaveRecord | 
                 "files": event.files,
                 "manifest_digest": event.manifest_digest,
             }
+        case ev.SaveUnchanged():
+            changes = {
+                "state": "unchanged",
+                "captured_at": at,
+                "freeze_ms": event.freeze_ms,
+                "freeze_method": event.freeze_method,
+                "quiet": event.quiet,
+            }
         case ev.SaveCompleted():
             changes = {
                 "state": "completed",
@@ -116,6 +131,29 @@ def advanced(record: SaveRecord, event: ev.AnyEvent, at: float) -> SaveRecord | 
         case _:
             return None
     return msgspec.structs.replace(record, **changes)
+
+
+def confirmed(parent: SaveRecord, unchanged: SaveRecord) -> SaveRecord:
+    """The parent completed save after a capture (`unchanged`, a save of the same
+    sandbox) found the files as it holds them: it holds them as of that capture,
+    and whether they can have changed since is judged from there."""
+    return msgspec.structs.replace(
+        parent,
+        confirmed_at=unchanged.captured_at,
+        confirmed_generation=unchanged.generation,
+        activity=unchanged.activity,
+        quiet=unchanged.quiet,
+        changed_at=unchanged.changed_at,
+    )
+
+
+def holds_as_of(save: SaveRecord) -> float | None:
+    """Up to when a completed save is known to hold the sandbox's files (before
+    any quiet holding): its capture, or a later capture that found them unchanged."""
+    taken = save.captured_at or save.completed_at
+    if save.confirmed_at is not None and (taken is None or save.confirmed_at > taken):
+        return save.confirmed_at
+    return taken
 
 
 def newest_completed(completed: Iterable[SaveRecord]) -> SaveRecord | None:

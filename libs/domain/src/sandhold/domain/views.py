@@ -70,6 +70,9 @@ class SaveView(msgspec.Struct, kw_only=True):
     uploaded_bytes: int = 0
     stage: str = ""
     reason: str = ""
+    # A completed save: the last capture that found the files unchanged from it
+    # (decision 067), so it holds them as of then.
+    confirmed_at: float | None = None
 
 
 class SandboxView(msgspec.Struct, kw_only=True):
@@ -220,6 +223,7 @@ def save_view(sandbox_id: str, r: sv.SaveRecord) -> SaveView:
         uploaded_bytes=r.uploaded_bytes,
         stage=r.stage,
         reason=r.reason,
+        confirmed_at=r.confirmed_at,
     )
 
 

@@ -21,7 +21,13 @@ from sandhold.saves.errors import (
     SaveStoreError,
 )
 from sandhold.saves.gc import GcStats, collect_garbage, collectable, delete_unretained_manifests
-from sandhold.saves.manifest import Entry, Manifest, decode_manifest, encode_manifest
+from sandhold.saves.manifest import (
+    Entry,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    same_files,
+)
 from sandhold.saves.restore import RestoreStats, restore
 from sandhold.saves.store import Progress, SaveStore, UploadStats
 from sandhold.saves.storing import store_capture
@@ -56,6 +62,7 @@ __all__ = [
     "collectable",
     "decode_manifest",
     "encode_manifest",
+    "same_files",
     "restore",
     "store_capture",
 ]

@@ -70,6 +70,21 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     lengths: list[int] = []
 
 
+def same_files(parent: Manifest, current: Manifest) -> bool:
+    """Whether a capture (`current`) found every file as `parent` holds it:
+    everything a save records of each name (kind, mode, owner, size, times,
+    inode, chunks, xattrs, link target), in the same layout and format. Then a
+    save would store nothing new (decision 067). Conservative: a name only
+    touched (its times moved) counts as a change."""
+    return (
+        parent.layout == current.layout
+        and parent.format == current.format
+        and parent.chunk_size == current.chunk_size
+        and parent.root == current.root
+        and parent.entries == current.entries
+    )
+
+
 # What a manifest's paths are relative to. "workspace": the workspace directory
 # (the first saves, task seeds, the process driver). "root": a namespaced
 # sandbox's whole persistent layer, one directory per overlay upper ("root"

@@ -57,6 +57,11 @@ CATALOG: tuple[Metric, ...] = (
     Metric("sandhold_commands_ended_total", "counter", "Commands that ended, by end state"),
     Metric("sandhold_sandboxes", "gauge", "Sandboxes by phase"),
     Metric("sandhold_saves_completed_total", "counter", "Verified saves, by kind"),
+    Metric(
+        "sandhold_saves_unchanged_total",
+        "counter",
+        "Scheduled saves that found nothing changed and stored nothing",
+    ),
     Metric("sandhold_save_failures_total", "counter", "Failed saves, by stage"),
     Metric(
         "sandhold_save_duration_seconds",
@@ -155,6 +160,13 @@ class LogMetrics:
             case ev.CommandEnded():
                 self._count("sandhold_commands_ended_total", state=event.state)
             case ev.SaveCaptured():
+                self._observe(
+                    "sandhold_save_freeze_seconds",
+                    event.freeze_ms / 1000,
+                    method=event.freeze_method,
+                )
+            case ev.SaveUnchanged():
+                self._count("sandhold_saves_unchanged_total")
                 self._observe(
                     "sandhold_save_freeze_seconds",
                     event.freeze_ms / 1000,

@@ -35,6 +35,7 @@ from sandhold.saves import (
     decode_manifest,
     encode_manifest,
     restore,
+    same_files,
     store_capture,
 )
 
@@ -99,15 +100,24 @@ class HostSaves:
         *,
         freeze: bool,
         report: Report,
+        may_be_unchanged: bool = False,
     ) -> None:
-        """One attempt at a save; every outcome is reported, none raises."""
+        """One attempt at a save; every outcome is reported, none raises.
+        `may_be_unchanged`: a capture that finds every file as the parent save
+        holds it stores nothing and says so (`save.unchanged`, decision 067)."""
         if save_id in self._running:
             return  # a duplicate instruction while this very save is under way
         self._running.add(save_id)
         try:
             async with self._turns if freeze else contextlib.nullcontext():
                 await self._save(
-                    sandbox_id, generation, save_id, parent_id, freeze=freeze, report=report
+                    sandbox_id,
+                    generation,
+                    save_id,
+                    parent_id,
+                    freeze=freeze,
+                    report=report,
+                    may_be_unchanged=may_be_unchanged,
                 )
         finally:
             self._running.discard(save_id)
@@ -121,6 +131,7 @@ class HostSaves:
         *,
         freeze: bool,
         report: Report,
+        may_be_unchanged: bool,
     ) -> None:
         spool = self._spool(sandbox_id)
         spool.mkdir(parents=True, exist_ok=True)
@@ -172,6 +183,23 @@ class HostSaves:
             freeze_ms = (time.monotonic() - started) * 1000
         except (OSError, SandholdError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
+            return
+        if may_be_unchanged and previous is not None and same_files(previous, captured.manifest):
+            # Nothing to store: the parent holds these files. (A scheduled save of
+            # a sandbox that ran only `true` was a manifest stored, four events and
+            # a verification: ~30 ms of CPU, docs/benchmarks.md (j).)
+            shutil.rmtree(spool / save_id, ignore_errors=True)
+            marker.unlink(missing_ok=True)
+            await report(
+                ev.SaveUnchanged(
+                    save_id=save_id,
+                    freeze_ms=round(freeze_ms, 2),
+                    freeze_method=str(method),
+                    scanned_files=captured.scanned_files,
+                    quiet=quiet,
+                    **me,
+                )
+            )
             return
         await report(
             ev.SaveCaptured(

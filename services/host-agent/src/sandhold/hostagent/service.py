@@ -669,6 +669,8 @@ class HostAgent:
                         work.parent_save_id,
                         freeze=True,
                         report=lambda e: self._report(sid, e, work.msg_id),
+                        # (A Snapshot is stored whatever it holds: decision 067.)
+                        may_be_unchanged=save.kind == "scheduled",
                     )
                 )
             case wk.DestroySandboxWork():

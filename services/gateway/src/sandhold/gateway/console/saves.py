@@ -13,6 +13,7 @@ WIDTH, HEIGHT, PAD = 720, 56, 12
 # Shapes tell the outcome without colour: a filled dot completed, a cross
 # failed, a ring under way.
 _DONE, _FAILED = "completed", frozenset({"failed", "expired"})
+_UNCHANGED = "unchanged"  # found nothing changed: stored nothing (decision 067)
 
 
 def saves_timeline(view: Any, saves: list[SaveView], now: float) -> str:
@@ -64,6 +65,8 @@ def _chart(saves: list[SaveView], point: str | None, now: float) -> str:
         elif save.state == _DONE:
             radius = 7 if save.kind == "snapshot" else 5
             shape = f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="{radius}" fill="#2a7"/>'
+        elif save.state == _UNCHANGED:  # nothing stored: the save before holds the files
+            shape = f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="2.5" fill="#2a7"/>'
         else:
             shape = (
                 f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" fill="none" stroke="#888" '
@@ -81,11 +84,13 @@ def _chart(saves: list[SaveView], point: str | None, now: float) -> str:
     summary = (
         f"{len(saves)} save{'' if len(saves) == 1 else 's'} since {when(start)}: "
         f"{sum(s.state == _DONE for s in saves)} completed, "
+        f"{sum(s.state == _UNCHANGED for s in saves)} unchanged, "
         f"{sum(s.state in _FAILED for s in saves)} failed"
     )
     return (
         f'<figure class="chart"><svg viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
         f'aria-label="saves on a time axis up to now" width="{WIDTH}">{axis}{"".join(marks)}</svg>'
-        f"<figcaption>{summary}. Dot: completed (bigger: a snapshot); cross: failed; ring: under"
+        f"<figcaption>{summary}. Dot: completed (bigger: a snapshot; small: nothing changed, "
+        "so nothing stored); cross: failed; ring: under"
         " way; pointer: the recovery point.</figcaption></figure>"
     )

@@ -685,3 +685,25 @@ async def test_a_scheduled_save_that_finds_nothing_changed_stores_nothing(
     assert view.last_completed_save is not None
     assert view.last_completed_save.confirmed_at == found.captured_at
     await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_host_keeps_little_for_a_sandboxs_saves_and_nothing_once_it_is_deleted(
+    up: Up, client: Client
+):
+    """The host's spool keeps the parent manifest the next save walks against
+    (and the one before, until the newest completes): not one file per save,
+    which filled it for a sandbox saved every interval for days."""
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    spool = up.data_dir / "hosts" / "local" / "spool" / sandbox_id
+    for n in range(4):
+        await client.exec(sandbox_id, ["sh", "-c", f"echo {n} > note"])
+        save = await client.snapshot(sandbox_id, f"n{n}")
+        assert (await client.wait_for_save(sandbox_id, save.id, timeout=60)).state == "completed"
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None
+    parent = state.saves[save.id].parent_id
+    kept = sorted(str(p.relative_to(spool)) for p in spool.rglob("*"))
+    assert kept == sorted(["manifests", f"manifests/{parent}", f"manifests/{save.id}"])
+    await client.delete_sandbox(sandbox_id)
+    await client.wait_for_phase(sandbox_id, {"deleted"}, timeout=60)
+    assert not spool.exists()

@@ -6,7 +6,14 @@ import os
 import time
 from pathlib import Path
 
-from sandhold.saves import DEFAULT_CHUNK_SIZE, SaveStore, capture, clear_spool, restore
+from sandhold.saves import (
+    DEFAULT_CHUNK_SIZE,
+    SaveStore,
+    capture,
+    clear_spool,
+    restore,
+    same_files,
+)
 from sandhold.saves.capture import RACY_WINDOW_S
 
 from tests.saves.conftest import tree, write
@@ -112,3 +119,37 @@ async def test_identical_content_is_uploaded_once(
     )
     up = await store.upload(result.new_chunks)
     assert up.uploaded_bytes == 0 and up.skipped_bytes == len(data)
+
+
+async def test_a_capture_right_after_a_restore_is_the_same_files(
+    store: SaveStore, workspace: Path, spool: Path, tmp_path: Path
+) -> None:
+    """The restore's local manifest is what a capture of the restored tree
+    records — the root directory and modes included (a setuid bit does not
+    survive a restore) — so the first scheduled save after a recovery can end
+    unchanged (decision 067)."""
+    write(workspace / "a", os.urandom(1000))
+    (workspace / "d").mkdir()
+    write(workspace / "d" / "tool", b"#!/bin/sh\n")
+    os.chmod(workspace / "d" / "tool", 0o4755)
+    os.chmod(workspace, 0o750)
+    saved = capture(
+        workspace, save_id="sv-1", sandbox_id="sb", previous=None, spool=spool, now=later()
+    )
+    await store.upload(saved.new_chunks)
+    await store.put_manifest(saved.manifest)
+    clear_spool(spool, keep=set())
+
+    dest = tmp_path / "restored"
+    restored = await restore(store, await store.get_manifest("sv-1"), dest)
+    again = capture(
+        dest,
+        save_id="sv-2",
+        sandbox_id="sb",
+        previous=restored.local_manifest,
+        spool=spool,
+        now=later(),
+        defer_hashing=True,
+    )
+    assert again.changed_files == 0
+    assert same_files(restored.local_manifest, again.manifest)

@@ -219,8 +219,9 @@ def test_commands_saves_hosts_and_recovery() -> None:
     assert metrics.total("sandhold_sandboxes_lost_total") == 1
     assert list(metrics.samples["sandhold_recovery_seconds"]) == [3.5]
     gauges = metrics.gauges(now=100.0)
-    # Running again, from the save whose files were captured at 10.5.
-    assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 89.5}
+    # Running again, from the save whose files were captured at 10.5 and found
+    # unchanged at 42.5 (decision 067): the files as of 42.5 are in it.
+    assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 100.0 - 42.5}
     assert gauges["sandhold_hosts"] == {labels(status="lost"): 1}
     assert gauges["sandhold_sandboxes"] == {labels(phase="running"): 1}
     assert gauges["sandhold_log_position"] == {(): len(log.envelopes)}

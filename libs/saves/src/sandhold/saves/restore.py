@@ -133,6 +133,9 @@ async def restore(
     except BaseException:
         _remove_tree(staging)
         raise
+    if local.root is not None:
+        root_entry = _as_restored(local.root, os.fsencode(dest), id_offset)
+        local = msgspec.structs.replace(local, root=root_entry)
     await _after_last_timestamp(local)
     kinds = Counter(e.kind for e in manifest.entries)
     return RestoreStats(
@@ -457,23 +460,19 @@ def _finish_tree(root: bytes, manifest: Manifest, id_offset: int) -> None:
 
 
 def _local_manifest(root: bytes, manifest: Manifest, id_offset: int) -> Manifest:
+    """The restored tree as a capture of it would record it (the next save walks
+    against this): each name's inode, ctime, owner and mode as on disk (no
+    setuid bit survives a restore). The root directory is stated once it has
+    its final name (`_as_restored` after the rename: a rename moves its ctime),
+    so that a capture right after the restore is `same_files` as this
+    (decision 067)."""
     entries = []
-    newest = 0
     for entry in manifest.entries:
         if entry.kind == "hardlink":  # no stat of its own: its file's entry has it
             entries.append(entry)
             continue
-        st = os.lstat(_join(root, entry.path))
-        newest = max(newest, st.st_ctime_ns)
-        entries.append(
-            msgspec.structs.replace(
-                entry,
-                ino=st.st_ino,
-                ctime_ns=st.st_ctime_ns,
-                uid=recorded_id(st.st_uid, id_offset),
-                gid=recorded_id(st.st_gid, id_offset),
-            )
-        )
+        entries.append(_as_restored(entry, _join(root, entry.path), id_offset))
+    newest = max((e.ctime_ns for e in entries), default=0)
     # `created_at` is what capture's racy-file rule compares ctimes with: set it
     # so that no restored file counts as racy. That is sound because nothing
     # writes to the tree before `restore` returns, and it returns only once the
@@ -482,8 +481,21 @@ def _local_manifest(root: bytes, manifest: Manifest, id_offset: int) -> Manifest
     return msgspec.structs.replace(manifest, entries=entries, created_at=created_at)
 
 
+def _as_restored(entry: Entry, path: bytes, id_offset: int) -> Entry:
+    st = os.lstat(path)
+    return msgspec.structs.replace(
+        entry,
+        mode=entry.mode if entry.kind == "symlink" else stat.S_IMODE(st.st_mode),
+        ino=st.st_ino,
+        ctime_ns=st.st_ctime_ns,
+        uid=recorded_id(st.st_uid, id_offset),
+        gid=recorded_id(st.st_gid, id_offset),
+    )
+
+
 async def _after_last_timestamp(local: Manifest) -> None:
-    newest = max((e.ctime_ns for e in local.entries), default=0)
+    root = [local.root] if local.root is not None else []
+    newest = max((e.ctime_ns for e in [*local.entries, *root]), default=0)
     while time.time_ns() <= newest + _TIMESTAMP_TICK_NS:
         # Waiting for the clock itself (at most a tick or two), not for a state.
         await asyncio.sleep((newest + _TIMESTAMP_TICK_NS - time.time_ns()) / 1e9 + 0.001)

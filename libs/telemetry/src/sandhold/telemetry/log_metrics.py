@@ -18,6 +18,7 @@ from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
+from sandhold.domain import saves as sv
 from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope
 
@@ -380,7 +381,8 @@ def _files_as_of(state: sb.Sandbox, now: float) -> float:
     quiet save's hold them until their first change (`now` while none, decision 051)."""
     latest = state.last_completed_save
     if latest is not None:
-        captured = latest.captured_at or latest.requested_at
+        # (Or a later capture that found them unchanged, decision 067.)
+        captured = sv.holds_as_of(latest) or latest.requested_at
         held = sb.held_until(latest, state, now=now)
         return captured if held is None else max(captured, held)
     return state.running_since or state.created_at

@@ -537,9 +537,10 @@ def changed_saves(
 ) -> list[SaveRecord]:
     """The saves `new` holds that differ from `old`'s, where `touched` names
     those the events between them were about. Only a save under way moves on,
-    only a completed one expires and only one requested since the sandbox's
-    activity last moved is stamped (`_changed`); a new one is named by its
-    event: a sandbox with 10,000 saves behind it is not gone through per event."""
+    only a completed one expires or is confirmed by an unchanged capture
+    (decision 067), and only one requested since the sandbox's activity last
+    moved is stamped (`_changed`); a new one is named by its event: a sandbox
+    with 10,000 saves behind it is not gone through per event."""
     if old is None:
         return list(new.saves.values())
     ids = dict.fromkeys(

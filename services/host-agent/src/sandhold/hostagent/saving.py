@@ -183,13 +183,13 @@ class HostSaves:
             freeze_ms = (time.monotonic() - started) * 1000
         except (OSError, SandholdError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
+            marker.unlink(missing_ok=True)
             return
         if may_be_unchanged and previous is not None and same_files(previous, captured.manifest):
             # Nothing to store: the parent holds these files. (A scheduled save of
             # a sandbox that ran only `true` was a manifest stored, four events and
-            # a verification: ~30 ms of CPU, docs/benchmarks.md (j).)
+            # a verification: ~30 ms of CPU, decision 067.)
             shutil.rmtree(spool / save_id, ignore_errors=True)
-            marker.unlink(missing_ok=True)
             await report(
                 ev.SaveUnchanged(
                     save_id=save_id,
@@ -200,6 +200,7 @@ class HostSaves:
                     **me,
                 )
             )
+            marker.unlink(missing_ok=True)
             return
         await report(
             ev.SaveCaptured(
@@ -223,10 +224,11 @@ class HostSaves:
             manifest_bytes, manifest_digest = await self._store.put_manifest(captured.manifest)
         except (OSError, SandholdError, TimeoutError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="upload", reason=str(err), **me))
+            marker.unlink(missing_ok=True)
             return
         finally:
             shutil.rmtree(spool / save_id, ignore_errors=True)
-        self._remember(sandbox_id, captured.manifest)
+        self._remember(sandbox_id, captured.manifest, keep=parent_id)
         await report(
             ev.SaveUploaded(
                 save_id=save_id,
@@ -240,6 +242,10 @@ class HostSaves:
                 **me,
             )
         )
+        # Reported: a redelivered instruction finds the save no longer requested.
+        # (Kept where an outcome could not be reported: the next attempt says
+        # "interrupted". Left behind, one marker a save filled the spool.)
+        marker.unlink(missing_ok=True)
 
     async def restore_workspace(
         self, sandbox_id: str, save_id: str, digest: str = ""
@@ -296,12 +302,25 @@ class HostSaves:
             return await self._store.get_manifest(save_id)
         return None
 
-    def _remember(self, sandbox_id: str, manifest: Manifest) -> None:
+    def _remember(self, sandbox_id: str, manifest: Manifest, *, keep: str | None = None) -> None:
+        """Keep `manifest` here, as this copy's files are (inodes, times), for the
+        next save's walk; with it only `keep` (the parent it was taken from: the
+        parent again if this save never completes). Any other, of a save no
+        longer the last, would be read again only as a fallback the store gives
+        (one a save, kept, filled the spool)."""
         folder = self._spool(sandbox_id) / "manifests"
         folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{manifest.save_id}.tmp"
         tmp.write_bytes(encode_manifest(manifest))
         tmp.replace(folder / manifest.save_id)
+        for entry in os.scandir(folder):
+            if entry.name not in (manifest.save_id, keep) and not entry.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+    def forget(self, sandbox_id: str) -> None:
+        """Drop what this host keeps for the sandbox's saves (its copy is gone)."""
+        shutil.rmtree(self._spool(sandbox_id), ignore_errors=True)
 
     def _progress(self, sandbox_id: str, save_id: str, operation: str):
         subject = f"{self._names.prefix}.progress.{sandbox_id}.{save_id}"

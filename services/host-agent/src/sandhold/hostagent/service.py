@@ -497,9 +497,15 @@ class HostAgent:
             target.parent.mkdir(parents=True, exist_ok=True)
             self.driver.layout.sandbox_dir(sandbox_id).rename(target)
             with contextlib.suppress(Exception):
-                await self.driver.destroy_sandbox(sandbox_id)
+                await self._destroy(sandbox_id)
         else:
-            await self.driver.destroy_sandbox(sandbox_id)
+            await self._destroy(sandbox_id)
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        """The copy gone from this host: its processes, cgroups and files, and
+        what its saves keep here (their spool: the parent manifests)."""
+        await self.driver.destroy_sandbox(sandbox_id)
+        await asyncio.to_thread(self.saving.forget, sandbox_id)
 
     # --- work -----------------------------------------------------------------
 
@@ -587,7 +593,7 @@ class HostAgent:
                     if local is not None and local not in (gen - 1, gen):
                         # The copy here is from an older placement (the sandbox ran
                         # elsewhere since): never reuse it, start from the save.
-                        await self.driver.destroy_sandbox(sid)
+                        await self._destroy(sid)
                     settings = SandboxSettings(
                         network=work.network,
                         image=work.image,
@@ -681,7 +687,7 @@ class HostAgent:
                     raise Rejected("delete_not_requested", f"no delete of {sid} was requested")
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
-                await self.driver.destroy_sandbox(sid)
+                await self._destroy(sid)
                 await self._report(sid, ev.SandboxDeleted(host=me, generation=gen), work.msg_id)
 
     def _background(self, job) -> None:
@@ -761,7 +767,7 @@ class HostAgent:
             generation=gen,
         )
         await self._report(sid, never, work.msg_id)
-        await self.driver.destroy_sandbox(sid)  # whatever of it still runs
+        await self._destroy(sid)  # whatever of it still runs
         now = time.time()
         decide = functools.partial(
             recovery.declare_lost_here, host=me, generation=gen, last_renewal_at=now, fence_at=now

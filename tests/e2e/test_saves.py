@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from nats.js.api import DiscardPolicy
+from nats.js.errors import NotFoundError
 from sandhold.client import Client, connect
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saves as sv
@@ -209,11 +210,16 @@ async def _snapshot_with_the_saver_stopped(
     with no saver to verify. (Stopping the saver once the save is seen `started`
     raced a small save's upload and verification.) Returns the stopped saver's PID."""
     agent, saver = up.service_pid("host-agent:local"), up.service_pid("saver")
-    queue = client.names.work_consumer("local", saves=True)
+    queue = client.names.work("local", saves=True)
 
     async def queued() -> bool:
-        info = await admin.js.consumer_info(client.names.hostwork_stream, queue)
-        return info.num_pending + info.num_ack_pending > 0
+        # This save's instruction, not whatever else the queue holds (one left by
+        # an earlier test made a count of pending messages say yes too soon).
+        try:
+            last = await admin.js.get_last_msg(client.names.hostwork_stream, queue)
+        except NotFoundError:
+            return False
+        return msgspec.json.decode(last.data).get("save_id") == save.id
 
     os.kill(agent, signal.SIGSTOP)  # takes no work until the saver is stopped
     try:

@@ -48,6 +48,8 @@ SECTIONS = [
     "cluster",
     "cli",
     "load",
+    "scale",
+    "unchanged_saves",
 ]
 
 # Used only when docs/benchmarks.md does not exist yet; its intro is kept by hand.

@@ -30,6 +30,7 @@ SCRIPTS = [
     "cli.py",
     "load.py",
     "scale.py",
+    "unchanged_saves.py",
 ]
 TIMEOUT_S = 1800  # per script; a full run of each takes a few minutes
 

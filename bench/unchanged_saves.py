@@ -15,13 +15,12 @@ ended. The command's own cost is in both.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 from _common import arguments, emit, sandhold_up, table
+from sandhold.bus.codec import decode_envelope
 from sandhold.client import Client, connect
-from sandhold.domain import sandbox as sb
-from sandhold.domain import saves as sv
+from sandhold.domain import events as ev
 from scale import machine_busy_seconds, services_cpu_seconds
 
 COMMANDS = {"write": ["sh", "-c", "date +%s%N > stamp"], "no-op": ["true"]}
@@ -43,16 +42,34 @@ async def make(client: Client, count: int) -> list[str]:
 
 
 async def command_and_save(client: Client, sandbox_id: str, argv: list[str]) -> str:
-    """Run `argv`, then wait for the first save requested after it to end."""
-    ran = await client.exec(sandbox_id, argv)
-    after = ran.command.ended_at or time.time()
+    """Run `argv`, then wait for the first save requested after it to end,
+    watching the sandbox's events as they are appended (reading its state back
+    from the log per change would cost the server more than the save does)."""
+    # (A quiet sandbox is not saved again until something happens: every save
+    # requested from here on is the command's.)
+    requested: set[str] = set()
+    ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-    def ended(state: sb.Sandbox) -> str | None:
-        late = [r for r in state.saves.values() if r.requested_at > after]
-        done = [r.state for r in late if r.state not in sv.IN_FLIGHT]
-        return done[-1] if done else None
+    async def on_event(msg) -> None:
+        event = decode_envelope(msg.data).event
+        if isinstance(event, ev.SaveRequested):
+            requested.add(event.save_id)
+        elif isinstance(event, tuple(ENDS)) and event.save_id in requested and not ended.done():
+            ended.set_result(ENDS[type(event)])
 
-    return await client.wait_for(sandbox_id, ended, timeout=120, what="the save after it")
+    sub = await client.nc.subscribe(client.names.events("sandbox", sandbox_id), cb=on_event)
+    try:
+        await client.exec(sandbox_id, argv)
+        return await asyncio.wait_for(ended, timeout=120)
+    finally:
+        await sub.unsubscribe()
+
+
+ENDS: dict[type, str] = {
+    ev.SaveCompleted: "completed",
+    ev.SaveUnchanged: "unchanged",
+    ev.SaveFailed: "failed",
+}
 
 
 async def measure(url: str, runtime, count: int, rounds: int) -> list[dict]:

@@ -713,3 +713,21 @@ async def test_a_host_keeps_little_for_a_sandboxs_saves_and_nothing_once_it_is_d
     await client.delete_sandbox(sandbox_id)
     await client.wait_for_phase(sandbox_id, {"deleted"}, timeout=60)
     assert not spool.exists()
+
+
+async def test_a_workspace_removed_from_inside_fails_the_launch_and_loses_nothing(
+    up: Up, client: Client
+):
+    """The sandbox's directory is still on its host, only its workspace is gone
+    (removed from inside): not a lost copy. The command cannot start and says
+    why; the sandbox stays where it is, on its own files."""
+    sandbox_id = await running_sandbox(client, save_interval_s=3600)
+    await client.exec(sandbox_id, ["sh", "-c", "echo kept > /tmp/../workspace/note"])
+    shutil.rmtree(up.workspace(sandbox_id))
+    failed = await client.exec(sandbox_id, ["true"], wait_timeout=60)
+    assert failed.command.state == "launch_failed", failed.command
+    assert "/workspace is missing" in failed.command.reason
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and state.phase == "running" and state.lost is None
+    assert (up.data_dir / "hosts" / "local" / "sandboxes" / sandbox_id).is_dir()
+    await client.stop_sandbox(sandbox_id)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -27,6 +28,7 @@ from sandhold.hostagent.driver import (
     detect_cgroups,
 )
 from sandhold.hostagent.driver.cgroups import parse_mounts
+from sandhold.hostagent.driver.owners import REGISTER
 from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
@@ -80,6 +82,7 @@ def reap(root: Path, host_id: str) -> None:
         cgroups.remove_host()
     unmount_under(root)
     forget_connections(root)
+    shutil.rmtree(REGISTER / host_id, ignore_errors=True)
 
 
 def unified_mounts() -> list[Path]:

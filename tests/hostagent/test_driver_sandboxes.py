@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
+from sandhold.hostagent.driver.owners import others_of
 
 from tests.support.waiting import wait_until
 
@@ -342,3 +344,23 @@ async def test_a_host_claiming_its_cgroups_removes_the_empty_ones_of_sandboxes_i
         if other.stdout is not None:
             other.stdout.close()
         driver.cgroups.remove("sb-busy")
+
+
+async def test_the_cgroups_of_another_data_dir_of_the_host_id_stay_until_that_dir_is_gone(
+    make_driver: MakeDriver, host_id: str, tmp_path: Path
+) -> None:
+    """Two installations may share a host id on one machine (`sandhold up`'s
+    `local`): a stopped one's sandboxes have empty cgroups, and they are its,
+    not leftovers, until its data dir is thrown away."""
+    driver = await make_driver()
+    if isinstance(driver.cgroups, NoCgroups):
+        pytest.skip(f"no cgroups here: {driver.cgroups.message}")
+    theirs = tmp_path / "another-installation"
+    (theirs / "sandboxes" / "sb-theirs").mkdir(parents=True)
+    others_of(host_id, theirs)  # as its agent did when it started
+    driver.cgroups.create_sandbox("sb-theirs", None)  # stopped: nothing in it
+    assert await driver.claim_cgroups() == []
+    assert _cgroup_dirs(host_id, "sb-theirs")
+    shutil.rmtree(theirs)  # that data dir thrown away
+    assert await driver.claim_cgroups() == ["sb-theirs"]
+    assert _cgroup_dirs(host_id, "sb-theirs") == []

@@ -146,6 +146,7 @@ class HostSaves:
                     reason="the host-agent restarted during this save",
                 )
             )
+            marker.unlink(missing_ok=True)
             return
         marker.touch()
         try:
@@ -279,6 +280,7 @@ class HostSaves:
         await asyncio.to_thread(self._driver.restored, sandbox_id)
         # The restored tree has new inodes and times: remembering them as they are on
         # disk lets the next save read only what changed since, not everything.
+        self._spool(sandbox_id).mkdir(parents=True, exist_ok=True)
         self._remember(sandbox_id, stats.local_manifest)
         return ev.RestoreReport(
             save_id=save_id,
@@ -309,14 +311,16 @@ class HostSaves:
         longer the last, would be read again only as a fallback the store gives
         (one a save, kept, filled the spool)."""
         folder = self._spool(sandbox_id) / "manifests"
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{manifest.save_id}.tmp"
-        tmp.write_bytes(encode_manifest(manifest))
-        tmp.replace(folder / manifest.save_id)
-        for entry in os.scandir(folder):
-            if entry.name not in (manifest.save_id, keep) and not entry.name.startswith("."):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        # (No spool: forgotten while this save ran, the copy is gone from here.)
+        with contextlib.suppress(FileNotFoundError):
+            folder.mkdir(exist_ok=True)
+            tmp = folder / f".{manifest.save_id}.tmp"
+            tmp.write_bytes(encode_manifest(manifest))
+            tmp.replace(folder / manifest.save_id)
+            for entry in os.scandir(folder):
+                if entry.name not in (manifest.save_id, keep) and not entry.name.startswith("."):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     def forget(self, sandbox_id: str) -> None:
         """Drop what this host keeps for the sandbox's saves (its copy is gone)."""

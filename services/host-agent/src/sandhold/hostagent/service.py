@@ -638,11 +638,15 @@ class HostAgent:
                     # Sent after its dispatch was appended: not read yet, not unknown.
                     raise InfraError(f"{work.command_id} not read yet", retryable=True)
                 if command.ended:
+                    if state.phase == "running" and await self._copy_gone(sid):
+                        # Its end was reported, the loss not yet (the agent died
+                        # between the two, or the loss's append failed): say it now.
+                        await self._declare_copy_gone(work)
                     return
                 try:
                     await self._launch(work)
                 except SandboxNotFound as err:
-                    await self._copy_gone(work, str(err))
+                    await self._not_launched(work, str(err))
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.DeliverConnectionsWork():
@@ -746,16 +750,37 @@ class HostAgent:
 
     # --- commands -------------------------------------------------------------
 
-    async def _copy_gone(self, work: wk.RunCommandWork, why: str) -> None:
-        """The log has the sandbox running here, but its files are gone (a disk
-        lost or wiped under a live agent): this command never started, and no
-        other will here. The host says so (the command `not_launched`: sent
-        again, it runs once the sandbox is back), ends what is left of the copy,
-        and declares the placement lost, fenced from now, so that recovery ends
-        its other commands and brings it back from its last completed save at
-        its next use. Without this the instruction came back until max_deliver
-        and the command stayed `dispatched` for ever."""
+    async def _copy_gone(self, sandbox_id: str) -> bool:
+        return await asyncio.to_thread(self.driver.copy_gone, sandbox_id)
+
+    async def _not_launched(self, work: wk.RunCommandWork, why: str) -> None:
+        """The log has the sandbox running here and the driver found no workspace.
+
+        If the sandbox's directory is gone (a disk lost or wiped under a live
+        agent), this command never started and no other will here: the host says
+        so (`not_launched`: sent again, it runs once the sandbox is back), ends
+        what is left of the copy, and declares the placement lost, fenced from
+        now, so that recovery ends its other commands and brings it back from its
+        last completed save at its next use. (Before, the instruction came back
+        until max_deliver and the command stayed `dispatched` for ever.) If the
+        directory is there, its disk is mounted again (after a reboot) and the
+        launch tried once more; a workspace still missing was removed from
+        inside the sandbox: that command cannot start (`launch_failed`)."""
         sid, gen, me = work.sandbox_id, work.generation, self.host_id
+        if not await self._copy_gone(sid):
+            try:
+                await self._launch(work)
+                return
+            except SandboxNotFound:
+                failed = ev.CommandEnded(
+                    command_id=work.command_id,
+                    state="launch_failed",
+                    reason="/workspace is missing in the sandbox (removed from inside it?)",
+                    host=me,
+                    generation=gen,
+                )
+                await self._report(sid, failed, work.msg_id)
+                return
         log.error("%s: its files are gone from this host (%s): declared lost", sid, why)
         never = ev.CommandEnded(
             command_id=work.command_id,
@@ -767,7 +792,16 @@ class HostAgent:
             generation=gen,
         )
         await self._report(sid, never, work.msg_id)
-        await self._destroy(sid)  # whatever of it still runs
+        await self._declare_copy_gone(work)
+
+    async def _declare_copy_gone(self, work: wk.RunCommandWork) -> None:
+        """End whatever of the copy still runs, and declare the placement lost
+        (safe to repeat: `declare_lost_here` decides nothing twice)."""
+        sid, gen, me = work.sandbox_id, work.generation, self.host_id
+        try:
+            await self._destroy(sid)
+        except Exception as err:  # the loss is said all the same: nothing here is current
+            log.warning("%s: what is left of its copy not destroyed: %r", sid, err)
         now = time.time()
         decide = functools.partial(
             recovery.declare_lost_here, host=me, generation=gen, last_renewal_at=now, fence_at=now

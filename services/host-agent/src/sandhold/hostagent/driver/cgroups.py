@@ -249,15 +249,19 @@ def _claim(
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd, []
     left: dict[str, bool] = {}  # sandbox -> gone from every hierarchy
-    for host in host_dirs:
-        for entry in os.scandir(host) if host.is_dir() else ():
-            if not entry.is_dir(follow_symlinks=False) or entry.name in keep:
-                continue
-            try:
-                _rmdir_tree(Path(entry.path), deadline=0.0)  # busy: it has processes
-                left.setdefault(entry.name, True)
-            except CgroupError:
-                left[entry.name] = False
+    try:
+        for host in host_dirs:
+            for entry in os.scandir(host) if host.is_dir() else ():
+                if not entry.is_dir(follow_symlinks=False) or entry.name in keep:
+                    continue
+                try:
+                    _rmdir_tree(Path(entry.path), deadline=0.0)  # busy: it has processes
+                    left.setdefault(entry.name, True)
+                except CgroupError:
+                    left[entry.name] = False
+    except BaseException:
+        os.close(fd)  # never an exclusive lock left held: the next agent would wait on it
+        raise
     removed = [sandbox_id for sandbox_id, gone in left.items() if gone]
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd, sorted(removed)

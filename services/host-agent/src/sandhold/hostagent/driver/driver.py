@@ -29,6 +29,7 @@ from sandhold.hostagent.driver.cgroups import CgroupError, Cgroups, detect_cgrou
 from sandhold.hostagent.driver.connections import ConnectionFiles, default_root
 from sandhold.hostagent.driver.handle import CommandHandle
 from sandhold.hostagent.driver.layout import HostLayout, check_id
+from sandhold.hostagent.driver.owners import others_of
 from sandhold.hostagent.driver.pool import (
     SUPERVISOR_MODULE,
     Doorbell,
@@ -245,6 +246,17 @@ class ProcessDriver:
             workspace = self.layout.workspace(sandbox_id)
             return workspace.is_dir() and any(workspace.iterdir())
         return self.boxes.has_files(sandbox_id)
+
+    def copy_gone(self, sandbox_id: str) -> bool:
+        """Whether this host no longer holds the sandbox at all: its directory is
+        gone (a disk lost or wiped under the agent). A disk of its own, unmounted
+        since a reboot, is mounted first; a workspace removed from inside the
+        sandbox is not a copy gone."""
+        if not self.layout.sandbox_dir(sandbox_id).is_dir():
+            return True
+        if self.boxes is not None:
+            self.boxes.mount_disk(sandbox_id)
+        return False
 
     def id_offset(self, sandbox_id: str) -> int:
         """The host id that is root inside the sandbox (0 for the process driver)."""
@@ -590,11 +602,19 @@ class ProcessDriver:
 
     async def claim_cgroups(self) -> list[str]:
         """Take this host's cgroups for the agent's life, removing the empty ones
-        of sandboxes this layout does not hold when no other agent has them (see
-        `Cgroups.claim_host`); returns the ids of those removed. Call it before
-        any sandbox is created: one being made has its directory first."""
+        of sandboxes no data dir of this host id holds when no other agent has
+        them (see `Cgroups.claim_host`, `owners`); returns the ids of those
+        removed. Call it before any sandbox is created: one being made has its
+        directory first."""
+        return await asyncio.to_thread(self._claim_cgroups)
+
+    def _claim_cgroups(self) -> list[str]:
+        # Another installation's sandboxes (one data dir of this host id) are
+        # kept, stopped ones too: only a data dir that is gone leaves nobody's.
         keep = set(self.layout.sandbox_ids())
-        return await asyncio.to_thread(self.cgroups.claim_host, keep)
+        for other in others_of(self.host_id, self.layout.root):
+            keep.update(HostLayout(other).sandbox_ids())
+        return self.cgroups.claim_host(keep)
 
     def adopt_all(self) -> list[CommandHandle]:
         """Every command whose end has not been reported yet (after an agent restart)."""

@@ -51,6 +51,16 @@ class _Placement(TypedDict):
     generation: int
 
 
+class _Capture(_Placement):
+    """What `save.captured` and `save.unchanged` both say of a capture."""
+
+    save_id: str
+    freeze_ms: float
+    freeze_method: str
+    scanned_files: int
+    quiet: bool
+
+
 class Progress(msgspec.Struct):
     """Published (core NATS, not kept) while a long save or restore runs."""
 
@@ -186,33 +196,28 @@ class HostSaves:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))
             marker.unlink(missing_ok=True)
             return
+        # What the capture says, stored or not.
+        seen = _Capture(
+            save_id=save_id,
+            freeze_ms=round(freeze_ms, 2),
+            freeze_method=str(method),
+            scanned_files=captured.scanned_files,
+            quiet=quiet,
+            **me,
+        )
         if may_be_unchanged and previous is not None and same_files(previous, captured.manifest):
             # Nothing to store: the parent holds these files. (A scheduled save of
             # a sandbox that ran only `true` was a manifest stored, four events and
             # a verification: ~30 ms of CPU, decision 067.)
             shutil.rmtree(spool / save_id, ignore_errors=True)
-            await report(
-                ev.SaveUnchanged(
-                    save_id=save_id,
-                    freeze_ms=round(freeze_ms, 2),
-                    freeze_method=str(method),
-                    scanned_files=captured.scanned_files,
-                    quiet=quiet,
-                    **me,
-                )
-            )
+            await report(ev.SaveUnchanged(**seen))
             marker.unlink(missing_ok=True)
             return
         await report(
             ev.SaveCaptured(
-                save_id=save_id,
-                freeze_ms=round(freeze_ms, 2),
-                freeze_method=str(method),
-                scanned_files=captured.scanned_files,
+                **seen,
                 changed_files=captured.changed_files,
                 changed_bytes=captured.changed_bytes,
-                quiet=quiet,
-                **me,
             )
         )
         started = time.monotonic()

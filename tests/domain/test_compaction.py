@@ -5,9 +5,13 @@ whole sandbox would, over random histories made by the real deciders
 from __future__ import annotations
 
 from hypothesis import given
+from sandhold.domain import events as ev
+from sandhold.domain import recovery
 from sandhold.domain import requests as rq
+from sandhold.domain import saver as policy
 from sandhold.domain.errors import Rejected
 from sandhold.domain.reconcile import plan
+from sandhold.domain.reports import decide_report
 from sandhold.domain.sandbox import (
     Sandbox,
     compact,
@@ -16,9 +20,11 @@ from sandhold.domain.sandbox import (
     evolve,
     queued_by,
     result_of,
+    saved_until,
+    unchanged_since,
     whole_needed,
 )
-from sandhold.domain.views import reply_for
+from sandhold.domain.views import reply_for, sandbox_view
 
 from . import test_fold_property as fp
 from .history import (
@@ -151,3 +157,130 @@ def test_a_run_is_known_by_its_key_once_its_command_is_compacted_away() -> None:
         )
     )  # fmt: skip
     assert not deleted_.requests and ended_away(deleted_, cmd("run-1"), "run-1"), "keys gone too"
+
+
+# --- saves (decision 068) ------------------------------------------------------
+
+
+def saves_seen(state: Sandbox, *, now: float) -> tuple[object, ...]:
+    """Everything the saver, recovery, the scheduler's replies and the views
+    decide or show of a sandbox's saves."""
+    return (
+        policy.due_save(state, now=now, cause="tick"),
+        policy.due_save(state, now=now + 10_000, cause="tick"),
+        policy.save_work(state),
+        policy.awaiting_verification(state),
+        policy.timed_out(state, now=now, timeout_s=3.0),
+        policy.expired(state, keep_last=1),
+        policy.expired(state, keep_last=5),
+        policy.retained(state),
+        unchanged_since(state),
+        saved_until(state, now=now),
+        recovery.after_loss(state),
+        sandbox_view(state, now=now),
+        state.restore_point(),
+        state.restore_digest(),
+        state.named_saves(),
+    )
+
+
+def reports_decided(state: Sandbox, save_ids: list[str]) -> list[object]:
+    """What each kind of host report about each save decides: a late one about a
+    save the kept state dropped must change nothing there, as on the whole."""
+    outcomes: list[object] = []
+    for save_id in save_ids:
+        for report in fp.save_reports_of(save_id, host=HOST_A, generation=state.generation):
+            try:
+                outcomes.append(decide_report(state, report))
+            except Rejected as refusal:
+                outcomes.append(refusal.code)
+    return outcomes
+
+
+@fp.SETTINGS
+@given(fp.MEMORY_CHOICE, fp.STEPS)
+def test_a_sandbox_with_saves_compacted_after_every_event_is_its_whole_fold_compacted(
+    memory_n: int, steps: list[fp.Choice]
+) -> None:
+    trace = fp.drive(memory_n, steps, fp.SAVES_MIX)
+    for n, (kept, whole) in enumerate(zip(compacted_fold(trace), trace.states, strict=True)):
+        assert kept == (None if whole is None else compact(whole)), f"after {n} envelopes"
+
+
+@fp.SETTINGS
+@given(fp.MEMORY_CHOICE, fp.STEPS)
+def test_the_saves_decide_and_show_the_same_on_the_kept_state(
+    memory_n: int, steps: list[fp.Choice]
+) -> None:
+    trace = fp.drive(memory_n, steps, fp.SAVES_MIX)
+    kept_states = compacted_fold(trace)
+    for n, (kept, whole) in enumerate(zip(kept_states[1:], trace.states[1:], strict=True), 1):
+        assert kept is not None and whole is not None
+        now = fp.T0 + n / 7
+        assert saves_seen(kept, now=now) == saves_seen(whole, now=now), f"after {n}"
+        assert set(policy.dropped(kept)) <= set(policy.dropped(whole)), "never more dropped"
+        every_save = list(whole.saves)
+        assert reports_decided(kept, every_save) == reports_decided(whole, every_save)
+
+
+@fp.SETTINGS
+@given(fp.MEMORY_CHOICE, fp.STEPS, fp.CHOICE)
+def test_any_request_to_a_sandbox_with_saves_is_decided_on_the_kept_state_as_on_the_whole(
+    memory_n: int, steps: list[fp.Choice], request_choice: fp.Choice
+) -> None:
+    trace = fp.drive(memory_n, steps, fp.SAVES_MIX)
+    whole = trace.state
+    kept = compacted_fold(trace)[-1]
+    assert whole is not None and kept is not None
+    for request in (
+        fp.read_request(whole, request_choice),
+        rq.SnapshotSandbox(key="s1", tenant="default", sandbox_id=SID, name="snap-1"),
+    ):
+        assert as_a_store_decides(kept, whole, request) == as_the_whole_decides(whole, request)
+
+
+def test_saves_that_nothing_names_go_and_the_rest_stay() -> None:
+    """Expired, failed behind a later success, and unchanged saves go; the
+    completed one and the failure streak after it stay."""
+    state = given_sandbox(*RUNNING)
+    t = fp.T0 + 100
+
+    def save(state: Sandbox, outcome: str) -> tuple[Sandbox, str]:
+        nonlocal t
+        t += 100
+        [requested] = policy.due_save(state, now=t, cause=f"at-{t}")
+        assert isinstance(requested, ev.SaveRequested)
+        save_id = requested.save_id
+        captured, uploaded, unchanged, failed = fp.save_reports_of(
+            save_id, host=HOST_A, generation=state.generation
+        )
+        done = ev.SaveCompleted(save_id=save_id, total_bytes=10, files=1)
+        reports: list[ev.AnyEvent] = {
+            "completed": [captured, uploaded, done],
+            "unchanged": [unchanged],
+            "failed": [failed],
+        }[outcome]
+        for event in [requested, *reports]:
+            t += 1
+            state = apply(state, [event], time=t)
+        assert state.saves[save_id].state == outcome
+        return state, save_id
+
+    state, first = save(state, "completed")
+    state, failed_before = save(state, "failed")
+    state, second = save(state, "completed")
+    state, unchanged = save(state, "unchanged")
+    state = apply(state, policy.expired(state, keep_last=1), time=t + 1)
+    state, failed_after = save(state, "failed")
+    assert state.saves[first].state == "expired"
+    kept = compact(state)
+    assert set(kept.saves) == {second, failed_after}, "expired, failed before it, unchanged: gone"
+    assert kept.compacted and set(state.saves) == {
+        first,
+        failed_before,
+        second,
+        unchanged,
+        failed_after,
+    }
+    assert kept.saves[second].confirmed_at is not None, "the record the capture confirmed"
+    assert compact(kept) is kept, "nothing more to drop: the same state, no copy"

@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
+from sandhold.domain import saver as policy
+from sandhold.domain import saves as sv
 from sandhold.domain.commands import END_STATES
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import Rejected
@@ -179,15 +181,115 @@ def read_report(state: Sandbox, choice: Choice, *, host: str | None, generation:
             )
 
 
-def drive(memory_n: int, steps: Sequence[Choice]) -> Trace:
+SAVE_STEPS = (
+    *("due", "due", "due", "snapshot"),  # the saver's schedule, a client's Snapshot
+    *("captured", "captured", "uploaded", "uploaded", "unchanged"),  # the host
+    *("verified", "verified", "verified"),  # the saver
+    *("failed", "timed_out", "expired", "expired"),  # on the host or verifying; retention
+)
+assert len(SAVE_STEPS) == 16
+
+
+def save_step(state: Sandbox, choice: Choice, step: int) -> tuple[list[ev.AnyEvent], str]:
+    """A step of a save's life, decided as the saver, a client or the host
+    decides it: requested (on schedule or as a Snapshot), captured, uploaded,
+    found unchanged or failed on the host, verified or failed by the saver,
+    timed out, expired by retention. Refusals leave nothing, as live."""
+    _, kind_n, save_n, key_n, detail, _ = choice
+    kind = pick(SAVE_STEPS, kind_n)
+    now = T0 + step / 7
+    under_way = state.saves_under_way()
+    save = pick(under_way, save_n) if under_way else None
+    if save is not None and kind in ("captured", "uploaded", "verified"):
+        # Mostly the step that moves the save on, so that saves complete (and
+        # then expire, or are confirmed by a capture that finds nothing changed).
+        kind = {"requested": pick(["captured", "unchanged"], detail), "captured": "uploaded"}.get(
+            save.state, "verified"
+        )
+    try:
+        match kind:
+            case "due":
+                return policy.due_save(state, now=now + 10_000, cause=f"tick-{step}"), "saver"
+            case "snapshot":
+                name = f"snap-{key_n % 4}"
+                request = rq.SnapshotSandbox(
+                    key=f"s{step}", tenant="default", sandbox_id=SID, name=name
+                )
+                return decide(state, request), "client"
+            case "verified" if save is not None:
+                return policy.verified(state, save.id, [], total_bytes=10, files=1), "saver"
+            case "failed" if save is not None and save.state == "uploaded" and detail % 2:
+                problems = ["a chunk is missing"]
+                return policy.verified(state, save.id, problems, total_bytes=10, files=1), "saver"
+            case "timed_out":
+                return policy.timed_out(state, now=now, timeout_s=1 + detail), "saver"
+            case "expired":
+                return policy.expired(state, keep_last=1 + detail % 2), "saver"
+            case _ if save is not None and save.host is not None:
+                report = save_report(kind, save, quiet=detail % 2 == 0)
+                return decide_report(state, report), "host-agent"
+            case _:
+                return [], "saver"
+    except Rejected:
+        return [], "saver"
+
+
+def save_report(kind: str, save: sv.SaveRecord, *, quiet: bool) -> HostReport:
+    captured, uploaded, unchanged, failed = save_reports_of(
+        save.id, host=save.host or HOST_A, generation=save.generation, quiet=quiet
+    )
+    return {"captured": captured, "uploaded": uploaded, "unchanged": unchanged}.get(kind, failed)
+
+
+def save_reports_of(
+    save_id: str, *, host: str, generation: int, quiet: bool = False
+) -> tuple[ev.SaveCaptured, ev.SaveUploaded, ev.SaveUnchanged, ev.SaveFailed]:
+    """A host's reports of a save: captured, uploaded, found unchanged, failed."""
+    return (
+        ev.SaveCaptured(
+            save_id=save_id, host=host, generation=generation, freeze_ms=1.0,
+            freeze_method="cgroup", quiet=quiet,
+        ),
+        ev.SaveUploaded(
+            save_id=save_id, host=host, generation=generation, total_bytes=10, files=1,
+            uploaded_bytes=10, uploaded_chunks=1, manifest_bytes=100, duration_ms=1.0,
+            manifest_digest="d" * 64,
+        ),
+        ev.SaveUnchanged(
+            save_id=save_id, host=host, generation=generation, freeze_ms=1.0,
+            freeze_method="cgroup", quiet=quiet,
+        ),
+        ev.SaveFailed(
+            save_id=save_id, stage="upload", reason="the store refused", host=host,
+            generation=generation,
+        ),
+    )  # fmt: skip
+
+
+# Who acts at each step (by the step's first choice).
+MIX = ("plan", "report", "request", "saves", "report", "request", "saves")
+# Histories of a sandbox whose saves run their course (they need it running
+# for a while): mostly the saves' steps.
+SAVES_MIX = ("saves", "saves", "report", "saves", "saves", "request", "saves", "plan")
+
+
+def drive(memory_n: int, steps: Sequence[Choice], mix: Sequence[str] = MIX) -> Trace:
     """Play the live loop over a drawn history; refusals leave no trace, as live."""
     trace = Trace()
     create = rq.CreateSandbox(key=CREATE_KEY, memory_limit_bytes=pick(MEMORY, memory_n))
     trace.append(decide(None, create), 0, "client", create.key)
+    if mix == SAVES_MIX:  # from running on host-a
+        assert trace.state is not None
+        trace.append(plan(trace.state, choose(HOST_A)).events, 0, "scheduler", "plan")
+        for report in (ev.SandboxStarting, ev.SandboxStarted):
+            trace.append([report(host=HOST_A, generation=1)], 0, "host-agent", "report")
     for step, choice in enumerate(steps, start=1):
         state = trace.state
         assert state is not None  # created at step 0, never un-created
-        match pick(["plan", "report", "request", "report", "request"], choice[0]):
+        match pick(mix, choice[0]):
+            case "saves":
+                events, actor = save_step(state, choice, step)
+                trace.append(events, step, actor, "saves")
             case "request":
                 request = read_request(state, choice)
                 with contextlib.suppress(Rejected):

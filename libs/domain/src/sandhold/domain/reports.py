@@ -78,14 +78,15 @@ def decide_report(state: Sandbox | None, report: HostReport) -> list[ev.AnyEvent
             news = save is not None and save.state in ("requested", "captured")
         case ev.SaveUnchanged():
             save = state.saves.get(report.save_id)
-            if save is not None and (save.kind != "scheduled" or save.parent_id is None):
+            news = save is not None and save.state == "requested"
+            if news and save is not None and (save.kind != "scheduled" or save.parent_id is None):
                 # A Snapshot is a restore point of its own and a final save is the
-                # stop's: both are stored whatever they hold (decision 067).
+                # stop's: both are stored whatever they hold (decision 067). (A
+                # late report of an ended save is no news, as any other report's.)
                 raise Rejected(
                     "save_must_be_stored",
                     f"save {save.id} ({save.kind}, parent {save.parent_id}) cannot end unchanged",
                 )
-            news = save is not None and save.state == "requested"
         case ev.SaveFailed():
             save = state.saves.get(report.save_id)
             news = save is not None and save.state in IN_FLIGHT

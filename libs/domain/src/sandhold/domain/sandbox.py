@@ -228,6 +228,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
         and the one its placement restores: all its view reads. The rest are
         expired or failed behind it (final: they never change again), however
         many they are."""
+        return PMap((i, self.saves[i]) for i in self._named_save_ids())
+
+    def _named_save_ids(self) -> list[str]:
         ids = (
             *self.saves_in_flight,
             *self.saves_completed,
@@ -236,7 +239,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
             *self.requested_since_activity,
             *(i for i in (self.final_save_id, self.restore_save_id) if i is not None),
         )
-        return PMap((i, self.saves[i]) for i in dict.fromkeys(ids) if i in self.saves)
+        return [i for i in dict.fromkeys(ids) if i in self.saves]
 
     def restore_point(self) -> str | None:
         """The save a fresh workspace is materialised from: the last completed
@@ -410,14 +413,37 @@ def compact(state: Sandbox) -> Sandbox:
     their request keys stay, so a retry is still known as one. A deleted
     sandbox forgets its request keys too: every request to it is refused or
     changes nothing, and `whole_needed` has it decided on the whole state.
-    Cheap when nothing is to go (the per-event case): two lengths compared."""
+    Its saves that nothing names go as well (decision 068): expired, failed
+    behind the streak, or ended unchanged, final and read by no decision or
+    view (`named_saves` keeps those under way, completed, Snapshots, the
+    streak, those waiting to be stamped, the final save and the one restored).
+    Cheap when nothing is to go (the per-event case): lengths compared."""
     deleted = state.phase == "deleted"
-    if len(state.commands) == len(state.unended_ids) and not (deleted and state.requests):
+    # Those under way and those completed are apart and all named: as many
+    # saves as those, and none is to go (the common case, without a pass).
+    saves_named = len(state.saves) <= len(state.saves_in_flight) + len(state.saves_completed)
+    kept_saves = None if saves_named else state._named_save_ids()
+    if kept_saves is not None and len(kept_saves) == len(state.saves):
+        kept_saves = None
+    if (
+        len(state.commands) == len(state.unended_ids)
+        and not (deleted and state.requests)
+        and kept_saves is None
+    ):
         return state
-    commands: PMap[str, Command] = PMap((i, state.commands[i]) for i in state.unended_ids)
+    commands: PMap[str, Command] = (
+        state.commands
+        if len(state.commands) == len(state.unended_ids)
+        else PMap((i, state.commands[i]) for i in state.unended_ids)
+    )
+    saves = state.saves
+    if kept_saves is not None:
+        kept = set(kept_saves)
+        saves = PMap((i, record) for i, record in state.saves.items() if i in kept)
     return msgspec.structs.replace(
         state,
         commands=commands,
+        saves=saves,
         requests=EMPTY if deleted else state.requests,
         compacted=True,
     )

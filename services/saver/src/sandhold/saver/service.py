@@ -33,8 +33,10 @@ from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import DirtyLoop, send_work
 from sandhold.bus.service import Shell, instance_name
+from sandhold.domain import events as ev
 from sandhold.domain import sandbox as sb
 from sandhold.domain import saver as policy
+from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import InfraError, SandholdError
 from sandhold.domain.saves import SaveRecord
 from sandhold.saves import (
@@ -83,6 +85,11 @@ class Saver:
         # across processes, only the holder of the store claim does either.
         self._store_lock = asyncio.Lock()
         self._duty_taken = asyncio.Event()
+        # Saves ended for good (expired or failed) since the last collection. The
+        # store keeps no record of most of them (decision 068), so the next
+        # collection is told of them from here and deletes their manifests then,
+        # not a grace later. (Lost with the process: the grace catches those.)
+        self._ended_saves: set[str] = set()
 
     async def run(self) -> None:
         async with self._shell as shell:
@@ -92,6 +99,7 @@ class Saver:
                 "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
             )
             self.sandboxes.listen(self._mark_dirty)
+            self.sandboxes.watch(self._note_ended_saves)
             # What the schedule looks at each tick (not every sandbox ever made).
             self._scheduled = self.sandboxes.select(policy.on_schedule)
             await shell.start_stores()
@@ -120,6 +128,14 @@ class Saver:
 
     def _mark_dirty(self, sandbox_id: str) -> None:
         self._dirty_loop.mark(sandbox_id)
+
+    def _note_ended_saves(self, _sandbox_id: str, envelopes: list[Envelope]) -> None:
+        for envelope in envelopes:
+            match envelope.event:
+                case ev.SavesExpired(save_ids=save_ids):
+                    self._ended_saves.update(save_ids)
+                case ev.SaveFailed(save_id=save_id):
+                    self._ended_saves.add(save_id)
 
     def _duty_changed(self, held: bool) -> None:
         if not held:
@@ -247,7 +263,8 @@ class Saver:
         while True:
             await asyncio.sleep(self._gc_interval_s)
             if not self.duty.held():
-                continue  # the twin holding the store claim collects
+                self._ended_saves.clear()  # the twin holding the store claim collects
+                continue
             try:
                 await self.collect_garbage()
             except Exception:
@@ -267,13 +284,15 @@ class Saver:
         await self.sandboxes.catch_up()
         states = (self.sandboxes.get(sandbox_id)[0] for sandbox_id in self.sandboxes.ids())
         retained, dropped = retained_and_dropped(s for s in states if s is not None)
+        told = set(self._ended_saves)
         # Manifests of expired and failed saves go first (and any other no
         # retained save has, once older than the grace); then every chunk that
         # no retained manifest names (and that is older than the grace) goes too.
         now = time.time()
         manifests = await delete_unretained_manifests(
-            self.store, dropped, retained, now=now, grace_s=grace_s
+            self.store, {*dropped, *told}, retained, now=now, grace_s=grace_s
         )
+        self._ended_saves -= told
         stats = await collect_garbage(
             self.store, retained, now=now, grace_s=grace_s, may_delete=self.duty.held
         )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from sandhold.domain import events as ev
 from sandhold.domain import recovery as policy
 from sandhold.domain import requests as rq
+from sandhold.domain import saver
 from sandhold.domain.errors import Rejected
 from sandhold.domain.host import Host, decide_fenced, decide_lost
 from sandhold.domain.reconcile import plan
 from sandhold.domain.reports import decide_report
+from sandhold.domain.views import sandbox_view
 
 from .history import (
     HOST_A,
@@ -79,6 +81,33 @@ def test_running_ends_infrastructure_lost_dispatched_unknown_queued_stays() -> N
     state = apply(state, policy.after_loss(state))
     assert state.commands[cmd("r3")].state == "queued"
     assert policy.after_loss(state) == []  # decided once
+
+
+def test_the_end_states_say_whether_the_host_failed_or_only_the_sandboxs_files_went() -> None:
+    """A host that found its copy's files gone declares the placement lost
+    itself: the commands and saves it took with it do not say the host failed."""
+    history = (run("r1"), dispatched("r1"), command_started("r1"), run("r2"), dispatched("r2"))
+    state = given_sandbox(*RUNNING, *history)
+    [save] = saver.due_save(state, now=T0 + 10_000, cause="tick")
+    state = apply(state, [save])
+    here = {"host": HOST_A, "generation": 1, "last_renewal_at": T0 + 9, "fence_at": T0 + 9}
+    [gone] = policy.declare_lost_here(state, **here, cause="files_gone")
+    [failed] = policy.declare_lost_here(state, **here)
+    assert (gone.cause, failed.cause) == ("files_gone", "host")
+
+    def reasons(lost: ev.AnyEvent) -> list[str]:
+        after = apply(state, [lost])
+        assert after.lost is not None and sandbox_view(after, now=T0 + 10).recovery is not None
+        return [e.reason for e in policy.after_loss(after)]  # type: ignore[attr-defined]
+
+    said = reasons(gone)
+    assert len(said) == 3 and all(
+        r.startswith(f"the sandbox's files went missing from host {HOST_A}") for r in said
+    ), said
+    assert all("failed" not in r for r in said), said
+    assert all(r.startswith(f"host {HOST_A} failed") for r in reasons(failed))
+    view = sandbox_view(apply(state, [gone]), now=T0 + 10)
+    assert view.recovery is not None and view.recovery["cause"] == "files_gone"
 
 
 def test_reports_from_a_lost_placement_are_refused() -> None:

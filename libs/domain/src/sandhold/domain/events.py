@@ -324,6 +324,10 @@ class SandboxLost(Event, tag="sandbox.lost", frozen=True):
     generation: int
     last_renewal_at: float  # the last lease renewal recovery saw from that host
     fence_at: float  # from then on the host can no longer write (lease_ttl + fence_margin)
+    # What was lost: the host ("host": it stopped renewing its lease, or killed
+    # the placement in its fence), or only the sandbox's files on a live host
+    # ("files_gone", said by that host): the end states say which.
+    cause: Literal["host", "files_gone"] = "host"
 
 
 class SandboxFenced(Event, tag="sandbox.fenced", frozen=True):

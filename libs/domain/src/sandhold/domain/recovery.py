@@ -8,12 +8,19 @@ fail and never count. Nothing reruns.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from sandhold.domain import events as ev
-from sandhold.domain.sandbox import ACTIVE_PHASES, Sandbox
+from sandhold.domain.sandbox import ACTIVE_PHASES, LostInfo, Sandbox
 
 
 def declare_lost(
-    state: Sandbox | None, *, host: str, last_renewal_at: float, fence_at: float
+    state: Sandbox | None,
+    *,
+    host: str,
+    last_renewal_at: float,
+    fence_at: float,
+    cause: Literal["host", "files_gone"] = "host",
 ) -> list[ev.AnyEvent]:
     """`sandbox.lost` for a sandbox placed on `host`, once."""
     if state is None or state.host != host or state.phase not in ACTIVE_PHASES:
@@ -24,6 +31,7 @@ def declare_lost(
             generation=state.generation,
             last_renewal_at=last_renewal_at,
             fence_at=fence_at,
+            cause=cause,
         )
     ]
 
@@ -35,6 +43,7 @@ def declare_lost_here(
     generation: int,
     last_renewal_at: float,
     fence_at: float,
+    cause: Literal["host", "files_gone"] = "host",
 ) -> list[ev.AnyEvent]:
     """`sandbox.lost` said by its host itself: nothing of that placement runs
     there any more, fenced since `fence_at`. The host killed its processes in a
@@ -43,7 +52,9 @@ def declare_lost_here(
     takes it from there: the commands' end states, then its last save."""
     if state is None or state.generation != generation:
         return []  # placed anew since: not the copy this host lost
-    return declare_lost(state, host=host, last_renewal_at=last_renewal_at, fence_at=fence_at)
+    return declare_lost(
+        state, host=host, last_renewal_at=last_renewal_at, fence_at=fence_at, cause=cause
+    )
 
 
 def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
@@ -53,6 +64,7 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
     if state is None or state.lost is None:
         return []
     lost = state.lost
+    what = _what_was_lost(lost)
     events: list[ev.AnyEvent] = []
     for command in state.unended_commands():
         if command.generation != lost.generation:
@@ -63,7 +75,7 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     command_id=command.id,
                     state="infrastructure_lost",
                     output_complete=False,
-                    reason=f"host {lost.host} failed while the command ran; its kept output is "
+                    reason=f"{what} while the command ran; its kept output is "
                     "readable, newer output may be lost",
                     host=lost.host,
                     generation=lost.generation,
@@ -75,8 +87,8 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                     command_id=command.id,
                     state="unknown",
                     output_complete=False,
-                    reason=f"host {lost.host} failed before confirming that the command "
-                    "started: treat it as possibly run",
+                    reason=f"{what} before the host confirmed that the "
+                    "command started: treat it as possibly run",
                     host=lost.host,
                     generation=lost.generation,
                 )
@@ -87,12 +99,18 @@ def after_loss(state: Sandbox | None) -> list[ev.AnyEvent]:
                 ev.SaveFailed(
                     save_id=save.id,
                     stage="interrupted",
-                    reason=f"host {lost.host} failed during the save",
+                    reason=f"{what} during the save",
                     host=lost.host,
                     generation=lost.generation,
                 )
             )
     return events
+
+
+def _what_was_lost(lost: LostInfo) -> str:
+    if lost.cause == "files_gone":
+        return f"the sandbox's files went missing from host {lost.host}"
+    return f"host {lost.host} failed"
 
 
 def loss_pending(state: Sandbox | None) -> bool:

@@ -53,6 +53,7 @@ class LostInfo(msgspec.Struct, frozen=True, kw_only=True):
     last_renewal_at: float
     fence_at: float
     fenced: bool = False
+    cause: Literal["host", "files_gone"] = "host"  # as `sandbox.lost` says
 
 
 class RecoveredFrom(msgspec.Struct, frozen=True, kw_only=True):
@@ -582,6 +583,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 generation=event.generation,
                 last_renewal_at=event.last_renewal_at,
                 fence_at=event.fence_at,
+                cause=event.cause,
             )
             return replace(state, phase="lost", lost=lost, running_since=None)
         case ev.SandboxFenced() if state.lost is not None:

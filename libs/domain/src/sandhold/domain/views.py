@@ -260,6 +260,7 @@ def _recovery(s: Sandbox) -> dict[str, object] | None:
         "last_renewal_at": s.lost.last_renewal_at,
         "lost_host": s.lost.host,
         "lost_generation": s.lost.generation,
+        "cause": s.lost.cause,
         "policy": s.recovery_policy,
     }
 

@@ -804,7 +804,12 @@ class HostAgent:
             log.warning("%s: what is left of its copy not destroyed: %r", sid, err)
         now = time.time()
         decide = functools.partial(
-            recovery.declare_lost_here, host=me, generation=gen, last_renewal_at=now, fence_at=now
+            recovery.declare_lost_here,
+            host=me,
+            generation=gen,
+            last_renewal_at=now,
+            fence_at=now,
+            cause="files_gone",
         )
         await self.sandboxes.follow_up(sid, decide, why=f"files-gone:{work.msg_id}")
 

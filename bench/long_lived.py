@@ -21,8 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
 from _common import arguments, emit, envelopes_for, sandbox_id, table, verdict
 from sandhold.domain import events as ev
+from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.fold import fold
@@ -37,6 +39,18 @@ GOAL_FLAT = 2.0  # per event at 10,000 commands within 2x of that at 10
 
 def _host(_: sb.Sandbox) -> str | None:
     return "local"
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=pmap.enc_hook)
+
+
+def kept_kib(state: sb.Sandbox) -> tuple[float, float]:
+    """KiB of the state as a checkpoint stores it: whole (the client, `replay`)
+    and compacted (what every service keeps, decisions 057 and 068)."""
+    return (
+        len(_ENCODER.encode(state)) / 1024,
+        len(_ENCODER.encode(sb.compact(state))) / 1024,
+    )
 
 
 def best_per_call(step: Callable[[], object], calls: int, rounds: int) -> float:
@@ -158,7 +172,9 @@ def measure_saves(saves: int, rounds: int) -> dict[str, float]:
         "read model": written,
     }
     calls = max(3, 3000 // max(1, saves // 10))
-    return {name: best_per_call(step, calls, rounds) for name, step in steps.items()}
+    timed = {name: best_per_call(step, calls, rounds) for name, step in steps.items()}
+    whole, kept = kept_kib(state)
+    return {**timed, "whole KiB": whole, "kept KiB": kept}
 
 
 def main() -> None:
@@ -193,22 +209,36 @@ Goal: per event at {SIZES[-1]:,} commands within {GOAL_FLAT:.0f}× of that at {S
     save_rows = [
         [f"{n:,}", *(f"{saved[n][k]:.1f}" for k in save_names)] for n in SIZES
     ]  # fmt: skip
-    save_growth = sum(saved[SIZES[-1]].values()) / sum(saved[SIZES[0]].values())
+    timed_names = save_names
+    save_growth = sum(saved[SIZES[-1]][k] for k in timed_names) / sum(
+        saved[SIZES[0]][k] for k in timed_names
+    )
+    save_rows = [
+        [*row, f"{saved[n]['whole KiB']:,.1f}", f"{saved[n]['kept KiB']:,.1f}"]
+        for row, n in zip(save_rows, SIZES, strict=True)
+    ]
+    kept_growth = saved[SIZES[-1]]["kept KiB"] / saved[SIZES[0]]["kept KiB"]
+    save_headers = ["saves in its history", "evolve µs/event", *save_names[1:]]
+    save_headers += ["whole KiB", "kept KiB"]
     body += f"""
 The same for a sandbox with that many scheduled saves behind it (all but the
 last five expired by retention, as the saver's default keeps them), µs per
 call: `evolve` of the next save's request; the saver's tick (`due_save` and
 `timed_out`, every tick for every running sandbox); its reaction to a change
 (`save_work`, `awaiting_verification`, `expired`); `plan`; `sandbox_view`; the
-read model's write (`changed_saves` and the sandbox row):
+read model's write (`changed_saves` and the sandbox row); then the state's size
+as a checkpoint stores it (msgpack), whole and as every service keeps it
+(`sandbox.compact`: decision 068 drops the saves nothing names):
 
-{table(["saves in its history", "evolve µs/event", *save_names[1:]], save_rows)}
+{table(save_headers, save_rows)}
 
 Goal (the same): within {GOAL_FLAT:.0f}× from {SIZES[0]} to {SIZES[-1]:,} saves →
 {save_growth:.2f}× {verdict(save_growth <= GOAL_FLAT)}. Decision 055 made the saves a
 persistent map with indexes, as 053 did the commands; the read model's sandbox
 row holds only the saves its view reads (`named_saves`: under way, completed,
-Snapshots, the failure streak), each save having a row of its own.
+Snapshots, the failure streak), each save having a row of its own. What a
+service keeps grows {kept_growth:.2f}× over the same range (the whole state
+{saved[SIZES[-1]]["whole KiB"] / saved[SIZES[0]]["whole KiB"]:.0f}×).
 """
     emit(args, "long_lived", "(o) One long-lived sandbox: cost per event", body)
 

@@ -185,7 +185,7 @@ SAVE_STEPS = (
     *("due", "due", "due", "snapshot"),  # the saver's schedule, a client's Snapshot
     *("captured", "captured", "uploaded", "uploaded", "unchanged"),  # the host
     *("verified", "verified", "verified"),  # the saver
-    *("failed", "timed_out", "expired", "expired"),  # on the host or verifying; retention
+    *("failed", "timed_out", "expired", "delete_snapshot"),  # the host or verifying; retention
 )
 assert len(SAVE_STEPS) == 16
 
@@ -221,6 +221,12 @@ def save_step(state: Sandbox, choice: Choice, step: int) -> tuple[list[ev.AnyEve
             case "failed" if save is not None and save.state == "uploaded" and detail % 2:
                 problems = ["a chunk is missing"]
                 return policy.verified(state, save.id, problems, total_bytes=10, files=1), "saver"
+            case "delete_snapshot":  # a client's, of one of its Snapshots (or of any save)
+                save_id = pick([*state.snapshot_ids, *state.saves, "sv-0000000000000000"], key_n)
+                request = rq.DeleteSnapshot(
+                    key=f"d{step}", tenant="default", sandbox_id=SID, save_id=save_id
+                )
+                return decide(state, request), "client"
             case "timed_out":
                 return policy.timed_out(state, now=now, timeout_s=1 + detail), "saver"
             case "expired":

@@ -362,3 +362,17 @@ def test_v7_a_scheduled_save_that_found_nothing_changed_replays() -> None:
     assert parent.confirmed_at == envelopes[-1].time and parent.quiet
     assert unchanged_since(sandbox) == parent
     assert saved_until(sandbox, now=envelopes[-1].time + 500) == envelopes[-1].time + 500
+
+
+def test_v8_a_deleted_snapshot_and_a_loss_of_files_replay() -> None:
+    """Decision 069: `snapshot.deleted` makes the Snapshot a save like the
+    others; `sandbox.lost` says whether only the sandbox's files went."""
+    lines = (GOLDEN.parent / "sandbox_v8.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and sandbox.phase == "lost"
+    record = sandbox.saves["sv-9c0d1e2f3a4b5c6d"]
+    assert (record.kind, record.snapshot_name, record.state) == ("scheduled", None, "completed")
+    assert sandbox.snapshot_ids == () and sandbox.last_completed_save == record
+    assert {"v8-snap", "v8-unsnap"} <= set(sandbox.requests)
+    assert sandbox.lost is not None and sandbox.lost.cause == "files_gone"

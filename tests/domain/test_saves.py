@@ -484,3 +484,77 @@ def test_an_unchanged_capture_confirms_nothing_once_another_save_completed() -> 
     latest = state.last_completed_save
     assert latest is not None and latest.id == snap_id() and latest.confirmed_at is None
     assert state.saves[parent].confirmed_at is None
+
+
+# --- deleting a Snapshot (decision 069) ------------------------------------------
+
+
+def delete_snapshot(save_id: str, key: str = "unsnap-1") -> rq.DeleteSnapshot:
+    return rq.DeleteSnapshot(key=key, sandbox_id=SID, save_id=save_id)
+
+
+def test_a_deleted_snapshot_is_a_save_like_the_others_and_retention_drops_it() -> None:
+    state, ids = _with_a_snapshot_and_saves(2)
+    assert policy.expired(state, keep_last=2) == [], "a Snapshot is never expired"
+    [gone] = when(state, delete_snapshot(snap_id()))
+    assert gone == ev.SnapshotDeleted(
+        save_id=snap_id(), request_key="unsnap-1", request_digest=gone.request_digest
+    )
+    state = apply(state, [gone])
+    record = state.saves[snap_id()]
+    assert (record.kind, record.snapshot_name, record.state) == ("scheduled", None, "completed")
+    assert state.snapshots() == [] and sandbox_view(state, now=T0).snapshots == []
+    # The oldest completed save now: retention keeping two drops it.
+    [expired] = policy.expired(state, keep_last=2)
+    assert expired == ev.SavesExpired(save_ids=[snap_id()])
+    state = apply(state, [expired])
+    assert snap_id() in policy.dropped(state) and snap_id() not in policy.retained(state)
+    assert set(policy.retained(state)) == set(ids)
+
+
+def test_the_newest_save_stays_the_restore_point_when_its_snapshot_is_deleted() -> None:
+    """Deleting a Snapshot never takes away what a failure would restore: the
+    newest completed save stays, as any save retention keeps."""
+    state, ids = _with_a_snapshot_and_saves(1)
+    [due] = policy.due_save(state, now=T0 + 10**7, cause="later")
+    state = apply(state, [due, captured(due.save_id)], time=T0 + 10**7)
+    [snap] = decide(state, snapshot("newest", key="snap-2"))
+    state = apply(state, [snap, captured(snap_id("snap-2")), uploaded(snap_id("snap-2"))])
+    state = apply(state, [completed(snap_id("snap-2"))], time=T0 + 10**7 + 5)
+    state = apply(state, when(state, delete_snapshot(snap_id("snap-2"))))
+    assert state.restore_point() == snap_id("snap-2")
+    assert policy.expired(state, keep_last=1) == [ev.SavesExpired(save_ids=ids)]
+    assert snap_id("snap-2") in policy.retained(state)
+    assert due.parent_id == ids[0] and ids[0] in policy.retained(state), "a parent in use stays"
+
+
+def test_deleting_a_snapshot_refuses_other_saves_and_is_idempotent() -> None:
+    state, ids = _with_a_snapshot_and_saves(1)
+    refused(when(state, delete_snapshot(ids[0])), "snapshot_not_found")
+    refused(when(state, delete_snapshot("sv-0000000000000000")), "snapshot_not_found")
+    intruder = rq.DeleteSnapshot(key="x", tenant="other", sandbox_id=SID, save_id=snap_id())
+    refused(when(state, intruder), "sandbox_not_found")
+    state = apply(state, when(state, delete_snapshot(snap_id())))
+    assert when(state, delete_snapshot(snap_id())) == [], "a retry changes nothing"
+    assert sb.result_of(state, delete_snapshot(snap_id())) == state.saves[snap_id()]
+    refused(when(state, delete_snapshot(snap_id(), key="unsnap-2")), "snapshot_not_found")
+    refused(when(state, delete_snapshot(ids[0], key="unsnap-1")), "idempotency_conflict")
+    # Its name is free again, and nothing can be created from it any more.
+    assert when(state, snapshot()) == [], "the Snapshot request's own key: a retry"
+    assert len(when(state, snapshot(key="snap-again"))) == 1, "the name is free"
+    request = rq.CreateSandbox(key="copy", from_snapshot=snap_id())
+    with pytest.raises(Rejected) as refusal:
+        decide(None, request, find_snapshot=lambda sid: (state, state.saves[sid]))
+    assert refusal.value.code == "snapshot_not_found"
+
+
+def test_a_deleted_sandboxs_snapshot_can_be_deleted_and_then_nothing_is_left() -> None:
+    state, ids = _with_a_snapshot_and_saves(1)
+    state = apply(state, [*decide(state, delete()), deleted()])
+    state = apply(state, policy.expired(state, keep_last=5))
+    assert not sb.forgettable(state), "its Snapshot is kept for it"
+    state = apply(state, when(state, delete_snapshot(snap_id())))
+    [expired] = policy.expired(state, keep_last=5)
+    assert expired == ev.SavesExpired(save_ids=[snap_id()])
+    state = apply(state, [expired])
+    assert policy.retained(state) == [] and sb.forgettable(state)

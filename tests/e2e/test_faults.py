@@ -81,6 +81,13 @@ def test_a_conflicting_key_is_a_clear_error_from_the_cli(up: Up):
             "malformed_request",
             "timeout_s",
         ),
+        (
+            "sh.req.sandbox.delete_snapshot.default",
+            b'{"type": "sandbox.delete_snapshot", "key": "k", '
+            b'"sandbox_id": "sb-0123456789abcdef", "save_id": "snap-1"}',
+            "malformed_request",
+            "save_id",
+        ),
         # A subject without the tenant (or of another type) is named back.
         (
             "sh.req.sandbox.create",

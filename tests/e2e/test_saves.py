@@ -624,7 +624,36 @@ async def test_a_deleted_sandboxs_saves_are_collected_and_its_snapshots_kept(
     await client.wait_for_phase(copy.id, {"running"}, timeout=60)
     assert (await client.exec(copy.id, ["sha256sum", "kept"])).stdout == digest
     assert (await client.exec(copy.id, ["test", "!", "-e", "gone"])).command.exit_code == 0
-    await client.stop_sandbox(copy.id)
+
+    # Decision 069: the deleted sandbox's Snapshot is deleted too (the CLI; a
+    # retry answers the same). Retention drops it; the copy made from it still
+    # holds its files until the copy goes.
+    done = up.cli("snapshot", source, "--delete", snap.id, "--key", "unsnap", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = msgspec.json.decode(done.stdout)
+    assert (shown["id"], shown["kind"], shown["name"]) == (snap.id, "scheduled", None)
+    again = await client.delete_snapshot(source, snap.id, key="unsnap")
+    assert again.id == snap.id
+    with pytest.raises(Rejected) as refusal:
+        await client.delete_snapshot(source, snap.id, key="unsnap-again")
+    assert refusal.value.code == "snapshot_not_found"
+    await client.wait_for(
+        source,
+        lambda s: s if s.saves[snap.id].state == "expired" else None,
+        timeout=30,
+        what="retention to drop the deleted Snapshot",
+    )
+    with pytest.raises(Rejected) as refusal:
+        await client.create_sandbox(from_snapshot=snap.id)
+    assert refusal.value.code == "snapshot_not_found"
+    assert up.cli("admin", "gc", "--grace", "0").returncode == 0
+    await store.get_manifest(snap.id)  # the copy's starting point: kept while it exists
+    await client.delete_sandbox(copy.id)
+    await client.wait_for_phase(copy.id, {"deleted"}, timeout=60)
+    done = up.cli("admin", "gc", "--grace", "0")
+    assert done.returncode == 0 and msgspec.json.decode(done.stdout)["ok"], done.stderr
+    with pytest.raises(Exception, match="manifest"):
+        await store.get_manifest(snap.id)
 
 
 async def test_a_command_for_a_sandbox_whose_files_are_gone_is_not_launched_and_the_save_brings_it_back(  # noqa: E501

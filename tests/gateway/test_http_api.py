@@ -185,6 +185,24 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
     for body, field in (({}, "$.name"), ({"name": "no spaces please"}, "$.name")):
         got = problem(await acme.post(f"{base}/snapshots", json=body), 422, "invalid_request")
         assert got["errors"][0]["field"] == field
+    snapshots_before = await ids(f"{base}/saves")
+    problem(await acme.delete(f"{base}/snapshots/not-an-id"), 404, "snapshot_not_found")
+    problem(
+        await acme.delete(f"{base}/snapshots/sv-0123456789abcdef"), 404, "snapshot_not_found"
+    )
+    problem(
+        await acme.delete(
+            f"{base}/snapshots/sv-0123456789abcdef", headers={"Idempotency-Key": "has space"}
+        ),
+        400,
+        "invalid_header",
+    )
+    problem(
+        await acme.delete("/api/v1/sandboxes/not-an-id/snapshots/sv-0123456789abcdef"),
+        404,
+        "sandbox_not_found",
+    )
+    assert await ids(f"{base}/saves") == snapshots_before
     problem(await acme.get(f"{base}/commands", params={"state": "bogus"}), 400, "invalid_parameter")
     problem(await acme.get("/api/v1/sandboxes", params={"limit": "0"}), 400, "invalid_parameter")
     problem(await acme.get("/api/v1/sandboxes", params={"cursor": "%%"}), 400, "invalid_parameter")

@@ -227,6 +227,13 @@ def _connection_value(path: str) -> str:
 
 
 async def _snapshot(args: argparse.Namespace, client: Client) -> int:
+    if args.delete is not None:
+        save = await client.delete_snapshot(args.id, args.delete, key=args.key)
+        if args.json:
+            print_json(save)
+        else:
+            print(f"snapshot {save.id} deleted: a {save.state} save, kept while retention keeps it")
+        return 0
     save = await client.snapshot(args.id, args.name, key=args.key)
     async with progress(client, args.id):
         save = await client.wait_for_save(args.id, save.id, timeout=args.timeout)

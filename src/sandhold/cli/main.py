@@ -482,9 +482,17 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
         help="the value: this file's text as it is (- for standard input)",
     )
 
-    snap = sub.add_parser("snapshot", help="take a named, retained save of a running sandbox")
+    snap = sub.add_parser(
+        "snapshot", help="take a named, retained save of a running sandbox (or delete one)"
+    )
     snap.add_argument("id")
-    snap.add_argument("--name", required=True)
+    what = snap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--name", help="take a Snapshot with this name")
+    what.add_argument(
+        "--delete",
+        metavar="SAVE_ID",
+        help="delete this Snapshot: retention then drops it like any save (decision 069)",
+    )
     snap.add_argument("--key", help="idempotency key (default: a new one)")
     snap.add_argument("--timeout", type=float, default=600.0)
     snap.add_argument("--json", action="store_true")

@@ -232,6 +232,20 @@ class Client:
         assert reply.save is not None
         return reply.save
 
+    async def delete_snapshot(
+        self, sandbox_id: str, save_id: str, *, key: str | None = None
+    ) -> SaveView:
+        """Delete a Snapshot (decision 069): it becomes a save like the others,
+        and retention drops it unless it is among the newest the sandbox keeps.
+        Returns its record as it is then (kind `scheduled`, no name)."""
+        reply = await self.send(
+            rq.DeleteSnapshot(
+                key=self._key(key), tenant=self.tenant, sandbox_id=sandbox_id, save_id=save_id
+            )
+        )
+        assert reply.save is not None
+        return reply.save
+
     async def set_connection(
         self, sandbox_id: str, name: str, value: str, *, key: str | None = None
     ) -> SandboxView:

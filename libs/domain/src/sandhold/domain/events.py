@@ -308,6 +308,17 @@ class SaveFailed(Event, tag="save.failed", frozen=True):
     generation: int = 0
 
 
+class SnapshotDeleted(Event, tag="snapshot.deleted", frozen=True):
+    """A Snapshot was deleted on request (decision 069): from here on it is a
+    save like the others (kind `scheduled`, no name), so retention drops it
+    unless it is among the newest the sandbox keeps (a deleted sandbox keeps
+    none), and garbage collection then frees what only it held."""
+
+    save_id: str
+    request_key: str
+    request_digest: str
+
+
 class SavesExpired(Event, tag="save.expired", frozen=True):
     """Retention dropped these completed saves; their chunks may be collected."""
 
@@ -550,6 +561,7 @@ AnyEvent = (
     | SaveUnchanged
     | SaveCompleted
     | SaveFailed
+    | SnapshotDeleted
     | SavesExpired
     | SandboxLost
     | SandboxFenced

@@ -109,6 +109,14 @@ class SnapshotSandbox(Request, tag="sandbox.snapshot", frozen=True):
     name: SnapshotName
 
 
+class DeleteSnapshot(Request, tag="sandbox.delete_snapshot", frozen=True):
+    """A Snapshot is no longer wanted: it becomes a save like the others, and
+    retention drops it (decision 069). Also of a deleted sandbox."""
+
+    sandbox_id: SandboxId
+    save_id: SaveId
+
+
 # A secret's name is an environment variable's; its value reaches the command's
 # environment and nothing else: events, views and logs carry the name only.
 SecretName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
@@ -176,6 +184,7 @@ AnyRequest = (
     | TouchSandbox
     | DeleteSandbox
     | SnapshotSandbox
+    | DeleteSnapshot
     | RunCommand
     | CancelCommand
     | SetConnection

@@ -328,6 +328,22 @@ def _save_unchanged(state: Sandbox, event: ev.SaveUnchanged, at: float) -> Sandb
     return state
 
 
+def _snapshot_deleted(state: Sandbox, save_id: str) -> Sandbox:
+    """The Snapshot becomes a save like the others (decision 069): its name and
+    its place among the Snapshots go; its state and files stay what they are,
+    for retention to judge as any save's."""
+    record = state.saves.get(save_id)
+    if record is None or record.kind != "snapshot":
+        return state
+    record = msgspec.structs.replace(record, kind="scheduled", snapshot_name=None)
+    state = msgspec.structs.replace(
+        state,
+        saves=state.saves.set(save_id, record),
+        snapshot_ids=tuple(i for i in state.snapshot_ids if i != save_id),
+    )
+    return state
+
+
 def _with_save(state: Sandbox, record: sv.SaveRecord) -> Sandbox:
     """The save put in (new or moved on), with the indexes that spare a pass over
     all of them kept in step: under way, completed, Snapshots, the failure
@@ -483,6 +499,11 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
             )
         case rq.CancelCommand():
             return request.command_id not in state.commands
+        case rq.SnapshotSandbox():  # a retry, its Snapshot deleted and dropped since
+            save_id = rq.save_id_for(state.id, f"snapshot:{request.key}")
+            return request.key in state.requests and save_id not in state.saves
+        case rq.DeleteSnapshot():  # a retry, or a save that is no Snapshot (any more)
+            return request.save_id not in state.saves
         case _:
             return False
 
@@ -748,6 +769,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return _save_advanced(state, event.save_id, event, envelope_time)
         case ev.SaveUnchanged():
             return _save_unchanged(state, event, envelope_time)
+        case ev.SnapshotDeleted(save_id=save_id, request_key=key, request_digest=digest):
+            state = replace(state, requests=_remember(state, key, digest))
+            return _snapshot_deleted(state, save_id)
         case ev.SavesExpired(save_ids=save_ids):
             for save_id in save_ids:
                 state = _save_advanced(state, save_id, event, envelope_time)
@@ -1109,6 +1133,22 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     request_digest=digest,
                 )
             ]
+        case rq.DeleteSnapshot():
+            # Of a deleted sandbox too: its Snapshots are all that is left of it.
+            state = _require(state, request.sandbox_id, request.tenant)
+            if seen_before(state.requests, request.key, digest):
+                return []
+            record = state.saves.get(request.save_id)
+            if record is None or record.kind != "snapshot":
+                raise Rejected(
+                    "snapshot_not_found",
+                    f"sandbox {state.id} has no snapshot {request.save_id}",
+                )
+            return [
+                ev.SnapshotDeleted(
+                    save_id=request.save_id, request_key=request.key, request_digest=digest
+                )
+            ]
         case rq.DeleteSandbox():
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest) or state.delete_requested:
@@ -1227,6 +1267,8 @@ def result_of(state: Sandbox, request: rq.AnyRequest) -> Sandbox | Command | sv.
             return state.commands[request.command_id]
         case rq.SnapshotSandbox():
             return state.saves[rq.save_id_for(state.id, f"snapshot:{request.key}")]
+        case rq.DeleteSnapshot():
+            return state.saves[request.save_id]
         case _:
             return state
 

@@ -272,6 +272,17 @@ def paths() -> dict[str, dict[str, Any]]:
                 problems=WRITE,
             ),
         },
+        sandbox_path + "/snapshots/{save_id}": {
+            "delete": _op(
+                "deleteSnapshot",
+                "Delete a Snapshot: it becomes a save like the others (kind `scheduled`, no "
+                "name), which retention drops unless it is among the newest the sandbox keeps; "
+                "also of a deleted sandbox",
+                _json(200, SaveView, "the save, as it is now"),
+                params=[SANDBOX, SAVE, IDEMPOTENCY_KEY],
+                problems=WRITE,
+            )
+        },
         sandbox_path + "/connections/{name}": {
             "put": _op(
                 "setConnection",

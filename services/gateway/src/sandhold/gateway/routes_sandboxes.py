@@ -185,6 +185,24 @@ def handlers(ctx: Context) -> list:
         location = f"/api/v1/sandboxes/{save.sandbox_id}/saves/{save.id}"
         return json_response(save, 202, headers={"Location": location})
 
+    @delete("/api/v1/sandboxes/{sandbox_id:str}/snapshots/{save_id:str}", status_code=200)
+    async def delete_snapshot(
+        request: Request, sandbox_id: FromPath[str], save_id: FromPath[str]
+    ) -> Response:
+        tenant = tenant_of(ctx, request)
+        key = idempotency_key(request)
+        reply = await call(
+            ctx.client(tenant).send(
+                rq.DeleteSnapshot(
+                    key=key,
+                    tenant=tenant,
+                    sandbox_id=sid(sandbox_id),
+                    save_id=check_id(save_id, SAVE_ID, "snapshot_not_found", "snapshot"),
+                )
+            )
+        )
+        return json_response(reply.save, 200)
+
     async def _saves(request: Request, sandbox_id: str, kind: str | None) -> Response:
         tenant = tenant_of(ctx, request)
         state = query_choice(request, "state", SAVE_STATES)
@@ -366,6 +384,7 @@ def handlers(ctx: Context) -> list:
         touch_sandbox,
         delete_sandbox,
         take_snapshot,
+        delete_snapshot,
         set_connection,
         remove_connection,
         list_saves,

@@ -81,6 +81,7 @@ async def test_a_token_sees_only_its_tenant(
         ("GET", "{base}/snapshots", None),
         ("GET", "{base}/saves/{save_id}", None),
         ("POST", "{base}/snapshots", {"name": "theirs"}),
+        ("DELETE", "{base}/snapshots/{save_id}", None),
         ("POST", "{base}/start", None),
         ("POST", "{base}/stop", None),
         ("DELETE", "{base}", None),
@@ -97,6 +98,17 @@ async def test_a_token_sees_only_its_tenant(
 
     snapshots = (await acme.get(f"{base}/snapshots")).json()["items"]
     assert [(s["id"], s["name"]) for s in snapshots] == [(save_id, "mine")]
+    # Its owner deletes it (decision 069): a save like the others from then on.
+    gone = await acme.delete(f"{base}/snapshots/{save_id}", headers={"Idempotency-Key": "un"})
+    assert gone.status_code == 200, gone.text
+    assert (gone.json()["id"], gone.json()["kind"], gone.json()["name"]) == (
+        save_id, "scheduled", None
+    )  # fmt: skip
+    assert (await acme.get(f"{base}/snapshots")).json()["items"] == []
+    assert (await acme.get(f"{base}/saves/{save_id}")).json()["kind"] == "scheduled"
+    again = await acme.delete(f"{base}/snapshots/{save_id}", headers={"Idempotency-Key": "un"})
+    assert again.status_code == 200 and again.json()["id"] == save_id
+    problem(await acme.delete(f"{base}/snapshots/{save_id}"), 404, "snapshot_not_found")
 
     listed = (await globex.get("/api/v1/sandboxes", params={"include_deleted": "true"})).json()
     assert sandbox_id not in [s["id"] for s in listed["items"]]
@@ -187,9 +199,7 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
         assert got["errors"][0]["field"] == field
     snapshots_before = await ids(f"{base}/saves")
     problem(await acme.delete(f"{base}/snapshots/not-an-id"), 404, "snapshot_not_found")
-    problem(
-        await acme.delete(f"{base}/snapshots/sv-0123456789abcdef"), 404, "snapshot_not_found"
-    )
+    problem(await acme.delete(f"{base}/snapshots/sv-0123456789abcdef"), 404, "snapshot_not_found")
     problem(
         await acme.delete(
             f"{base}/snapshots/sv-0123456789abcdef", headers={"Idempotency-Key": "has space"}

@@ -751,19 +751,29 @@ async def test_a_host_keeps_little_for_a_sandboxs_saves_and_nothing_once_it_is_d
     assert not spool.exists()
 
 
-async def test_a_workspace_removed_from_inside_fails_the_launch_and_loses_nothing(
+async def test_a_workspace_removed_from_inside_fails_the_launch_there_and_can_be_made_again(
     up: Up, client: Client
 ):
-    """The sandbox's directory is still on its host, only its workspace is gone
-    (removed from inside): not a lost copy. The command cannot start and says
-    why; the sandbox stays where it is, on its own files."""
+    """The sandbox's root removed its /workspace: not a lost copy. A command
+    whose working directory it was cannot start and says why; one elsewhere
+    runs, and can make it again; the sandbox stays where it is, on its files."""
     sandbox_id = await running_sandbox(client, save_interval_s=3600)
-    await client.exec(sandbox_id, ["sh", "-c", "echo kept > /tmp/../workspace/note"])
-    shutil.rmtree(up.workspace(sandbox_id))
+    wrote = await client.exec(sandbox_id, ["sh", "-c", 'echo kept > "$HOME/note"'])
+    assert wrote.command.exit_code == 0, wrote.stderr
+    removed = await client.exec(sandbox_id, ["rm", "-rf", "/workspace"], user="root", cwd="/")
+    assert removed.command.exit_code == 0, removed.stderr
     failed = await client.exec(sandbox_id, ["true"], wait_timeout=60)
     assert failed.command.state == "launch_failed", failed.command
-    assert "/workspace is missing" in failed.command.reason
+    assert "working directory does not exist: /workspace" in failed.command.reason
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.phase == "running" and state.lost is None
-    assert (up.data_dir / "hosts" / "local" / "sandboxes" / sandbox_id).is_dir()
+    remade = await client.exec(
+        sandbox_id,
+        ["sh", "-c", "mkdir /workspace && chown 1000:1000 /workspace"],
+        user="root",
+        cwd="/",
+    )
+    assert remade.command.exit_code == 0, remade.stderr
+    again = await client.exec(sandbox_id, ["sh", "-c", 'pwd && cat "$HOME/note"'])
+    assert (again.command.exit_code, again.stdout) == (0, b"/workspace\nkept\n"), again
     await client.stop_sandbox(sandbox_id)

@@ -764,8 +764,8 @@ class HostAgent:
         last completed save at its next use. (Before, the instruction came back
         until max_deliver and the command stayed `dispatched` for ever.) If the
         directory is there, its disk is mounted again (after a reboot) and the
-        launch tried once more; a workspace still missing was removed from
-        inside the sandbox: that command cannot start (`launch_failed`)."""
+        launch tried once more; what is still missing (without namespaces, a
+        workspace removed from inside) makes that command `launch_failed`."""
         sid, gen, me = work.sandbox_id, work.generation, self.host_id
         if not await self._copy_gone(sid):
             try:

@@ -247,6 +247,16 @@ class ProcessDriver:
             return workspace.is_dir() and any(workspace.iterdir())
         return self.boxes.has_files(sandbox_id)
 
+    def _holds(self, sandbox_id: str, workspace: Path) -> bool:
+        """Whether the sandbox is here to run a command in. A namespaced sandbox
+        is while its persistent root is: its /workspace, removed from inside (by
+        its root), is the command's working directory judged in there, so a
+        command elsewhere (`cwd` "/") still runs and can make it again. Without
+        namespaces the workspace is all the sandbox has."""
+        if self.boxes is None:
+            return workspace.is_dir()
+        return self.boxes.fs(sandbox_id).upper.is_dir()
+
     def copy_gone(self, sandbox_id: str) -> bool:
         """Whether this host no longer holds the sandbox at all: its directory is
         gone (a disk lost or wiped under the agent). A disk of its own, unmounted
@@ -458,7 +468,7 @@ class ProcessDriver:
         if known is not None:
             return known
         workspace = self.workspace(sandbox_id)
-        if not workspace.is_dir():
+        if not self._holds(sandbox_id, workspace):
             raise SandboxNotFound(f"sandbox {sandbox_id} does not exist on this host")
         try:
             paths.directory.mkdir()

@@ -347,7 +347,9 @@ def dispatch(args: argparse.Namespace) -> None:
         "history": lambda a, c: _cli("audit").history(c, a.id, kind=a.kind),
         "audit": lambda a, c: _cli("audit").export(c, a.sandbox, a.since),
         "events": lambda a, c: _cli("audit").tail(c, a.sandbox, a.count),
-        "top": lambda a, c: _cli("top").top(c, interval=a.interval, once=a.once, as_json=a.json),
+        "top": lambda a, c: _cli("top").top(
+            c, interval=a.interval, once=a.once, as_json=a.json, checkpoints=_checkpoints(a)
+        ),
     }
     handler = handlers[args.group]
     from sandhold.telemetry import tracing

@@ -1,7 +1,8 @@
 """`sandhold top`: the dashboard's key numbers in a terminal, live from the log.
 
 It folds the EVENTS stream into the same `LogMetrics` the metrics service
-exports, so both always show the same counts, without Prometheus or Grafana.
+exports, so both always show the same counts, without Prometheus or Grafana;
+from the metrics service's checkpoint when this machine holds it.
 """
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 from sandhold.client import Client
-from sandhold.metrics.service import follow_log
+from sandhold.metrics.service import follow_log, load_fold
 from sandhold.telemetry.log_metrics import LogMetrics, percentile
 
 _TASK_STATUSES = ("completed", "failed", "cancelled", "timed_out")
 
 
-def summary(folded: LogMetrics, now: float) -> dict[str, dict[str, object]]:
+def summary(folded: LogMetrics, now: float, *, started_at: int = 0) -> dict[str, dict[str, object]]:
     """The key numbers, grouped as `top` shows them (also its `--json`)."""
     gauges = folded.gauges(now)
     ended = {s: folded.total("tasks_completed_total", status=s) for s in _TASK_STATUSES}
@@ -62,8 +64,16 @@ def summary(folded: LogMetrics, now: float) -> dict[str, dict[str, object]]:
             "p99_s": _p(folded, "sandhold_recovery_seconds", 0.99),
         },
         "sandboxes": {dict(k)["phase"]: v for k, v in gauges["sandhold_sandboxes"].items()},
-        "log": {"position": folded.position},
+        # Where this fold began: a metrics service's checkpoint's position, or 0.
+        "log": {"position": folded.position, "folded_from": started_at},
     }
+
+
+def _written_at(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _p(folded: LogMetrics, histogram: str, q: float) -> float | None:
@@ -95,12 +105,28 @@ def _fmt(key: str, value: object) -> str:
     return str(value)
 
 
-async def top(client: Client, *, interval: float, once: bool, as_json: bool) -> int:
-    folded = LogMetrics()
+async def top(
+    client: Client,
+    *,
+    interval: float,
+    once: bool,
+    as_json: bool,
+    checkpoints: Path | None = None,
+) -> int:
+    """From a metrics service's checkpoint where this machine has one (the data
+    dir's `checkpoints/<instance>/`, as `sandhold up` keeps them; the newest
+    believed), so a long log is not folded from zero; else from its first event."""
+    folded = None
+    kept = [] if checkpoints is None else list(checkpoints.glob("*/metrics.checkpoint"))
+    for path in sorted(kept, key=_written_at, reverse=True):
+        if (folded := await load_fold(client.js, client.names, path)) is not None:
+            break
+    folded = folded or LogMetrics()
+    started_at = folded.position
     follower = await follow_log(client.js, client.names, folded)
     try:
         while True:
-            numbers = summary(folded, time.time())
+            numbers = summary(folded, time.time(), started_at=started_at)
             if as_json:
                 sys.stdout.write(msgspec.json.encode(numbers).decode() + "\n")
             elif sys.stdout.isatty() and not once:

@@ -85,26 +85,10 @@ class MetricsService:
     # --- the checkpoint (decision 062) -------------------------------------------
 
     async def _load(self, js: JetStreamContext, path: Path) -> None:
-        """The fold a good checkpoint holds: written by this code, for this
-        stream, whose last event the log still holds (else from zero, as ever)."""
-        try:
-            kept = msgspec.msgpack.decode(path.read_bytes(), type=_Kept)
-            if kept.version != fold_version() or kept.stream != self._names.events_stream:
-                raise ValueError("written by other code, or for another stream")
-            folded = log_metrics.load(kept.fold)
-            if folded.position and (
-                why := await checkpoint.log_disowns(
-                    js, self._names.events_stream, folded.position, folded.last_event_id
-                )
-            ):
-                raise ValueError(why)
-        except FileNotFoundError:
-            return
-        except Exception as err:  # noqa: BLE001 - not believed: folded from zero
-            log.warning("%s: %s: folding from zero", path, err)
-            return
-        self.folded = folded
-        self._written = self.from_checkpoint = folded.position
+        folded = await load_fold(js, self._names, path)
+        if folded is not None:
+            self.folded = folded
+            self._written = self.from_checkpoint = folded.position
 
     async def checkpoint(self) -> int:
         """Write the fold now if it moved since the last one; the bytes written."""
@@ -136,6 +120,29 @@ class MetricsService:
                 log.exception("checkpoint not written")
                 continue
             log.info("checkpoint: %d bytes in %.2fs", size, time.monotonic() - started)
+
+
+async def load_fold(js: JetStreamContext, names: Names, path: Path) -> LogMetrics | None:
+    """The fold a good checkpoint holds: written by this code, for this stream,
+    whose last event the log still holds; None (fold from zero, as ever) if
+    there is none or it is not believed. The service's start and `sandhold top`."""
+    try:
+        kept = msgspec.msgpack.decode(path.read_bytes(), type=_Kept)
+        if kept.version != fold_version() or kept.stream != names.events_stream:
+            raise ValueError("written by other code, or for another stream")
+        folded = log_metrics.load(kept.fold)
+        if folded.position and (
+            why := await checkpoint.log_disowns(
+                js, names.events_stream, folded.position, folded.last_event_id
+            )
+        ):
+            raise ValueError(why)
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # noqa: BLE001 - not believed: folded from zero
+        log.warning("%s: %s: folding from zero", path, err)
+        return None
+    return folded
 
 
 async def follow_log(

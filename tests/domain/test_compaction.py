@@ -232,9 +232,22 @@ def test_any_request_to_a_sandbox_with_saves_is_decided_on_the_kept_state_as_on_
     whole = trace.state
     kept = compacted_fold(trace)[-1]
     assert whole is not None and kept is not None
+    deletes = [
+        rq.DeleteSnapshot(key=key, tenant="default", sandbox_id=SID, save_id=save_id)
+        for save_id in whole.saves
+        for key in ("d-new", *(k for k in whole.requests if k.startswith("d")))
+    ]  # a new key, and every key a delete used (retries, conflicts)
+    retries = [
+        rq.SnapshotSandbox(key=key, tenant="default", sandbox_id=SID, name=f"snap-{n % 4}")
+        for key in whole.requests
+        if key.startswith("s")
+        for n in range(4)
+    ]  # a Snapshot's retry (its own name among them), its Snapshot deleted and dropped maybe
     for request in (
         fp.read_request(whole, request_choice),
         rq.SnapshotSandbox(key="s1", tenant="default", sandbox_id=SID, name="snap-1"),
+        *deletes,
+        *retries,
     ):
         assert as_a_store_decides(kept, whole, request) == as_the_whole_decides(whole, request)
 

@@ -529,6 +529,12 @@ def test_the_newest_save_stays_the_restore_point_when_its_snapshot_is_deleted() 
 
 
 def test_deleting_a_snapshot_refuses_other_saves_and_is_idempotent() -> None:
+    under_way = given_sandbox(*RUNNING, snapshot())
+    for report in ([], [captured(snap_id())], [uploaded(snap_id())]):
+        under_way = apply(under_way, report)
+        refused(when(under_way, delete_snapshot(snap_id())), "snapshot_not_completed")
+    failed_one = apply(under_way, [failed(snap_id(), "verify")])
+    assert len(when(failed_one, delete_snapshot(snap_id()))) == 1, "a failed one may go"
     state, ids = _with_a_snapshot_and_saves(1)
     refused(when(state, delete_snapshot(ids[0])), "snapshot_not_found")
     refused(when(state, delete_snapshot("sv-0000000000000000")), "snapshot_not_found")
@@ -558,3 +564,15 @@ def test_a_deleted_sandboxs_snapshot_can_be_deleted_and_then_nothing_is_left() -
     assert expired == ev.SavesExpired(save_ids=[snap_id()])
     state = apply(state, [expired])
     assert policy.retained(state) == [] and sb.forgettable(state)
+
+
+def test_a_save_being_restored_is_retained_whatever_was_said_of_it_since() -> None:
+    """A placement restoring a save (a recovery, a create from a Snapshot) keeps
+    its files, even if retention or a Snapshot's delete dropped it meanwhile."""
+    state, ids = _with_a_snapshot_and_saves(1)
+    restoring = msgspec.structs.replace(
+        state, phase="starting", restore_save_id="sv-0123456789abcdef"
+    )
+    assert "sv-0123456789abcdef" in policy.retained(restoring)
+    running = msgspec.structs.replace(restoring, phase="running")
+    assert "sv-0123456789abcdef" not in policy.retained(running), "restored: nothing holds it"

@@ -3,12 +3,15 @@ values from envelope times, and the same numbers from any replay of the log."""
 
 from __future__ import annotations
 
+from hypothesis import given
 from sandhold.bus.codec import decode_envelope, encode_envelope
 from sandhold.domain import events as ev
 from sandhold.domain.envelope import Envelope, wrap
+from sandhold.domain.sandbox import compact
 from sandhold.domain.task_manifest import load_manifest
 from sandhold.telemetry.log_metrics import BOUNDS, LogMetrics, dump, labels, load
 
+from tests.domain import test_fold_property as fp
 from tests.domain.history import (
     DELETED,
     RUNNING,
@@ -327,3 +330,20 @@ def test_an_ended_task_is_counted_not_kept() -> None:
     assert folded.counters["tasks_completed_total"] == {labels(status="completed"): 60}
     assert folded.total("tasks_submitted_total") == 60
     assert load(dump(folded)).counters == folded.counters
+
+
+@fp.SETTINGS
+@given(fp.MEMORY_CHOICE, fp.STEPS)
+def test_the_folds_sandbox_is_the_services_compacted_state_over_any_history(
+    memory_n: int, steps: list[fp.Choice]
+) -> None:
+    """Every sandbox event reaches the fold (a new kind of event too, whatever
+    its tag's prefix), so what it keeps of a sandbox is what each service keeps."""
+    trace = fp.drive(memory_n, steps, fp.SAVES_MIX)
+    metrics = LogMetrics()
+    for seq, line in enumerate(trace.log, start=1):
+        metrics.apply(seq, fp.DECODER.decode(line))
+    whole = trace.state
+    assert whole is not None
+    expected = None if whole.phase == "deleted" else compact(whole)
+    assert metrics.sandboxes.get(SID) == expected

@@ -486,8 +486,16 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
     `compact` dropped: then it is decided on the whole state, read back from the
     log. A deleted sandbox's request keys (every request to it is a retry, or
     refused, or noted); an ended command a run's retry or a cancel names, and
-    the reply shows. Rare: a new request to a live sandbox needs none of it."""
-    if state is None or not state.compacted:
+    the reply shows. Rare: a new request to a live sandbox needs none of it.
+    (And a failed Snapshot's delete, on any kept state: deleted, it is named by
+    nothing and dropped, and the reply shows it.)"""
+    if state is None:
+        return False
+    if isinstance(request, rq.DeleteSnapshot):
+        record = state.saves.get(request.save_id)
+        if record is not None and record.state == "failed":
+            return True
+    if not state.compacted:
         return False
     if state.phase == "deleted":
         return True
@@ -1143,6 +1151,14 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                 raise Rejected(
                     "snapshot_not_found",
                     f"sandbox {state.id} has no snapshot {request.save_id}",
+                )
+            if record.state in sv.IN_FLIGHT:
+                # Whoever asked for it waits for its end (a task's artifacts):
+                # it ends a Snapshot, completed or failed, and is deleted then.
+                raise Rejected(
+                    "snapshot_not_completed",
+                    f"snapshot {record.id} is {record.state}; it can be deleted once it "
+                    "completed or failed",
                 )
             return [
                 ev.SnapshotDeleted(

@@ -142,9 +142,13 @@ def expired(state: Sandbox, *, keep_last: int) -> list[ev.AnyEvent]:
 
 def retained(state: Sandbox) -> list[str]:
     """Saves whose manifests and chunks must stay in the store: the completed ones,
-    and the parents of saves under way (they reuse the parent's chunks unsent)."""
+    the parents of saves under way (they reuse the parent's chunks unsent), and
+    the one a placement is restoring."""
     keep = set(state.saves_completed)
     keep |= {s.parent_id for s in state.saves_under_way() if s.parent_id}
+    if state.restore_save_id is not None and state.phase in ("placed", "starting"):
+        # Being restored: kept whatever retention or a delete said of it since.
+        keep.add(state.restore_save_id)
     if state.source_snapshot_id is not None and state.phase != "deleted":
         # A fresh placement may still restore it (a deleted sandbox has none).
         keep.add(state.source_snapshot_id)

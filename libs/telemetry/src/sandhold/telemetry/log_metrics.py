@@ -147,7 +147,7 @@ class LogMetrics:
         self.position, self.last_event_id = seq, envelope.id
         kind = envelope.type.split(".", 1)[0]
         self._count("sandhold_events_total", type=envelope.type)
-        if kind in ("sandbox", "command", "save", "request"):
+        if kind in ("sandbox", "command", "save", "snapshot", "request"):
             self._sandbox(envelope)
         elif kind == "host":
             self._host(envelope)

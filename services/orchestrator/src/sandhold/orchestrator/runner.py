@@ -33,6 +33,7 @@ from sandhold.bus.ports import SYSTEM_CLOCK, Aggregates, Clock, OutputReader
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
+from sandhold.domain import saves as sv
 from sandhold.domain import task as tk
 from sandhold.domain import task_policy as policy
 from sandhold.domain.errors import Rejected
@@ -57,6 +58,21 @@ def sandbox_key(task_id: str) -> str:
 
 def task_sandbox_id(state: tk.Task) -> str:
     return rq.sandbox_id_for(state.tenant, sandbox_key(state.id))
+
+
+# What `_ended_save` finds of a save its store kept no record of, once ended.
+_DROPPED = sv.SaveRecord(id="", kind="scheduled", state="expired", requested_at=0.0)
+
+
+def _ended_save(state: sb.Sandbox, save_id: str, key: str) -> sv.SaveRecord | None:
+    """The Snapshot asked for with `key`, once it ended (None while under way or
+    not read yet); `_DROPPED` once it ended and the store dropped its record
+    (deleted since, and expired: decision 068): its request key is known, so
+    its request was folded, and a record is dropped only once it ended."""
+    record = state.saves.get(save_id)
+    if record is None:
+        return _DROPPED if key in state.requests else None
+    return None if record.state in sv.IN_FLIGHT else record
 
 
 class StageOver(Exception):
@@ -508,23 +524,24 @@ class Runner:
                     rq.SnapshotSandbox(
                         key=key, tenant=state.tenant, sandbox_id=sandbox_id, name=f"task-{state.id}"
                     ),
-                    lambda s: save_id in s.saves,
+                    lambda s: save_id in s.saves or key in s.requests,
                     sandbox_id=sandbox_id,
                 )
             except Rejected as err:
                 await self._fail("artifacts_failed", err.message)
-            save = await self.sandboxes.wait(
-                sandbox_id,
-                lambda s: (
-                    r
-                    if (r := s.saves.get(save_id)) and r.state in ("completed", "failed")
-                    else None
-                ),
+            save: sv.SaveRecord | None = await self.sandboxes.wait(
+                sandbox_id, lambda s: _ended_save(s, save_id, key)
             )
-            if save.state != "completed":
-                await self._fail(
-                    "artifacts_failed", f"the snapshot {save_id} failed: {save.reason}"
-                )
+            if save is _DROPPED:
+                # Ended and not kept (decision 068: a Snapshot deleted since, and
+                # expired): its record is in the log only.
+                whole = await self.sandboxes.whole(sandbox_id)
+                save = whole.saves.get(save_id) if whole is not None else None
+            if save is None or save.state != "completed" or save.kind != "snapshot":
+                shown = "gone" if save is None else f"{save.state} ({save.kind})"
+                why = f": {save.reason}" if save is not None and save.reason else ""
+                await self._fail("artifacts_failed", f"the snapshot {save_id} is {shown}{why}")
+            assert save is not None
             manifest = await self._store.get_manifest(save_id)
             artifacts = [
                 ev.Artifact(path=path, size=entry.size, save_id=save_id)

@@ -130,7 +130,13 @@ class Saver:
         self._dirty_loop.mark(sandbox_id)
 
     def _note_ended_saves(self, _sandbox_id: str, envelopes: list[Envelope]) -> None:
+        # Not those a fold from zero replays (a start without a checkpoint): a
+        # manifest older than the grace goes at the next collection anyway, and
+        # every save that ever ended would otherwise be held until then.
+        recent = time.time() - self._gc_grace_s
         for envelope in envelopes:
+            if envelope.time < recent:
+                continue
             match envelope.event:
                 case ev.SavesExpired(save_ids=save_ids):
                     self._ended_saves.update(save_ids)

@@ -117,6 +117,7 @@ class Scheduler:
             self._waiting = self.sandboxes.select(sb.waits_outside_its_log)
             self._placements = self.sandboxes.group(sb.placed_on)
             self.sandboxes.listen(self._note_snapshots)
+            self.sandboxes.watch(self._note_deleted_snapshots)
             await shell.start_stores()
             await self.leases.start()
             shell.on_close(self.leases.stop)
@@ -171,6 +172,12 @@ class Scheduler:
         sandbox_id = sb.aggregate_of(request)
         if isinstance(request, rq.CreateSandbox) and request.seed is not None:
             await self._check_seed(request.seed, sandbox_id, request.seed_manifest_digest or "")
+        if isinstance(request, rq.CreateSandbox) and request.from_snapshot is not None:
+            # Its owner as the leader has it: a Snapshot can be deleted (decision
+            # 069), and a twin may have just appended that.
+            owner = self._snapshot_owner.get(request.from_snapshot)
+            if owner is not None:
+                await self.sandboxes.sync(owner, from_leader=True)
         kept = await self._keep_secrets(request, sandbox_id)
         before, _ = self.sandboxes.get(sandbox_id)
         value = await self._keep_connection(request, sandbox_id)
@@ -461,13 +468,19 @@ class Scheduler:
 
     def _note_snapshots(self, sandbox_id: str) -> None:
         """Whose each Snapshot is, as they are taken (a create from one must not
-        go through every sandbox): a sandbox's Snapshots only ever grow."""
+        go through every sandbox): a new one is always the last of its sandbox's
+        (a deleted one leaves the list, `_note_deleted_snapshots`)."""
         state, _ = self.sandboxes.get(sandbox_id)
         if state is None:
             return
         if state.snapshot_ids and state.snapshot_ids[-1] not in self._snapshot_owner:
             for save_id in state.snapshot_ids:  # a new one: whose it is, once
                 self._snapshot_owner[save_id] = sandbox_id
+
+    def _note_deleted_snapshots(self, _sandbox_id: str, envelopes: list[Envelope]) -> None:
+        for envelope in envelopes:
+            if isinstance(envelope.event, ev.SnapshotDeleted):
+                self._snapshot_owner.pop(envelope.event.save_id, None)
 
     # --- reconciling ----------------------------------------------------------
 

@@ -198,7 +198,7 @@ def reports_decided(state: Sandbox, save_ids: list[str]) -> list[object]:
 
 
 @fp.SETTINGS
-@given(fp.MEMORY_CHOICE, fp.STEPS)
+@given(fp.MEMORY_CHOICE, fp.LONG_STEPS)
 def test_a_sandbox_with_saves_compacted_after_every_event_is_its_whole_fold_compacted(
     memory_n: int, steps: list[fp.Choice]
 ) -> None:
@@ -208,7 +208,7 @@ def test_a_sandbox_with_saves_compacted_after_every_event_is_its_whole_fold_comp
 
 
 @fp.SETTINGS
-@given(fp.MEMORY_CHOICE, fp.STEPS)
+@given(fp.MEMORY_CHOICE, fp.LONG_STEPS)
 def test_the_saves_decide_and_show_the_same_on_the_kept_state(
     memory_n: int, steps: list[fp.Choice]
 ) -> None:
@@ -224,7 +224,7 @@ def test_the_saves_decide_and_show_the_same_on_the_kept_state(
 
 
 @fp.SETTINGS
-@given(fp.MEMORY_CHOICE, fp.STEPS, fp.CHOICE)
+@given(fp.MEMORY_CHOICE, fp.LONG_STEPS, fp.CHOICE)
 def test_any_request_to_a_sandbox_with_saves_is_decided_on_the_kept_state_as_on_the_whole(
     memory_n: int, steps: list[fp.Choice], request_choice: fp.Choice
 ) -> None:

@@ -97,6 +97,9 @@ def choices_of(raw: bytes) -> list[Choice]:
 
 
 STEPS = st.binary(min_size=6 * 20, max_size=6 * 60).map(choices_of)
+# Longer, for histories whose saves run their course (`SAVES_MIX`): a save takes
+# four steps to complete, and retention needs several completed.
+LONG_STEPS = st.binary(min_size=6 * 60, max_size=6 * 150).map(choices_of)
 CHOICE = st.binary(min_size=6, max_size=6).map(lambda raw: choices_of(raw)[0])
 MEMORY_CHOICE = st.integers(0, 1)
 
@@ -232,7 +235,7 @@ def save_step(state: Sandbox, choice: Choice, step: int) -> tuple[list[ev.AnyEve
             case "expired":
                 return policy.expired(state, keep_last=1 + detail % 2), "saver"
             case _ if save is not None and save.host is not None:
-                report = save_report(kind, save, quiet=detail % 2 == 0)
+                report = save_report(kind, save, quiet=detail % 4 == 0)
                 return decide_report(state, report), "host-agent"
             case _:
                 return [], "saver"

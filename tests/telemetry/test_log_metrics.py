@@ -333,7 +333,7 @@ def test_an_ended_task_is_counted_not_kept() -> None:
 
 
 @fp.SETTINGS
-@given(fp.MEMORY_CHOICE, fp.STEPS)
+@given(fp.MEMORY_CHOICE, fp.LONG_STEPS)
 def test_the_folds_sandbox_is_the_services_compacted_state_over_any_history(
     memory_n: int, steps: list[fp.Choice]
 ) -> None:

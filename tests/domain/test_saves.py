@@ -179,7 +179,10 @@ def test_a_deleted_sandbox_keeps_only_its_snapshots() -> None:
     state, ids = _with_a_snapshot_and_saves(3)
     state = msgspec.structs.replace(state, source_snapshot_id="its-origin")
     assert policy.expired(state, keep_last=5) == []
-    assert "its-origin" in policy.retained(state)
+    assert "its-origin" not in policy.retained(state), "its own saves are its restore points"
+    fresh = given_sandbox(*RUNNING)
+    fresh = msgspec.structs.replace(fresh, source_snapshot_id="its-origin")
+    assert "its-origin" in policy.retained(fresh), "until a save of its own completes"
     state = apply(state, [*decide(state, delete()), deleted()])
     assert state.phase == "deleted"
     [expired] = policy.expired(state, keep_last=5)

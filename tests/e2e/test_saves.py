@@ -767,6 +767,13 @@ async def test_a_workspace_removed_from_inside_fails_the_launch_there_and_can_be
     assert "working directory does not exist: /workspace" in failed.command.reason
     state = await client.sandbox_state(sandbox_id)
     assert state is not None and state.phase == "running" and state.lost is None
+    # Stopped and started again (its final save holds the removal): it starts.
+    await client.stop_sandbox(sandbox_id)
+    await client.wait_for_phase(sandbox_id, {"stopped"}, timeout=60)
+    await client.start_sandbox(sandbox_id)
+    await client.wait_for_phase(sandbox_id, {"running"}, timeout=60)
+    still = await client.exec(sandbox_id, ["true"], wait_timeout=60)
+    assert still.command.state == "launch_failed", "what its root removed stays removed"
     remade = await client.exec(
         sandbox_id,
         ["sh", "-c", "mkdir /workspace && chown 1000:1000 /workspace"],

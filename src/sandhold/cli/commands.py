@@ -364,7 +364,10 @@ def dispatch(args: argparse.Namespace) -> None:
 def _checkpoints(args: argparse.Namespace) -> Path | None:
     """The services' checkpoints `sandhold up` keeps (decision 039), if any."""
     found = Path(args.data_dir) / "checkpoints"
-    return found if found.is_dir() else None
+    try:
+        return found if found.is_dir() else None
+    except OSError:  # another user's data dir (0700): none of its checkpoints here
+        return None
 
 
 def _read_model(args: argparse.Namespace) -> Path | None:

@@ -149,8 +149,13 @@ def retained(state: Sandbox) -> list[str]:
     if state.restore_save_id is not None and state.phase in ("placed", "starting"):
         # Being restored: kept whatever retention or a delete said of it since.
         keep.add(state.restore_save_id)
-    if state.source_snapshot_id is not None and state.phase != "deleted":
-        # A fresh placement may still restore it (a deleted sandbox has none).
+    if (
+        state.source_snapshot_id is not None
+        and state.phase != "deleted"
+        and not state.saves_completed
+    ):
+        # A fresh placement may still restore it: until a save of its own
+        # completes (then that is the restore point; a deleted sandbox has none).
         keep.add(state.source_snapshot_id)
     return sorted(keep)
 

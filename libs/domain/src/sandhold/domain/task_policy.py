@@ -226,7 +226,10 @@ def lost_command_retry(
         attempt=record.attempt,
         error_class="infrastructure_lost",
         reason="infrastructure_lost",
-        detail=f"the host of {record.sandbox_id} failed while {record.command_id} ran",
+        detail=(
+            f"{record.command_id} was lost with {record.sandbox_id}'s placement while it ran "
+            "(its host failed, or the sandbox's files there went missing)"
+        ),
         budget=1 if policy == "recover_and_retry" else 0,
         now=now,
         jitter=jitter,

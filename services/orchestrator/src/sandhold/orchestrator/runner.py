@@ -71,7 +71,8 @@ def _ended_save(state: sb.Sandbox, save_id: str, key: str) -> sv.SaveRecord | No
     its request was folded, and a record is dropped only once it ended."""
     record = state.saves.get(save_id)
     if record is None:
-        return _DROPPED if key in state.requests else None
+        # (A deleted sandbox's kept state has no request keys: read it back.)
+        return _DROPPED if key in state.requests or state.phase == "deleted" else None
     return None if record.state in sv.IN_FLIGHT else record
 
 

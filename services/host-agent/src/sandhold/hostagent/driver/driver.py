@@ -259,13 +259,16 @@ class ProcessDriver:
 
     def copy_gone(self, sandbox_id: str) -> bool:
         """Whether this host no longer holds the sandbox at all: its directory is
-        gone (a disk lost or wiped under the agent). A disk of its own, unmounted
-        since a reboot, is mounted first; a workspace removed from inside the
-        sandbox is not a copy gone."""
+        gone (a disk lost or wiped under the agent), or with namespaces its
+        root's persistent layer (a disk of its own, unmounted since a reboot, is
+        mounted first). A workspace removed from inside the sandbox is not a
+        copy gone."""
         if not self.layout.sandbox_dir(sandbox_id).is_dir():
             return True
         if self.boxes is not None:
             self.boxes.mount_disk(sandbox_id)
+            # Its root's persistent layer, which nothing inside it can remove.
+            return not self.boxes.fs(sandbox_id).upper.is_dir()
         return False
 
     def id_offset(self, sandbox_id: str) -> int:

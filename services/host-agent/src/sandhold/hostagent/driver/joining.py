@@ -149,8 +149,10 @@ def launch_problem_inside(argv: list[str], cwd: str, env: dict[str, str]) -> str
         return "empty command line"
     try:
         os.chdir(cwd)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return f"working directory does not exist: {cwd}"
+    except OSError as err:
+        return f"working directory {cwd}: {err.strerror}"
     program = argv[0]
     if "/" in program:
         if not os.path.exists(program):

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,10 +220,27 @@ def prepare(fs: SandboxFs, base: Base, id_offset: int) -> None:
             os.chown(directory, id_offset, id_offset)
     user = id_offset + USER_UID
     home = fs.upper / "root" / USER_HOME.lstrip("/")
-    for directory, owner in ((fs.workspace, user), (home.parent, id_offset), (home, user)):
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory.stat().st_uid < _ID_BASE:
-            os.chown(directory, owner, owner)
+    _own_directory(fs.workspace, user)
+    if _own_directory(home.parent, id_offset):
+        _own_directory(home, user)
+
+
+def _own_directory(directory: Path, owner: int) -> bool:
+    """Make `directory` (its parent is a real one) for the sandbox, or give it
+    to the sandbox if the host made it; whether it is a real directory. What
+    the sandbox's root put in its place is left as it is and never followed: a
+    whiteout of a directory it removed (it can make it again, decision 070), a
+    file, a symlink (followed, the host's root would chown whatever it names)."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        directory.mkdir()
+        st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        return False
+    if st.st_uid < _ID_BASE:
+        os.chown(directory, owner, owner, follow_symlinks=False)
+    return True
 
 
 def has_files(fs: SandboxFs) -> bool:
@@ -246,6 +264,11 @@ def claim_host_files(fs: SandboxFs, id_offset: int) -> None:
     Files a sandbox made are already in its id range and are left as they are.
     """
     owner = id_offset + USER_UID
+    try:
+        if not stat.S_ISDIR(os.lstat(fs.workspace).st_mode):
+            return  # what the sandbox put there (a symlink is never walked)
+    except FileNotFoundError:
+        return
     for directory, dirnames, filenames in os.walk(fs.workspace):
         for name in [directory, *(os.path.join(directory, n) for n in dirnames + filenames)]:
             st = os.lstat(name)

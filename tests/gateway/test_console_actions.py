@@ -1,5 +1,5 @@
 """What a console user does to a sandbox, over HTTP on a real `sandhold up`:
-create, run a command, snapshot, stop and start, each from a form with its
+create, run a command, snapshot (and delete it), stop and start, each from a form with its
 CSRF token and a key of its own (the same form sent twice acts once), each but
 create confirmed on a page first; a command's page and its live output; the
 saves timeline; the sandbox as of a point in its history."""
@@ -140,6 +140,14 @@ async def test_snapshot_stop_and_start_from_the_page_show_on_the_saves_timeline(
             return (await acme.get(f"/api/v1/sandboxes/{sandbox_id}")).json()["phase"] == "running"
 
         await _until(running_again)
+        # The Snapshot deleted from its own button (decision 069): a save like the others.
+        (snap,) = (await acme.get(f"/api/v1/sandboxes/{sandbox_id}/snapshots")).json()["items"]
+        page = (await browser.get(here)).text
+        assert f'name="save_id" value="{snap["id"]}"' in page
+        await act("delete_snapshot", save_id=snap["id"])
+        shown = (await acme.get(f"/api/v1/sandboxes/{sandbox_id}/saves/{snap['id']}")).json()
+        assert (shown["kind"], shown["name"]) == ("scheduled", None)
+        assert (await acme.get(f"/api/v1/sandboxes/{sandbox_id}/snapshots")).json()["items"] == []
 
 
 async def test_malformed_or_foreign_actions_are_refused_and_change_nothing(
@@ -158,6 +166,16 @@ async def test_malformed_or_foreign_actions_are_refused_and_change_nothing(
             (exec_, {"csrf": csrf, "key": "mine", "line": "true", "confirmed": "yes"}, 400),
             (exec_, {"csrf": csrf, "line": "true", "confirmed": "yes"}, 400),  # no key
             (f"/sandboxes/{mine}/snapshot", {"csrf": csrf, "key": key, "name": "../x"}, 422),
+            (
+                f"/sandboxes/{mine}/delete_snapshot",
+                {"csrf": csrf, "key": key, "save_id": "../x", "confirmed": "yes"},
+                400,
+            ),
+            (
+                f"/sandboxes/{mine}/delete_snapshot",
+                {"csrf": csrf, "key": key, "save_id": "sv-0123456789abcdef", "confirmed": "yes"},
+                404,
+            ),
             (f"/sandboxes/{mine}/reboot", {"csrf": csrf, "key": key}, 404),
             (f"/sandboxes/{theirs}/stop", {"csrf": csrf, "key": key, "confirmed": "yes"}, 404),
             (f"/sandboxes/{theirs}/exec", {"csrf": csrf, "key": key, "line": "id"}, 200),

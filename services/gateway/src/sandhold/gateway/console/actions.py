@@ -48,7 +48,15 @@ ACTIONS: dict[str, Action] = {
         frozenset({"pending", "placed", "starting", "running"}),
     ),
     "start": Action("Start", "Start {id} again from its last save?", frozenset({"stopped"})),
+    # One form per completed Snapshot (decision 069), a deleted sandbox's too.
+    "delete_snapshot": Action(
+        "Delete snapshot",
+        "Delete this snapshot of {id}? It becomes a save like the others, which "
+        "retention then drops unless it is among the newest kept.",
+        PHASES,
+    ),
 }
+_SAVE_ID = re.compile(r"^sv-[0-9a-f]{16}$")
 
 
 def new_key() -> str:
@@ -77,6 +85,13 @@ def snapshot_fields() -> str:
         '<label for="name">Snapshot name</label> '
         '<input id="name" name="name" required maxlength="100" size="20" '
         'pattern="[A-Za-z0-9][A-Za-z0-9_.:\\-]*" value="console"> '
+    )
+
+
+def delete_snapshot_fields(save_id: str, name: str | None) -> str:
+    return (
+        f'<input type="hidden" name="save_id" value="{esc(save_id)}">'
+        f"<code>{esc(name or save_id)}</code> "
     )
 
 
@@ -147,6 +162,11 @@ def _request(action: str, form: dict[str, str], key: str, tenant: str, sandbox_i
         case "snapshot":
             body = b.convert({"name": form.get("name", "")}, b.SnapshotBody)
             return rq.SnapshotSandbox(**common, **b.request_fields(body))
+        case "delete_snapshot":
+            save_id = form.get("save_id", "")
+            if not _SAVE_ID.match(save_id):
+                raise ProblemError("invalid_request", "No such snapshot.", status=400)
+            return rq.DeleteSnapshot(**common, save_id=save_id)
         case "stop":
             return rq.StopSandbox(**common)
         case _:
@@ -156,7 +176,7 @@ def _request(action: str, form: dict[str, str], key: str, tenant: str, sandbox_i
 def _confirm(session: Session, sandbox_id: str, action: str, form: dict[str, str]) -> Response:
     kept = "".join(
         f'<input type="hidden" name="{name}" value="{esc(form[name])}">'
-        for name in ("key", "line", "name")
+        for name in ("key", "line", "name", "save_id")
         if name in form
     )
     shown = ""
@@ -164,6 +184,8 @@ def _confirm(session: Session, sandbox_id: str, action: str, form: dict[str, str
         shown = f"<pre>{esc(form.get('line', ''))}</pre>"
     elif action == "snapshot":
         shown = f"<p>Named <code>{esc(form.get('name', ''))}</code>.</p>"
+    elif action == "delete_snapshot":
+        shown = f"<p>Snapshot <code>{esc(form.get('save_id', ''))}</code>.</p>"
     body = (
         f"<p>{esc(ACTIONS[action].question.format(id=sandbox_id))}</p>{shown}"
         f'<form method="post" action="/sandboxes/{esc(sandbox_id)}/{action}">'

@@ -17,6 +17,7 @@ from sandhold.domain.views import SaveView, command_view, sandbox_view
 from sandhold.gateway.console.actions import (
     ACTIONS,
     action_form,
+    delete_snapshot_fields,
     exec_fields,
     new_key,
     snapshot_fields,
@@ -245,6 +246,11 @@ def _actions(session: Session, view: Any) -> str:
             ("start", ""),
         )
         if view.phase in ACTIONS[action].shows_in
+    ]
+    forms += [
+        action_form(session, view.id, "delete_snapshot", delete_snapshot_fields(s.id, s.name))
+        for s in view.snapshots
+        if s.state == "completed"
     ]
     if not forms:
         return ""

@@ -55,6 +55,13 @@ def compacted_fold(trace: fp.Trace) -> list[Sandbox | None]:
     return states
 
 
+def assert_compacted_as_the_whole_fold(trace: fp.Trace) -> None:
+    """A compacted state depends on the log alone, not on when it was compacted:
+    a checkpoint's states are compared with `compact(fold from zero)` (audit)."""
+    for n, (kept, whole) in enumerate(zip(compacted_fold(trace), trace.states, strict=True)):
+        assert kept == (None if whole is None else compact(whole)), f"after {n} envelopes"
+
+
 def as_a_store_decides(kept: Sandbox, whole: Sandbox, request: rq.AnyRequest) -> Outcome:
     """`AggregateStore.execute` with `whole=`: on the whole state where
     `whole_needed` says so, else on the kept one; the reply is then made from
@@ -86,11 +93,7 @@ def _reply(state: Sandbox, request: rq.AnyRequest) -> object:
 def test_compacting_after_every_event_is_compacting_the_whole_fold(
     memory_n: int, steps: list[fp.Choice]
 ) -> None:
-    """A compacted state depends on the log alone, not on when it was compacted:
-    a checkpoint's states are compared with `compact(fold from zero)` (audit)."""
-    trace = fp.drive(memory_n, steps)
-    for n, (kept, whole) in enumerate(zip(compacted_fold(trace), trace.states, strict=True)):
-        assert kept == (None if whole is None else compact(whole)), f"after {n} envelopes"
+    assert_compacted_as_the_whole_fold(fp.drive(memory_n, steps))
 
 
 @fp.SETTINGS
@@ -202,9 +205,7 @@ def reports_decided(state: Sandbox, save_ids: list[str]) -> list[object]:
 def test_a_sandbox_with_saves_compacted_after_every_event_is_its_whole_fold_compacted(
     memory_n: int, steps: list[fp.Choice]
 ) -> None:
-    trace = fp.drive(memory_n, steps, fp.SAVES_MIX)
-    for n, (kept, whole) in enumerate(zip(compacted_fold(trace), trace.states, strict=True)):
-        assert kept == (None if whole is None else compact(whole)), f"after {n} envelopes"
+    assert_compacted_as_the_whole_fold(fp.drive(memory_n, steps, fp.SAVES_MIX))
 
 
 @fp.SETTINGS

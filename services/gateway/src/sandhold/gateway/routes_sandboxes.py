@@ -15,7 +15,7 @@ from sandhold.bus import leases, ownership
 from sandhold.domain import requests as rq
 from sandhold.domain.commands import END_STATES
 from sandhold.domain.host import Host, liveness
-from sandhold.domain.views import sandbox_view, save_view
+from sandhold.domain.views import Reply, sandbox_view, save_view
 from sandhold.gateway import bodies as b
 from sandhold.gateway.problems import FieldError, ProblemError
 from sandhold.gateway.sse import event_frames, event_page, output_frames
@@ -97,11 +97,18 @@ def handlers(ctx: Context) -> list:
             view.storage = await client.storage()
         return json_response(view)
 
-    async def _lifecycle(request: Request, sandbox_id: FromPath[str], make) -> b.SandboxView:
+    async def _sent(request: Request, sandbox_id: str, make) -> Reply:
+        """A request to one sandbox, made of the call's idempotency key, the
+        token's tenant and the sandbox id (`make(key, tenant, sandbox_id)`):
+        its reply."""
         tenant = tenant_of(ctx, request)
         key = idempotency_key(request)
-        reply = await call(ctx.client(tenant).send(make(key, tenant, sid(sandbox_id))))
-        return reply.sandbox
+        return await call(ctx.client(tenant).send(make(key, tenant, sid(sandbox_id))))
+
+    async def _lifecycle(request: Request, sandbox_id: FromPath[str], make) -> b.SandboxView:
+        view = (await _sent(request, sandbox_id, make)).sandbox
+        assert view is not None  # a lifecycle request's reply carries the sandbox
+        return view
 
     @post("/api/v1/sandboxes/{sandbox_id:str}/start", status_code=200)
     async def start_sandbox(request: Request, sandbox_id: FromPath[str]) -> Response:
@@ -189,17 +196,15 @@ def handlers(ctx: Context) -> list:
     async def delete_snapshot(
         request: Request, sandbox_id: FromPath[str], save_id: FromPath[str]
     ) -> Response:
-        tenant = tenant_of(ctx, request)
-        key = idempotency_key(request)
-        reply = await call(
-            ctx.client(tenant).send(
-                rq.DeleteSnapshot(
-                    key=key,
-                    tenant=tenant,
-                    sandbox_id=sid(sandbox_id),
-                    save_id=check_id(save_id, SAVE_ID, "snapshot_not_found", "snapshot"),
-                )
-            )
+        reply = await _sent(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.DeleteSnapshot(
+                key=k,
+                tenant=t,
+                sandbox_id=s,
+                save_id=check_id(save_id, SAVE_ID, "snapshot_not_found", "snapshot"),
+            ),
         )
         return json_response(reply.save, 200)
 
@@ -335,14 +340,12 @@ def handlers(ctx: Context) -> list:
     async def cancel_command(
         request: Request, sandbox_id: FromPath[str], command_id: FromPath[str]
     ) -> Response:
-        tenant = tenant_of(ctx, request)
-        key = idempotency_key(request)
-        reply = await call(
-            ctx.client(tenant).send(
-                rq.CancelCommand(
-                    key=key, tenant=tenant, sandbox_id=sid(sandbox_id), command_id=cid(command_id)
-                )
-            )
+        reply = await _sent(
+            request,
+            sandbox_id,
+            lambda k, t, s: rq.CancelCommand(
+                key=k, tenant=t, sandbox_id=s, command_id=cid(command_id)
+            ),
         )
         return json_response(reply.command)
 

@@ -2,7 +2,9 @@
 
 For each log size N and each shape: N sandbox events (sandboxes × 100:
 created, placed, starting, started, then commands queued, dispatched, started,
-ended), written with the fenced `append`. Shapes: "all live" (every sandbox
+ended), written with the fenced `append` through a server without per-write
+fsync (`BulkLoadServer`, set-up only), then read through one with
+`sync_interval: always` started on the same store. Shapes: "all live" (every sandbox
 still there: 10× the sandboxes for 10× the log) and "churn" (the last 1,000
 sandboxes live, every one before them deleted: an installation that has run
 for a while, whose log grows with what it did, not with what exists). Then,
@@ -36,15 +38,17 @@ from pathlib import Path
 
 import nats
 from _common import (
+    BulkLoadServer,
     append_histories,
     arguments,
     emit,
     envelopes_for,
     median,
-    nats_server,
     rate,
+    running,
     sandbox_id,
     table,
+    temp_dir,
     verdict,
 )
 from sandhold.bus import checkpoint
@@ -56,6 +60,7 @@ from sandhold.bus.checkpoint import (
     path_for,
 )
 from sandhold.bus.names import Names
+from sandhold.bus.server import NatsServer
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
@@ -121,43 +126,52 @@ async def close(store: AggregateStore, nc: nats.NATS, *, keep_checkpoint: bool =
     await nc.close()
 
 
-def checkpoint_in_process(
-    directory: Path,
+def checkpoints_in_process(
+    directories: dict[bool, Path],
     sandboxes: int,
     tag: str,
     last: tuple[int, str],
     *,
-    compact: bool = True,
     deleted: frozenset[str] = frozenset(),
 ) -> float:
-    """The checkpoint a store would write after folding these sandboxes, folded
-    here (pure evolve): for logs too long to fold through NATS in a bench run."""
-    states: dict[str, sb.Sandbox | None] = {}
-    seqs: dict[str, int] = {}
+    """The checkpoints a store would write after folding these sandboxes,
+    compacted (`directories[True]`) and kept whole (`directories[False]`),
+    folded here once (pure evolve; compacting the fold is compacting after
+    every event, a property tested in tests/domain/test_compaction.py): for
+    logs too long to fold through NATS in a bench run. The compacted one's
+    write time."""
+    states: dict[bool, dict[str, sb.Sandbox | None]] = {True: {}, False: {}}
     for i in range(sandboxes):
         sid = sandbox_id(i, tag)
         state = fold(sb.evolve, envelopes_for(sid, PER_SANDBOX, deleted=sid in deleted), None)
-        if compact and state is not None:
+        if False in directories:
+            states[False][sid] = state
+        if state is not None:
             state = sb.compact(state)
             if sb.forgettable(state):
                 continue
-        states[sid] = state
-        seqs[sid] = last[0]  # the store only compares them with later sequences
-    checkpoint = Checkpoint(
-        version=fold_version(),
-        stream=NAMES.events_stream,
-        kind="sandbox",
-        position=last[0],
-        last_event_seq=last[0],
-        last_event_id=last[1],
-        states=states,
-        seqs=seqs,
-        traces={},
-        compaction=compaction_name(sb.compact if compact else None),
-    )
-    started = time.perf_counter()
-    Checkpoints(path_for(directory, "sandbox"), sb.Sandbox | None).write(checkpoint)
-    return time.perf_counter() - started
+        states[True][sid] = state
+    written = 0.0
+    for compact, directory in directories.items():
+        checkpoint = Checkpoint(
+            version=fold_version(),
+            stream=NAMES.events_stream,
+            kind="sandbox",
+            position=last[0],
+            last_event_seq=last[0],
+            last_event_id=last[1],
+            states=states[compact],
+            # the store only compares them with later sequences
+            seqs=dict.fromkeys(states[compact], last[0]),
+            traces={},
+            compaction=compaction_name(sb.compact if compact else None),
+        )
+        started = time.perf_counter()
+        Checkpoints(path_for(directory, "sandbox"), sb.Sandbox | None).write(checkpoint)
+        if compact:
+            written = time.perf_counter() - started
+        del checkpoint
+    return written
 
 
 async def metrics_start(url: str, directory: Path) -> tuple[float, MetricsService]:
@@ -178,17 +192,44 @@ async def metrics_start(url: str, directory: Path) -> tuple[float, MetricsServic
     return elapsed, service
 
 
-async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -> dict[str, object]:
+async def measure_on_fresh_log(
+    size: int, zero_max: int, rounds: int, shape: str
+) -> dict[str, object]:
+    """The log written through a `BulkLoadServer`, measured on a server with
+    `sync_interval: always` started on the same store."""
+    sandboxes = size // PER_SANDBOX
+    tag = f"s{size}"
+    deleted = deleted_ones(shape, sandboxes, tag)
+    with temp_dir("startup") as data:
+        started = time.perf_counter()
+        with running(BulkLoadServer(data / "nats"), stop_timeout=600) as loader:
+            last = await write_events(loader.admin_url, range(sandboxes), tag, PER_SANDBOX, deleted)
+        print(
+            f"{size:,} ({shape}): wrote {last[0]:,} events in {time.perf_counter() - started:.0f}s",
+            flush=True,
+        )
+        with running(NatsServer(data / "nats")) as server:
+            return await measure(server.admin_url, size, last, zero_max, rounds, shape)
+
+
+async def stream_last_seq(url: str) -> int:
+    nc = await nats.connect(url, name="bench-startup-check")
+    try:
+        info = await nc.jetstream().stream_info(NAMES.events_stream)
+        return int(info.state.last_seq)
+    finally:
+        await nc.close()
+
+
+async def measure(
+    url: str, size: int, last: tuple[int, str], zero_max: int, rounds: int, shape: str
+) -> dict[str, object]:
     sandboxes = size // PER_SANDBOX
     tag = f"s{size}"
     deleted = deleted_ones(shape, sandboxes, tag)
     live = sandboxes - len(deleted)
-    started = time.perf_counter()
-    last = await write_events(url, range(sandboxes), tag, PER_SANDBOX, deleted)
-    print(
-        f"{size:,} ({shape}): wrote {last[0]:,} events in {time.perf_counter() - started:.0f}s",
-        flush=True,
-    )
+    if await stream_last_seq(url) != last[0]:
+        raise RuntimeError("the log written by the bulk loader is not the log read back")
     result: dict[str, object] = {"size": size, "shape": shape, "live": live}
     with tempfile.TemporaryDirectory(prefix="sandhold-bench-startup-") as tmp:
         directory = Path(tmp)
@@ -203,12 +244,12 @@ async def measure(url: str, size: int, zero_max: int, rounds: int, shape: str) -
             print(f"{size:,}: from zero {zero:.1f}s", flush=True)
             result["metrics_zero"], service = await metrics_start(url, directory)
             await service.checkpoint()
+            wanted = {False: whole_directory}
         else:
-            result["write"] = checkpoint_in_process(
-                directory, sandboxes, tag, last, deleted=deleted
-            )
+            wanted = {True: directory, False: whole_directory}
+        written = checkpoints_in_process(wanted, sandboxes, tag, last, deleted=deleted)
+        result.setdefault("write", written)
         result["bytes"] = path_for(directory, "sandbox").stat().st_size
-        checkpoint_in_process(whole_directory, sandboxes, tag, last, compact=False, deleted=deleted)
         result["whole_bytes"] = path_for(whole_directory, "sandbox").stat().st_size
         # A crash's worth of events after the checkpoint (10 sandboxes × 100).
         await write_events(
@@ -270,9 +311,8 @@ async def main() -> None:
     if "churn" not in shapes:
         raise SystemExit("--shapes must include churn: the goal is judged on it")
     for shape in shapes:
-        for size in sizes:
-            with nats_server("startup") as server:  # each size and shape on a log of its own
-                results.append(await measure(server.admin_url, size, args.zero_max, rounds, shape))
+        for size in sizes:  # each size and shape on a log of its own
+            results.append(await measure_on_fresh_log(size, args.zero_max, rounds, shape))
     rows = []
     for r in results:
         zero = r.get("zero")
@@ -309,9 +349,12 @@ async def main() -> None:
             "sandboxes that exist; memory per\nsandbox is bench j's)."
         )
     body = f"""
-Per log size, a fresh `nats-server` (`sync_interval: always`): the sandbox
-events written with the fenced `append` ({PER_SANDBOX} per sandbox), then the
-store's start without a checkpoint (from zero), and from a checkpoint with
+Per log size, a fresh `nats-server`: the sandbox events written with the
+fenced `append` ({PER_SANDBOX} per sandbox) through a server without
+`sync_interval: always` (set-up only: fsync'd one by one, ten million take an
+hour here), then that server stopped and one with `sync_interval: always`
+started on the same store for everything measured: the store's start
+without a checkpoint (from zero), and from a checkpoint with
 {AFTER:,} events appended after it, {rounds} start(s), median. Floor = reading
 the checkpoint file's bytes. A log above {args.zero_max:,} events is not folded
 from zero here (it would take as long again as the write): its checkpoint is

@@ -224,6 +224,22 @@ def test_the_first_end_is_final_whatever_is_appended_after_it(late):
     assert state.final_save_id is None
 
 
+def test_a_release_counts_only_after_the_end_and_makes_the_task_forgettable():
+    running = fold([*through_running(), ev.TaskReleased()])
+    assert not running.released and not tk.forgettable(running)
+    assert tk.release(running) == [] and tk.release(None) == []
+    ended = fold([*through_running(), ev.TaskFailed(reason="exit_code", stage="running")])
+    assert not ended.released and not tk.forgettable(ended)
+    assert tk.release(ended) == [ev.TaskReleased()]
+    released = fold(
+        [*through_running(), ev.TaskFailed(reason="exit_code", stage="running"), ev.TaskReleased()]
+    )
+    assert released.released and tk.forgettable(released)
+    assert tk.release(released) == []  # a twin released it first: nothing more
+    # Nothing else changed: the ended task as it was, released.
+    assert msgspec.structs.replace(released, released=False) == ended
+
+
 def test_a_failed_attempt_is_kept_with_its_cause_and_retry_time():
     failure = ev.TaskOperationFailed(
         operation="clone",

@@ -5,6 +5,8 @@ tasks: completed with a retried clone and a retried tool step, cancelled after
 a hang warning, timed out, failed on a bad ref) and is never regenerated; it
 predates driver claims. `golden/task_v2.jsonl` adds them: one task claimed by
 `orchestrator-1`, taken over by `orchestrator-2` mid-step, completed.
+`golden/task_v3.jsonl` adds `task.released` (decision 071): one task failed
+in staging, then released.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sandhold.domain.task_manifest import TaskManifest
 
 GOLDEN = Path(__file__).parent / "golden" / "task_v1.jsonl"
 GOLDEN_V2 = GOLDEN.with_name("task_v2.jsonl")
+GOLDEN_V3 = GOLDEN.with_name("task_v3.jsonl")
 E = "tk-c0e50b8effcff29f"
 A, B, C, D = (
     "tk-8bd4c5c6bcb98df5",
@@ -112,3 +115,19 @@ def test_a_task_handed_over_between_instances_replays() -> None:
             driver = envelope.actor
         elif envelope.type != "task.submitted":
             assert envelope.actor == driver
+
+
+def test_a_log_from_before_releases_has_nothing_released(tasks: dict[str, tk.Task]) -> None:
+    # Ended, not released: an orchestrator releases them when it starts.
+    assert all(t.terminal and not t.released for t in tasks.values())
+    assert not any(tk.forgettable(t) for t in tasks.values())
+
+
+def test_a_released_task_replays_released() -> None:
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in GOLDEN_V3.read_bytes().splitlines()]
+    assert tk.task_id_for("acme", "golden-f") == envelopes[0].aggregate_id
+    f = fold(tk.evolve, envelopes, None)
+    assert f is not None
+    assert (f.state, f.reason, f.failed_stage) == ("failed", "clone_ref_not_found", "staging")
+    assert f.released and tk.forgettable(f)
+    assert tk.release(f) == []

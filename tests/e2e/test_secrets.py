@@ -18,9 +18,11 @@ from nats.js.errors import NotFoundError
 from sandhold.bus.names import Names
 from sandhold.client import Client, connect
 from sandhold.domain import requests as rq
+from sandhold.domain.task_manifest import load_manifest
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Host, Up
+from tests.orchestrator.test_tasks import released
 from tests.support.bus import assert_refused_as_malformed
 from tests.support.waiting import wait_until
 
@@ -113,6 +115,43 @@ async def test_each_commands_secrets_leave_the_store_once_it_started(up: Up, cli
             return await still_kept() == []
 
         await wait_until(none_kept, timeout=30, what="the secrets removed from the store")
+
+
+async def test_a_released_tasks_submit_again_with_its_secrets_keeps_none_of_them(
+    up: Up, client: Client
+):
+    """The orchestrator forgets a released task (decision 071): a retry of its
+    submit, with the secrets again, is answered as the same task and must not
+    leave the values kept for a task that will never use (or remove) them."""
+    names = Names("sh")
+    manifest = load_manifest(
+        {
+            "name": f"s-{uuid.uuid4().hex[:8]}",
+            "secrets": ["API_TOKEN"],
+            "agent": {"command": ["sh", "-c", 'test -n "$API_TOKEN"']},
+        }
+    )
+    key = f"secrets-again-{uuid.uuid4().hex[:8]}"
+    value = {"API_TOKEN": secrets.token_hex(12)}
+    view = await client.submit_task(manifest, key=key, secrets=value)
+    await client.wait_for_task(
+        view.id, lambda s: s if s.terminal else None, timeout=120, what="the task's end"
+    )
+    done = await released(client, view.id)
+    assert done.state == "completed", (done.reason, done.detail)
+    async with await connect(up.admin_url) as admin:  # only the admin may read them
+
+        async def kept() -> bool:
+            try:
+                await admin.js.get_last_msg(names.secrets_stream, names.task_secret(view.id))
+            except NotFoundError:
+                return False
+            return True
+
+        assert not await kept()  # used, then removed before the release
+        again = await client.submit_task(manifest, key=key, secrets=value)
+        assert (again.id, again.state) == (view.id, "completed")
+        assert not await kept()
 
 
 async def test_a_malformed_secret_gets_a_clear_error_and_runs_nothing(up: Up, client: Client):

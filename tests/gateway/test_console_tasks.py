@@ -18,7 +18,7 @@ from sandhold.domain import task as tk
 
 from tests.gateway.conftest import Gw, nats_client
 from tests.gateway.test_console import _signed_in
-from tests.orchestrator.test_tasks import ended, manifest, sh
+from tests.orchestrator.test_tasks import ended, manifest, released, sh
 
 _KEY = re.compile(r'name="key" value="([^"]+)"')
 REPORT = "mkdir -p out && printf 'report\\n' > out/report.txt && echo done"
@@ -35,6 +35,7 @@ async def test_a_completed_tasks_page_shows_its_status_timeline_ledger_and_artif
         task_id = await _submit(client, agent=sh(REPORT), artifacts=["out/*.txt"])
         task = await ended(client, task_id)
         assert task.state == "completed", (task.reason, task.detail)
+        await released(client, task_id)
         records = await client.task_records(task_id)
     browser, csrf = await _signed_in(gw, gw.tokens["acme"])
     async with contextlib.aclosing(browser):
@@ -57,6 +58,7 @@ async def test_a_completed_tasks_page_shows_its_status_timeline_ledger_and_artif
         timeline = html.unescape((await browser.get(f"{here}/timeline")).text)
         assert timeline.index("Submitted") < timeline.index("Entered running")
         assert timeline.index("Entered running") < timeline.index("Completed")
+        assert timeline.index("Completed") < timeline.index("Released: its sandbox is stopped")
         assert "Step agent attempt 1 finished, exit code 0" in timeline
         assert "1 artifact(s) collected" in timeline
         assert "Step ledger" in timeline and "<td>finished</td>" in timeline

@@ -28,6 +28,7 @@ from sandhold.domain.envelope import wrap
 from sandhold.domain.task_manifest import load_manifest
 
 from tests.e2e.harness import RunLog, Up
+from tests.orchestrator.test_tasks import released
 from tests.support.waiting import Readiness, wait_until
 
 
@@ -301,7 +302,9 @@ async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stay
         what="the command's end",
     )
     assert ended.state == "interrupted"
-    # Crash the orchestrator again: a cancelled task stays cancelled, nothing is appended.
+    # Crash the orchestrator again: a cancelled (and released) task stays
+    # cancelled, nothing is appended.
+    await released(client, view.id)
     before = await _types(client, view.id)
     os.kill(f.up.service_pid("orchestrator"), signal.SIGKILL)
     other = await client.submit_task(
@@ -309,7 +312,7 @@ async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stay
     )
     assert (await _finished(client, other.id)).state == "completed"  # the new one is running
     assert await _types(client, view.id) == before
-    assert before[-1] == "task.cancelled"
+    assert before[-2:] == ["task.cancelled", "task.released"]
     assert _runs(counter) == 1
 
 
@@ -366,6 +369,8 @@ async def test_a_task_that_ended_before_its_sandbox_was_stopped_has_it_stopped_a
     )
     assert sandbox.phase == "stopped"
     assert (await _finished(client, view.id)).state == "timed_out"
+    # ... and then released it: nothing more is to be done for it (decision 071).
+    await released(client, view.id)
 
 
 DISPATCH_S, OUTAGE_S, BACK_S = 60, 30, 90

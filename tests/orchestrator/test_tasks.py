@@ -91,6 +91,13 @@ async def ended(client: Client, task_id: str, timeout: float = 60.0) -> tk.Task:
         ) from None
 
 
+async def released(client: Client, task_id: str) -> tk.Task:
+    """The task once released: nothing about it changes any more (decision 071)."""
+    return await client.wait_for_task(
+        task_id, lambda s: s if s.released else None, timeout=30, what="its release"
+    )
+
+
 async def event_types(client: Client, task_id: str) -> list[str]:
     return [r.envelope.type for r in await client.task_records(task_id)]
 
@@ -137,6 +144,7 @@ LIFECYCLE = [
     "task.stage_entered:completing",
     "task.artifacts_collected",
     "task.completed",
+    "task.released",  # its sandbox stopped: nothing about it changes (decision 071)
 ]
 
 
@@ -174,6 +182,7 @@ async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_fi
     sizes = {a.path: a.size for a in task.artifacts}
     assert sizes == {"out/result.txt": 5, "out/deep/more.txt": 3}
     assert {a.save_id for a in task.artifacts} == {task.snapshot_id}
+    await released(client, task_id)
     assert lifecycle(await client.task_records(task_id)) == LIFECYCLE
     view = await client.show_task(task_id)
     assert view.state == "completed" and view.steps[0].output == "three\n"
@@ -480,7 +489,8 @@ async def test_the_task_limit_ends_the_task_timed_out(client: Client):
     assert task.steps["agent"].status == "failed"
     command = await command_of(client, task, "agent")
     assert command.state == "timed_out"
-    assert (await event_types(client, task_id))[-1] == "task.timed_out"
+    await released(client, task_id)
+    assert (await event_types(client, task_id))[-2:] == ["task.timed_out", "task.released"]
 
 
 async def test_a_clone_that_hangs_is_timed_out_per_attempt_retried_then_failed(
@@ -574,7 +584,9 @@ async def test_cancelling_a_running_task_interrupts_its_command(client: Client, 
 
     command = await wait_until(command_ended, timeout=30, what="the command's end")
     assert command.state == "interrupted"
-    # The same cancel again: the same answer, nothing new in the ledger.
+    # The same cancel again: the same answer, nothing new in the ledger (once
+    # released, nothing else is appended to it).
+    await released(client, task_id)
     count = len(await client.task_records(task_id))
     again = await client.cancel_task(task_id, key=f"cancel-{task_id}")
     assert again.state == "cancelled" and again.cancel_requested
@@ -940,6 +952,11 @@ async def test_a_failed_task_releases_its_sandbox(client: Client):
     task = await ended(client, task_id)
     assert task.state == "failed" and task.steps["agent"].exit_code == 5
     assert task.sandbox_id is not None
+    after = await released(client, task_id)
+    # Released once its sandbox's stop was decided (decision 071).
+    sandbox = await client.sandbox_state(task.sandbox_id)
+    assert sandbox is not None and sandbox.phase in ("stopping", "stopped"), sandbox.phase
+    assert after.state == "failed"
     view = await client.wait_for_phase(task.sandbox_id, {"stopped"}, timeout=30)
     assert view.phase == "stopped"
 
@@ -1085,6 +1102,8 @@ async def test_a_task_cancelled_while_provisioning_leaves_no_sandbox_running(
     # provisioning), so the sandbox exists: it must end stopped, not left waiting
     # to run once a host has room.
     await wait_until(settled, timeout=30, what=f"{sandbox_id} stopped")
+    # Then nothing about the task can change: it is released (decision 071).
+    await released(client, task_id)
 
 
 async def test_a_task_with_much_recorded_output_is_still_answered(client: Client):

@@ -20,12 +20,13 @@ from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
+from sandhold.domain import task as tk
 
 
 async def append(
     nc: nats.NATS, names: Names, kind: str, aggregate_id: str, events: list[ev.AnyEvent]
 ) -> None:
-    evolve: Any = host_domain.evolve if kind == "host" else sb.evolve
+    evolve: Any = {"host": host_domain.evolve, "task": tk.evolve}.get(kind, sb.evolve)
     store: AggregateStore[Any] = AggregateStore(
         nc.jetstream(), names, kind, evolve, actor="test", follow=False
     )

@@ -457,7 +457,10 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--grace",
         type=float,
         default=None,
-        help="only chunks older than this many seconds (default: the saver's)",
+        help=(
+            "only chunks older than this many seconds (default: the saver's); a short one "
+            "also takes the chunks of saves and task checkouts still being stored"
+        ),
     )
 
     conn = sub.add_parser(

@@ -197,6 +197,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
     driver_epoch: int = 0
     # Its recorded outputs, attempts and artifacts dropped by `compact` (ended).
     compacted: bool = False
+    # Ended, and nothing about it can change any more (`task.released`).
+    released: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -231,6 +233,22 @@ def compact(state: Task) -> Task:
     )
 
 
+def forgettable(state: Task) -> bool:
+    """Whether a service need keep nothing of this task (decision 071): it
+    ended and was released (its sandbox stopped, or none can still be made).
+    Nothing periodic decides on it again; a request to it (a submit's retry, a
+    cancel) is decided on it read back from the log."""
+    return state.released
+
+
+def release(state: Task | None) -> list[ev.AnyEvent]:
+    """`task.released` for an ended task not released yet; `[]` otherwise (a
+    twin released it first, or it has not ended)."""
+    if state is None or not state.terminal or state.released:
+        return []
+    return [ev.TaskReleased()]
+
+
 def whole_needed(state: Task | None, request: AnyTaskRequest) -> bool:
     """Whether a request to this task must be decided on the whole task, read
     back from the log: its answer is the task's view, outputs included."""
@@ -258,6 +276,9 @@ def evolve(state: Task | None, envelope: Envelope) -> Task | None:
         )
     if state is None or not isinstance(event, ev.TaskEvent):
         return state
+    if isinstance(event, ev.TaskReleased):
+        # Only after the end (nothing else is appended after it).
+        return replace(state, released=True) if state.terminal else state
     if state.terminal:
         # The first end is final: whatever a second writer appended after it
         # (another orchestrator, a decision re-appended after a conflict) is history.

@@ -60,6 +60,16 @@ def task_sandbox_id(state: tk.Task) -> str:
     return rq.sandbox_id_for(state.tenant, sandbox_key(state.id))
 
 
+def create_undecided(state: tk.Task) -> bool:
+    """Whether an ended task's sandbox may still be created: it ended while
+    being provisioned, with no sandbox recorded and no refusal of its create
+    (the create request may wait in the queue for a scheduler)."""
+    if state.sandbox_id is not None or state.failed_stage != "provisioning":
+        return False
+    refused = state.reason.startswith("provision_") and state.reason != "provision_failed"
+    return not refused
+
+
 # What `_ended_save` finds of a save its store kept no record of, once ended.
 _DROPPED = sv.SaveRecord(id="", kind="scheduled", state="expired", requested_at=0.0)
 
@@ -177,12 +187,13 @@ class Runner:
         except Rejected as err:
             raise Superseded(err.message) from err
 
-    async def run(self) -> None:
+    async def run(self) -> bool:
+        """Drive the task to its end, then release its sandbox: whether nothing
+        about it can change any more (it may be released)."""
         while True:
             state = self.state
             if state.terminal:
-                await self._release(state)
-                return
+                return await self._release(state)
             if state.cancel_requested:
                 with contextlib.suppress(StageOver):  # it ended meanwhile
                     await self._cancel(state)
@@ -271,29 +282,35 @@ class Runner:
                 why=f"step-{reason}",
             )
 
-    async def _release(self, state: tk.Task) -> None:
-        """A finished task holds no host: its sandbox is stopped (with its final save)."""
+    async def _release(self, state: tk.Task) -> bool:
+        """A finished task holds no host: its sandbox is stopped (with its final
+        save). Whether nothing about the task can change any more (decision
+        071): false only while a create of its sandbox may still be decided."""
         if state.state == "completed":
-            return
+            return True  # its sandbox was stopped before it completed
         sandbox_id = state.sandbox_id
-        sandbox = None if sandbox_id is None else self.sandboxes.state(sandbox_id)
+        if sandbox_id is None and state.failed_stage == "provisioning":
+            sandbox_id = self.sandbox_id()  # it follows from the task
         if sandbox_id is None:
-            if state.failed_stage != "provisioning":
-                return
+            return True  # no create was ever sent
+        sandbox = self.sandboxes.state(sandbox_id)
+        if sandbox is None and create_undecided(state):
             # It ended while its sandbox was being made: the create may still be
-            # decided after this, so wait for the sandbox (its id follows from the task),
-            # as the log has it (the store may not hold it yet).
-            sandbox_id = self.sandbox_id()
-            with contextlib.suppress(TimeoutError):
+            # decided after this, so wait for the sandbox as the log has it (the
+            # store may not hold it yet).
+            try:
                 sandbox = await self.sandboxes.wait(sandbox_id, lambda s: s, timeout=RELEASE_WAIT_S)
+            except TimeoutError:
+                return False  # the sandbox's appearance starts a runner again
         if sandbox is None or sandbox.phase not in {"pending", *sb.ACTIVE_PHASES}:
-            return
+            return True
         with contextlib.suppress(Rejected):
             await self.sandboxes.send(
                 rq.StopSandbox(
                     key=f"{state.id}:release", tenant=state.tenant, sandbox_id=sandbox_id
                 )
             )
+        return True
 
     # --- retries ----------------------------------------------------------------------
 

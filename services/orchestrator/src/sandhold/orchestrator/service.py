@@ -35,7 +35,7 @@ from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.driving import Driving
 from sandhold.orchestrator.faults import check_configuration
 from sandhold.orchestrator.http_tool import Egress, HttpTool
-from sandhold.orchestrator.runner import Runner, Superseded, task_sandbox_id
+from sandhold.orchestrator.runner import Runner, Superseded, create_undecided, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -74,10 +74,11 @@ class Orchestrator:
         self._runners: dict[str, asyncio.Task[None]] = {}
         self._runner_terms: dict[str, int] = {}  # the lease term each runner started in
         self._live: dict[str, Runner] = {}
-        # Tasks that may need a runner: unfinished, or ended with their sandbox up.
+        # Tasks that may need a runner: unfinished, or ended and not released.
         self._pending: set[str] = set()
-        # Each task's sandbox id (it follows from the task), and the last phase
-        # seen of it here: a sandbox that comes up after its task ended is released.
+        # Each held task's sandbox id (it follows from the task), and the last
+        # phase seen of it here: a sandbox that comes up after its task ended is
+        # stopped. A released task is forgotten (decision 071): its entries go.
         self._task_of_sandbox: dict[str, str] = {}
         self._sandbox_up: dict[str, bool] = {}
 
@@ -92,7 +93,14 @@ class Orchestrator:
                 "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
             )
             # Each instance appends as itself: the log says which one drove what.
-            self.tasks = shell.store("task", tk.evolve, actor=self._instance, compact=tk.compact)
+            self.tasks = shell.store(
+                "task",
+                tk.evolve,
+                actor=self._instance,
+                compact=tk.compact,
+                forget=tk.forgettable,
+            )
+            self.tasks.on_forget(self._task_forgotten)
             self._sandbox_store = sandbox_store
             self._sandboxes = Sandboxes(shell.nc, self._names, sandbox_store)
             self._save_store = SaveStore(shell.nc, self._names)
@@ -152,12 +160,15 @@ class Orchestrator:
         task_id = tk.aggregate_of(request)
         kept = isinstance(request, tk.SubmitTask) and bool(request.secrets)
         if isinstance(request, tk.SubmitTask) and kept:
-            if self.tasks.get(task_id)[0] is None:  # kept before the event naming them
+            existing = self.tasks.get(task_id)[0]
+            if existing is None:  # not held: new, or released and forgotten (decision 071)
+                existing, _ = await self.tasks.read_whole(task_id)
+            if existing is None:  # kept before the event naming them
                 await secret_store.keep(
                     self._js, self._names, self._names.task_secret(task_id), request.secrets
                 )
             else:
-                kept = False  # a retry: the first submit's are kept (or used)
+                kept = False  # a retry: the first submit's are kept (or used, and gone)
         try:
             executed = await self.tasks.execute(
                 task_id,
@@ -230,17 +241,28 @@ class Orchestrator:
                 drive = self._runners.get(task_id)
                 if drive is not None:
                     drive.cancel()
-        if not state.terminal:
+        if self._to_do(state):
             self._pending.add(task_id)
-        elif not self._holds_a_sandbox(state):
-            self._pending.discard(task_id)  # nothing left to do for it, here or anywhere
+        else:
+            self._pending.discard(task_id)  # nothing to do for it until its sandbox shows
         if task_id not in self._sandbox_up:
             self._task_of_sandbox[task_sandbox_id(state)] = task_id
             self._sandbox_up[task_id] = False
 
+    def _task_forgotten(self, task_id: str, state: tk.Task) -> None:
+        """A released task (decision 071): nothing of it is kept here."""
+        self._task_of_sandbox.pop(task_sandbox_id(state), None)
+        self._sandbox_up.pop(task_id, None)
+        self._pending.discard(task_id)
+        self._runners.pop(task_id, None)
+        self._runner_terms.pop(task_id, None)
+        self._driving.forget(task_id)
+
     def _sandbox_changed(self, sandbox_id: str) -> None:
         """A task's sandbox that comes up after the task ended (its create was
-        decided late, after the runner stopped waiting or died) is released."""
+        decided late, after the runner stopped waiting or died) is stopped; one
+        that shows after its task ended while its create was undecided lets
+        the task be released."""
         task_id = self._task_of_sandbox.get(sandbox_id)
         if task_id is None:
             return
@@ -248,7 +270,7 @@ class Orchestrator:
         sandbox = self._sandboxes.state(sandbox_id)
         up = sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
         came_up, self._sandbox_up[task_id] = up and not self._sandbox_up[task_id], up
-        if came_up and state is not None and state.terminal:
+        if state is not None and state.terminal and (came_up or self._to_do(state)):
             self._pending.add(task_id)
             self._ensure_runner(task_id)
 
@@ -259,7 +281,7 @@ class Orchestrator:
         running = self._runners.get(task_id)
         if running is not None and not running.done():
             return
-        if state.terminal and not self._holds_a_sandbox(state):
+        if not self._to_do(state):
             self._runners.pop(task_id, None)  # a finished runner is not kept forever
             self._runner_terms.pop(task_id, None)
             self._pending.discard(task_id)
@@ -277,15 +299,19 @@ class Orchestrator:
         if state is not None and state.terminal and state.manifest.secrets:
             await secret_store.forget(self._js, self._names, self._names.task_secret(task_id))
 
-    def _holds_a_sandbox(self, state: tk.Task) -> bool:
-        """An ended task whose sandbox is still up: the runner that ended it may
-        have stopped between appending the end and stopping the sandbox, so a
-        runner is started to release it (its stop key makes a repeat harmless)."""
-        if state.state == "completed":
+    def _to_do(self, state: tk.Task) -> bool:
+        """Whether a runner has something to do for this task: it has not ended,
+        or it ended and was not released (the runner that ended it may have
+        stopped before releasing it: its sandbox's stop key makes a repeat
+        harmless). Not while a create of its sandbox may still be decided and
+        the sandbox has not shown (a runner waited for it once, at the end):
+        its appearance starts one."""
+        if not state.terminal:
+            return True
+        if state.released:
             return False
-        sandbox_id = state.sandbox_id or task_sandbox_id(state)
-        sandbox = self._sandboxes.state(sandbox_id)
-        return sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
+        shown = self._sandboxes.state(task_sandbox_id(state)) is not None
+        return shown or not create_undecided(state)
 
     async def _drive(self, task_id: str, term: int) -> None:
         """One runner at a time per task, once this instance's claim of it is in the
@@ -328,8 +354,10 @@ class Orchestrator:
                     context.carry(self.tasks.trace_of(task_id)),
                     context.working_on(task_id=task_id),
                 ):
-                    await runner.run()
+                    releasable = await runner.run()
                 await self._forget_secrets(task_id)
+                if releasable:  # (after the secrets: a released task is not held here)
+                    await self.tasks.follow_up(task_id, tk.release, why="released")
                 if self._runners.get(task_id) is asyncio.current_task():
                     del self._runners[task_id]
                     self._runner_terms.pop(task_id, None)

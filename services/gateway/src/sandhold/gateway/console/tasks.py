@@ -373,6 +373,8 @@ def _happened(e: Envelope) -> str:
             return f"Cancelled in {esc(stage or '—')}"
         case ev.TaskTimedOut(stage=stage, detail=detail):
             return f"Timed out in {esc(stage or '—')}" + (f" — {esc(detail)}" if detail else "")
+        case ev.TaskReleased():
+            return "Released: its sandbox is stopped, nothing more is done for it"
         case _:
             return esc(e.type)
 

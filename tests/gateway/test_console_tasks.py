@@ -58,7 +58,7 @@ async def test_a_completed_tasks_page_shows_its_status_timeline_ledger_and_artif
         timeline = html.unescape((await browser.get(f"{here}/timeline")).text)
         assert timeline.index("Submitted") < timeline.index("Entered running")
         assert timeline.index("Entered running") < timeline.index("Completed")
-        assert timeline.index("Completed") < timeline.index("Released: its sandbox is stopped")
+        assert timeline.index("Completed") < timeline.index("Released: nothing more is done for it")
         assert "Step agent attempt 1 finished, exit code 0" in timeline
         assert "1 artifact(s) collected" in timeline
         assert "Step ledger" in timeline and "<td>finished</td>" in timeline

@@ -6,6 +6,7 @@ decided on it read back from the log."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import nats
@@ -19,7 +20,8 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import load_manifest
-from sandhold.orchestrator.runner import sandbox_key
+from sandhold.orchestrator import runner as runner_module
+from sandhold.orchestrator.runner import sandbox_key, start_key
 from sandhold.orchestrator.service import Orchestrator
 from sandhold.scheduler.service import Scheduler
 
@@ -79,25 +81,36 @@ async def _released(
         what="the orchestrator to forget it",
     )
     assert task_id not in orchestrator.tasks.ids()
-    assert task_id not in orchestrator._pending and task_id not in orchestrator._sandbox_up
+    assert task_id not in orchestrator._pending and task_id not in orchestrator._runners
     assert _sandbox_of(task_id) not in orchestrator._task_of_sandbox
     return task
 
 
-async def test_a_failed_tasks_sandbox_is_stopped_then_the_task_released_and_forgotten(
-    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
-):
-    task_id, submitted = _submitted("failed-running")
+async def _failed_while_running(
+    nc: nats.NATS, names: Names, key: str, reason: str, *then: ev.AnyEvent
+) -> tuple[str, str]:
+    """A task failed in its running stage, its sandbox running on h1 (and
+    then `then`). (task id, sandbox id)"""
+    task_id, submitted = _submitted(key)
     sandbox_id = await running_sandbox(nc, names, sandbox_key(task_id), "h1")
     assert sandbox_id == _sandbox_of(task_id)
+    if then:
+        await append(nc, names, "sandbox", sandbox_id, list(then))
     await append(nc, names, "task", task_id, [
         *submitted,
         ev.TaskStageEntered(stage="staging"),
         ev.TaskStageEntered(stage="provisioning"),
         ev.TaskProvisioned(sandbox_id=sandbox_id),
         ev.TaskStageEntered(stage="running"),
-        ev.TaskFailed(reason="agent_failed", stage="running"),
+        ev.TaskFailed(reason=reason, stage="running"),
     ])  # fmt: skip
+    return task_id, sandbox_id
+
+
+async def test_a_failed_tasks_sandbox_is_stopped_then_the_task_released_and_forgotten(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+):
+    task_id, sandbox_id = await _failed_while_running(nc, names, "failed-running", "agent_failed")
     running = Running()
     try:
         orchestrator = await _started(nc, nats_url, names, running, tmp_path)
@@ -145,8 +158,30 @@ async def test_a_task_that_ended_before_any_create_is_released_at_once(
         await running.close()
 
 
+@pytest.fixture
+def short_release_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner waits a minute for a provisioning request's decision; here less."""
+    monkeypatch.setattr(runner_module, "RELEASE_WAIT_S", 0.5)
+
+
+async def _given_up(nc: nats.NATS, names: Names, orchestrator: Orchestrator, task_id: str) -> None:
+    """Its runner looked, waited and left it to its sandbox's next change: held,
+    not released, no runner."""
+
+    def idle() -> bool:
+        drive = orchestrator._runners.get(task_id)
+        return task_id not in orchestrator._pending and (drive is None or drive.done())
+
+    await wait_until(idle, timeout=30, what=f"the runner of {task_id} to leave it")
+    state, _ = orchestrator.tasks.get(task_id)
+    assert state is not None and not state.released
+    in_log = await _task_in_log(nc, names, task_id)
+    assert in_log is not None and not in_log.released
+    assert orchestrator._task_of_sandbox[_sandbox_of(task_id)] == task_id
+
+
 async def test_a_task_whose_create_is_undecided_is_kept_until_its_sandbox_shows(
-    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path, short_release_wait: None
 ):
     """Cancelled while provisioning, its create still waiting for a scheduler:
     released now, a create decided later would leave a sandbox running that
@@ -162,17 +197,98 @@ async def test_a_task_whose_create_is_undecided_is_kept_until_its_sandbox_shows(
     running = Running()
     try:
         orchestrator = await _started(nc, nats_url, names, running, tmp_path)
-        # Ready: it looked at every task it holds, and has nothing to do for it yet.
-        state, _ = orchestrator.tasks.get(task_id)
-        assert state is not None and not state.released
-        assert task_id not in orchestrator._pending and task_id not in orchestrator._runners
-        assert orchestrator._task_of_sandbox[_sandbox_of(task_id)] == task_id
+        await _given_up(nc, names, orchestrator, task_id)
 
         # The create is decided late: the sandbox waits for a host.
         created = sb.decide(None, rq.CreateSandbox(key=sandbox_key(task_id), tenant="default"))
         await append(nc, names, "sandbox", _sandbox_of(task_id), created)
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, _sandbox_of(task_id))
-        assert sandbox is not None and sandbox.phase in ("stopping", "stopped"), sandbox
+        assert sandbox is not None and sandbox.phase == "stopped", sandbox
+    finally:
+        await running.close()
+
+
+async def _provisioning_failed_once(
+    nc: nats.NATS, names: Names, key: str, *, retry_in_s: float
+) -> tuple[str, str]:
+    """A task whose sandbox failed to start once, with a retry due `retry_in_s`
+    from now, timed out now; its sandbox failed. (task id, sandbox id)"""
+    task_id, submitted = _submitted(key)
+    sandbox_id = _sandbox_of(task_id)
+    created = sb.decide(None, rq.CreateSandbox(key=sandbox_key(task_id), tenant="default"))
+    await append(nc, names, "sandbox", sandbox_id, [
+        *created,
+        ev.SandboxPlaced(host="h1", generation=1),
+        ev.SandboxStarting(host="h1", generation=1),
+        ev.SandboxStartFailed(host="h1", generation=1, reason="no room"),
+    ])  # fmt: skip
+    await append(nc, names, "task", task_id, [
+        *submitted,
+        ev.TaskStageEntered(stage="staging"),
+        ev.TaskStageEntered(stage="provisioning"),
+        ev.TaskOperationFailed(
+            operation="provision", attempt=1, error_class="placement", reason="start_failed",
+            retry_at=time.time() + retry_in_s,
+        ),
+        ev.TaskTimedOut(stage="provisioning", detail="the task's limit passed"),
+    ])  # fmt: skip
+    return task_id, sandbox_id
+
+
+async def test_a_later_attempts_start_still_undecided_keeps_the_task_until_it_is(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path, short_release_wait: None
+):
+    """Its second attempt's start was sent before the end (its retry was due):
+    decided after a release, it would start a sandbox nothing stops."""
+    task_id, sandbox_id = await _provisioning_failed_once(
+        nc, names, "start-undecided", retry_in_s=-30
+    )
+    running = Running()
+    try:
+        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+        await _given_up(nc, names, orchestrator, task_id)
+
+        # The start is decided late: the sandbox waits for a host again.
+        start = rq.StartSandbox(key=start_key(task_id, 2), tenant="default", sandbox_id=sandbox_id)
+        failed = await _sandbox_in_log(nc, names, sandbox_id)
+        await append(nc, names, "sandbox", sandbox_id, sb.decide(failed, start))
+        await _released(nc, names, orchestrator, task_id)
+        sandbox = await _sandbox_in_log(nc, names, sandbox_id)
+        assert sandbox is not None and sandbox.phase == "stopped", sandbox
+    finally:
+        await running.close()
+
+
+async def test_a_retry_due_after_the_end_was_never_sent_and_the_task_is_released(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+):
+    task_id, sandbox_id = await _provisioning_failed_once(nc, names, "never-sent", retry_in_s=600)
+    running = Running()
+    try:
+        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+        await _released(nc, names, orchestrator, task_id)
+        sandbox = await _sandbox_in_log(nc, names, sandbox_id)
+        assert sandbox is not None and sandbox.phase == "failed", "nothing to stop"
+    finally:
+        await running.close()
+
+
+async def test_a_lost_sandbox_of_an_ended_task_is_stopped_before_the_release(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+):
+    """Left lost, a sandbox comes back by itself (a start, a command, eager
+    recovery): it is stopped, which a lost one is at once."""
+    now = time.time()
+    lost = ev.SandboxLost(host="h1", generation=1, last_renewal_at=now - 10, fence_at=now - 3)
+    task_id, sandbox_id = await _failed_while_running(
+        nc, names, "lost-at-the-end", "infrastructure_lost", lost
+    )
+    running = Running()
+    try:
+        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+        await _released(nc, names, orchestrator, task_id)
+        sandbox = await _sandbox_in_log(nc, names, sandbox_id)
+        assert sandbox is not None and sandbox.phase == "stopped", sandbox
     finally:
         await running.close()

@@ -533,10 +533,11 @@ class TaskTimedOut(TaskEvent, tag="task.timed_out", frozen=True):
 
 
 class TaskReleased(TaskEvent, tag="task.released", frozen=True):
-    """After the task's end: nothing about it can change any more. Its sandbox
-    is stopped (or being stopped), or it never had one and no create of one
-    can still be decided (decision 071). A service keeps nothing of a released
-    task; a request to it is decided on it read back from the log."""
+    """After the task's end: nothing about it can change any more. Its
+    sandbox's stop was decided (or it is settled, or none was asked for), and
+    no provisioning request of it can still be decided (decision 071). A
+    service keeps nothing of a released task; a request to it is decided on
+    it read back from the log."""
 
 
 AnyEvent = (

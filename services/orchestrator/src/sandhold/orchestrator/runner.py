@@ -60,14 +60,43 @@ def task_sandbox_id(state: tk.Task) -> str:
     return rq.sandbox_id_for(state.tenant, sandbox_key(state.id))
 
 
-def create_undecided(state: tk.Task) -> bool:
-    """Whether an ended task's sandbox may still be created: it ended while
-    being provisioned, with no sandbox recorded and no refusal of its create
-    (the create request may wait in the queue for a scheduler)."""
+def start_key(task_id: str, attempt: int) -> str:
+    """The key of a later provisioning attempt's StartSandbox."""
+    return f"{sandbox_key(task_id)}:start:{attempt}"
+
+
+# Clocks of two orchestrator instances may differ: a retry due this close to
+# the task's end is taken as sent (a task kept is cheaper than a sandbox left).
+RETRY_SENT_MARGIN_S = 5.0
+
+# Phases a sandbox leaves only when asked to (a start): nothing to stop.
+SETTLED_PHASES = frozenset({"stopped", "failed", "deleted"})
+
+
+def provision_undecided(state: tk.Task, sandbox: sb.Sandbox | None) -> bool:
+    """Whether an ended task's last provisioning request may still be decided
+    (decision 071): it ended while provisioning, before its sandbox ran and
+    before that request was refused, and the sandbox (`None`: not in the log)
+    does not show it decided. The create is decided once the sandbox exists;
+    a later attempt's start once the sandbox has seen its key, or is on its
+    way up (a start decided then records nothing; it is stopped next). One due
+    after the end was never sent; a deleted sandbox starts no more."""
     if state.sandbox_id is not None or state.failed_stage != "provisioning":
         return False
-    refused = state.reason.startswith("provision_") and state.reason != "provision_failed"
-    return not refused
+    if state.reason.startswith("provision_") and state.reason != "provision_failed":
+        return False  # refused: decided
+    failures = state.failures("provision")
+    if not failures:
+        return sandbox is None  # the create
+    due = failures[-1].retry_at
+    ended = state.finished_at if state.finished_at is not None else state.updated_at
+    if due is None or ended < due - RETRY_SENT_MARGIN_S:
+        return False  # no attempt after the last failure was (or will be) sent
+    if sandbox is None:
+        return True
+    if start_key(state.id, len(failures) + 1) in sandbox.requests:
+        return False
+    return sandbox.phase in ("stopped", "failed", "lost")
 
 
 # What `_ended_save` finds of a save its store kept no record of, once ended.
@@ -284,31 +313,40 @@ class Runner:
 
     async def _release(self, state: tk.Task) -> bool:
         """A finished task holds no host: its sandbox is stopped (with its final
-        save). Whether nothing about the task can change any more (decision
-        071): false only while a create of its sandbox may still be decided."""
+        save), the stop decided. Whether nothing about the task can change any
+        more (decision 071): false while a provisioning request of its
+        sandbox may still be decided (`provision_undecided`) after a wait."""
         if state.state == "completed":
-            return True  # its sandbox was stopped before it completed
+            return True  # its sandbox's stop was decided before it completed
         sandbox_id = state.sandbox_id
         if sandbox_id is None and state.failed_stage == "provisioning":
             sandbox_id = self.sandbox_id()  # it follows from the task
+            if state.compacted:  # its attempts say which request went last: read them back
+                state = (await self._tasks.read_whole(self.task_id))[0] or state
         if sandbox_id is None:
-            return True  # no create was ever sent
+            return True  # nothing was ever asked for it
         sandbox = self.sandboxes.state(sandbox_id)
-        if sandbox is None and create_undecided(state):
-            # It ended while its sandbox was being made: the create may still be
-            # decided after this, so wait for the sandbox as the log has it (the
-            # store may not hold it yet).
+        if sandbox is None:  # not folded yet, or forgotten (deleted): as the log has it
+            sandbox = await self.sandboxes.whole(sandbox_id)
+        if provision_undecided(state, sandbox):
             try:
-                sandbox = await self.sandboxes.wait(sandbox_id, lambda s: s, timeout=RELEASE_WAIT_S)
+                sandbox = await self.sandboxes.wait(
+                    sandbox_id,
+                    lambda s: None if provision_undecided(state, s) else s,
+                    timeout=RELEASE_WAIT_S,
+                )
             except TimeoutError:
-                return False  # the sandbox's appearance starts a runner again
-        if sandbox is None or sandbox.phase not in {"pending", *sb.ACTIVE_PHASES}:
+                return False  # a change of its sandbox starts a runner again
+        if sandbox is None or sandbox.phase in SETTLED_PHASES:
             return True
-        with contextlib.suppress(Rejected):
-            await self.sandboxes.send(
+        # Lost or recovering ones too: left alone, they come back by themselves.
+        with contextlib.suppress(Rejected):  # deleted meanwhile: nothing to stop
+            await self.sandboxes.request(
                 rq.StopSandbox(
                     key=f"{state.id}:release", tenant=state.tenant, sandbox_id=sandbox_id
-                )
+                ),
+                lambda s: s.phase in ("stopping", *SETTLED_PHASES),
+                sandbox_id=sandbox_id,
             )
         return True
 
@@ -434,7 +472,7 @@ class Runner:
             else:
                 await self.sandboxes.request(
                     rq.StartSandbox(
-                        key=f"{self._sandbox_key()}:start:{attempt}",
+                        key=start_key(self.task_id, attempt),
                         tenant=state.tenant,
                         sandbox_id=sandbox_id,
                     ),

@@ -35,7 +35,7 @@ from sandhold.domain.views import ErrorBody
 from sandhold.orchestrator.driving import Driving
 from sandhold.orchestrator.faults import check_configuration
 from sandhold.orchestrator.http_tool import Egress, HttpTool
-from sandhold.orchestrator.runner import Runner, Superseded, create_undecided, task_sandbox_id
+from sandhold.orchestrator.runner import Runner, Superseded, task_sandbox_id
 from sandhold.orchestrator.sandboxes import Sandboxes
 from sandhold.saves import SaveStore
 from sandhold.telemetry import context
@@ -76,11 +76,10 @@ class Orchestrator:
         self._live: dict[str, Runner] = {}
         # Tasks that may need a runner: unfinished, or ended and not released.
         self._pending: set[str] = set()
-        # Each held task's sandbox id (it follows from the task), and the last
-        # phase seen of it here: a sandbox that comes up after its task ended is
-        # stopped. A released task is forgotten (decision 071): its entries go.
+        # Each held task's sandbox id (it follows from the task): a change of the
+        # sandbox of an ended task not released starts a runner. A released task
+        # is forgotten (decision 071), and its entry goes.
         self._task_of_sandbox: dict[str, str] = {}
-        self._sandbox_up: dict[str, bool] = {}
 
     async def run(self) -> None:
         check_configuration()
@@ -241,36 +240,27 @@ class Orchestrator:
                 drive = self._runners.get(task_id)
                 if drive is not None:
                     drive.cancel()
-        if self._to_do(state):
+        if not state.released:
             self._pending.add(task_id)
-        else:
-            self._pending.discard(task_id)  # nothing to do for it until its sandbox shows
-        if task_id not in self._sandbox_up:
-            self._task_of_sandbox[task_sandbox_id(state)] = task_id
-            self._sandbox_up[task_id] = False
+        self._task_of_sandbox.setdefault(task_sandbox_id(state), task_id)
 
     def _task_forgotten(self, task_id: str, state: tk.Task) -> None:
         """A released task (decision 071): nothing of it is kept here."""
         self._task_of_sandbox.pop(task_sandbox_id(state), None)
-        self._sandbox_up.pop(task_id, None)
         self._pending.discard(task_id)
         self._runners.pop(task_id, None)
         self._runner_terms.pop(task_id, None)
         self._driving.forget(task_id)
 
     def _sandbox_changed(self, sandbox_id: str) -> None:
-        """A task's sandbox that comes up after the task ended (its create was
-        decided late, after the runner stopped waiting or died) is stopped; one
-        that shows after its task ended while its create was undecided lets
-        the task be released."""
+        """A change of an ended task's sandbox, while the task is not released
+        (a provisioning request decided late, after the runner stopped waiting
+        or died), starts a runner: it stops the sandbox and releases the task."""
         task_id = self._task_of_sandbox.get(sandbox_id)
         if task_id is None:
             return
         state, _ = self.tasks.get(task_id)
-        sandbox = self._sandboxes.state(sandbox_id)
-        up = sandbox is not None and sandbox.phase in {"pending", *sb.ACTIVE_PHASES}
-        came_up, self._sandbox_up[task_id] = up and not self._sandbox_up[task_id], up
-        if state is not None and state.terminal and (came_up or self._to_do(state)):
+        if state is not None and state.terminal and not state.released:
             self._pending.add(task_id)
             self._ensure_runner(task_id)
 
@@ -281,7 +271,7 @@ class Orchestrator:
         running = self._runners.get(task_id)
         if running is not None and not running.done():
             return
-        if not self._to_do(state):
+        if state.released:
             self._runners.pop(task_id, None)  # a finished runner is not kept forever
             self._runner_terms.pop(task_id, None)
             self._pending.discard(task_id)
@@ -298,20 +288,6 @@ class Orchestrator:
         state, _ = self.tasks.get(task_id)
         if state is not None and state.terminal and state.manifest.secrets:
             await secret_store.forget(self._js, self._names, self._names.task_secret(task_id))
-
-    def _to_do(self, state: tk.Task) -> bool:
-        """Whether a runner has something to do for this task: it has not ended,
-        or it ended and was not released (the runner that ended it may have
-        stopped before releasing it: its sandbox's stop key makes a repeat
-        harmless). Not while a create of its sandbox may still be decided and
-        the sandbox has not shown (a runner waited for it once, at the end):
-        its appearance starts one."""
-        if not state.terminal:
-            return True
-        if state.released:
-            return False
-        shown = self._sandboxes.state(task_sandbox_id(state)) is not None
-        return shown or not create_undecided(state)
 
     async def _drive(self, task_id: str, term: int) -> None:
         """One runner at a time per task, once this instance's claim of it is in the
@@ -335,6 +311,8 @@ class Orchestrator:
         driver = self._driving.runner_claim(epoch, term)
         delay = 0.5
         while not self._shell.stopping:
+            if self.tasks.get(task_id)[0] is None:
+                return  # released meanwhile (by a twin, or by an append whose ack was lost)
             runner = Runner(
                 task_id,
                 tasks=self.tasks,
@@ -355,9 +333,11 @@ class Orchestrator:
                     context.working_on(task_id=task_id),
                 ):
                     releasable = await runner.run()
-                await self._forget_secrets(task_id)
-                if releasable:  # (after the secrets: a released task is not held here)
-                    await self.tasks.follow_up(task_id, tk.release, why="released")
+                    await self._forget_secrets(task_id)
+                    if releasable:  # (after the secrets: a released task is not held here)
+                        await self.tasks.follow_up(task_id, tk.release, why="released")
+                    else:  # a provisioning request undecided: its sandbox's next change
+                        self._pending.discard(task_id)
                 if self._runners.get(task_id) is asyncio.current_task():
                     del self._runners[task_id]
                     self._runner_terms.pop(task_id, None)

@@ -374,7 +374,7 @@ def _happened(e: Envelope) -> str:
         case ev.TaskTimedOut(stage=stage, detail=detail):
             return f"Timed out in {esc(stage or '—')}" + (f" — {esc(detail)}" if detail else "")
         case ev.TaskReleased():
-            return "Released: its sandbox is stopped, nothing more is done for it"
+            return "Released: nothing more is done for it (its sandbox, if any, stopped)"
         case _:
             return esc(e.type)
 

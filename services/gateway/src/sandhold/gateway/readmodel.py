@@ -114,7 +114,6 @@ SCHEMA_VERSION = "7"  # 3: a sandbox keeps its queued command ids; 4: a cold com
 
 _json = msgspec.json.Encoder(order="deterministic", enc_hook=pmap.enc_hook)
 _command = msgspec.json.Decoder(sb.Command)
-_save = msgspec.json.Decoder(SaveRecord)
 
 
 class Kind(msgspec.Struct, frozen=True):
@@ -179,6 +178,9 @@ class ReadModel:
         # Folded states of recently changed aggregates (least recently used first),
         # so a busy sandbox is not read back for every batch. Bounded: the rows
         # hold every aggregate, and a gateway must not keep the whole log in memory.
+        # A sandbox's is kept compacted (`sb.compact`, decision 057): its ended
+        # commands and the saves nothing names are in the rows, never again
+        # changed, so a long-lived sandbox costs what a new one does.
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self._cache_size = cache_size
         self._write_lock = asyncio.Lock()
@@ -288,6 +290,9 @@ class ReadModel:
             applied += 1
         for key, old in before.items():
             await self._write(key, old, touched.get(key, set()))
+            state, seq = self._cache[key]
+            if key[0] == "sandbox" and state is not None:
+                self._cache[key] = (sb.compact(state), seq)
         self._trim_cache()
         await self._writer.execute(
             "INSERT INTO meta VALUES ('position', ?) "
@@ -312,25 +317,26 @@ class ReadModel:
             found: tuple[Any, int] = (None, 0)
         else:
             decoded = KINDS[kind].decode(row[0])
-            if kind == "sandbox":  # commands and saves live in their own rows (see sandbox_row)
+            if kind == "sandbox":
+                # As the cache keeps it: the body holds the saves something names
+                # (see sandbox_row); of the commands (rows of their own), the unended.
                 decoded = msgspec.structs.replace(
-                    decoded,
-                    commands=await self._records("commands", "queued_at", aggregate_id, _command),
-                    saves=await self._records("saves", "requested_at", aggregate_id, _save),
+                    decoded, commands=await self._unended_commands(decoded)
                 )
             found = (decoded, int(row[1]))
         self._cache[key] = found
         return found
 
-    async def _records(
-        self, table: str, by: str, sandbox_id: str, decoder: msgspec.json.Decoder
-    ) -> pmap.PMap:
+    async def _unended_commands(self, s: sb.Sandbox) -> pmap.PMap[str, sb.Command]:
         assert self._writer is not None
+        if not s.unended_ids:
+            return pmap.EMPTY
         async with self._writer.execute(
-            f"SELECT id, record FROM {table} WHERE sandbox_id = ? ORDER BY {by}, id",
-            (sandbox_id,),
+            "SELECT id, record FROM commands WHERE sandbox_id = ? "
+            "AND id IN (SELECT value FROM json_each(?)) ORDER BY queued_at, id",
+            (s.id, _json.encode(s.unended_ids)),
         ) as cur:
-            return pmap.PMap((r[0], decoder.decode(r[1])) for r in await cur.fetchall())
+            return pmap.PMap((r[0], _command.decode(r[1])) for r in await cur.fetchall())
 
     async def _write(self, key: tuple[str, str], old: Any, touched: set[str]) -> None:
         state, seq = self._cache[key]
@@ -481,6 +487,8 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
     # state alone), and without the idempotency keys it has seen (the
     # scheduler's business, not a reader's): a sandbox that ran many commands,
     # or saved every interval for months, is not rewritten whole on every event.
+    # The same whether the cache held it compacted or whole (`compacted` is a
+    # service's note to itself).
     return (
         s.id,
         s.tenant,
@@ -492,7 +500,11 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
         seq,
         _json.encode(
             msgspec.structs.replace(
-                s, commands=pmap.EMPTY, saves=s.named_saves(), requests=pmap.EMPTY
+                s,
+                commands=pmap.EMPTY,
+                saves=s.named_saves(),
+                requests=pmap.EMPTY,
+                compacted=False,
             )
         ),
     )

@@ -124,7 +124,8 @@ def test_only_the_saves_an_event_changed_are_written_again():
 async def test_saves_requested_and_expired_within_one_batch_get_their_rows(tmp_path: Path):
     """As for commands: a save that came and went inside one batch (requested,
     completed, expired) is found by the events that named it, and a state read
-    back from the rows holds every save and its indexes."""
+    back from the rows holds the saves something names and the indexes (the
+    others are in their rows only: decision 072)."""
     steps = [*RUNNING, *_saved(12)]
     async with _fed_both_ways(tmp_path, steps) as (whole, one_by_one):
         rows = "SELECT id, state FROM saves ORDER BY requested_at"

@@ -178,9 +178,10 @@ class ReadModel:
         # Folded states of recently changed aggregates (least recently used first),
         # so a busy sandbox is not read back for every batch. Bounded: the rows
         # hold every aggregate, and a gateway must not keep the whole log in memory.
-        # A sandbox's is kept compacted (`sb.compact`, decision 057): its ended
-        # commands and the saves nothing names are in the rows, never again
-        # changed, so a long-lived sandbox costs what a new one does.
+        # A sandbox's is kept compacted (`sb.compact`, decision 072), without
+        # its request keys: its ended commands and the saves nothing names are
+        # in the rows, never again changed, so a long-lived sandbox costs what a
+        # new one does.
         self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
         self._cache_size = cache_size
         self._write_lock = asyncio.Lock()
@@ -292,7 +293,7 @@ class ReadModel:
             await self._write(key, old, touched.get(key, set()))
             state, seq = self._cache[key]
             if key[0] == "sandbox" and state is not None:
-                self._cache[key] = (sb.compact(state), seq)
+                self._cache[key] = (kept_in_cache(state), seq)
         self._trim_cache()
         await self._writer.execute(
             "INSERT INTO meta VALUES ('position', ?) "
@@ -479,6 +480,13 @@ def _triples(msgs: list[tuple[int, Msg]]) -> list[tuple[int, str, bytes]]:
 
 # Row shapes, shared with `sandhold replay --verify` (which rebuilds them from a
 # fresh fold and compares).
+
+
+def kept_in_cache(s: sb.Sandbox) -> sb.Sandbox:
+    """What the cache keeps of a sandbox once its rows are written (decision
+    072): compacted, and without its request keys (no row holds them and
+    `evolve` reads none; a state read back from the rows has none either)."""
+    return msgspec.structs.replace(sb.compact(s), requests=pmap.EMPTY)
 
 
 def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:

@@ -332,12 +332,15 @@ class ReadModel:
         assert self._writer is not None
         if not s.unended_ids:
             return pmap.EMPTY
+        # By primary key, one lookup each (an ORDER BY would take the sandbox's
+        # index and walk every command it ever ran).
         async with self._writer.execute(
-            "SELECT id, record FROM commands WHERE sandbox_id = ? "
-            "AND id IN (SELECT value FROM json_each(?)) ORDER BY queued_at, id",
+            "SELECT queued_at, id, record FROM commands WHERE sandbox_id = ? "
+            "AND id IN (SELECT value FROM json_each(?))",
             (s.id, _json.encode(s.unended_ids)),
         ) as cur:
-            return pmap.PMap((r[0], _command.decode(r[1])) for r in await cur.fetchall())
+            rows = sorted(await cur.fetchall())
+        return pmap.PMap((r[1], _command.decode(r[2])) for r in rows)
 
     async def _write(self, key: tuple[str, str], old: Any, touched: set[str]) -> None:
         state, seq = self._cache[key]

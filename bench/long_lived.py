@@ -253,6 +253,8 @@ service keeps grows {kept_growth:.2f}× over the same range (the whole state
         for n in SIZES
     ]  # fmt: skip
     back_growth = read_backs[SIZES[-1]]["read back"] / read_backs[SIZES[0]]["read back"]
+    from_middle = read_backs[SIZES[-1]]["read back"] / read_backs[SIZES[1]]["read back"]
+    every_growth = read_backs[SIZES[-1]]["every row"] / read_backs[SIZES[0]]["every row"]
     body += f"""
 The gateway's read model, holding that sandbox's rows in SQLite (its
 commands, one row each, fed through `ReadModel.apply`): a read-back after a
@@ -274,9 +276,10 @@ cache keeps (`kept_in_cache`) and the whole state, KiB as msgpack:
         )
     }
 
-Within {GOAL_FLAT:.0f}× from {SIZES[0]} to {SIZES[-1]:,} commands → {back_growth:.2f}×
-{verdict(back_growth <= GOAL_FLAT)}; reading every row grows
-{read_backs[SIZES[-1]]["every row"] / read_backs[SIZES[0]]["every row"]:.0f}×.
+From {SIZES[0]} to {SIZES[-1]:,} commands a read-back grows {back_growth:.1f}× (from
+{SIZES[1]:,}: {from_middle:.1f}×); reading every row grows {every_growth:.0f}×. (Not one of the
+issue's goals: each size is a database of its own, and a small one is all in
+SQLite's page cache.)
 """
     emit(args, "long_lived", "(o) One long-lived sandbox: cost per event", body)
 

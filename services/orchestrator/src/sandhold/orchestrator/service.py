@@ -240,8 +240,7 @@ class Orchestrator:
                 drive = self._runners.get(task_id)
                 if drive is not None:
                     drive.cancel()
-        if not state.released:
-            self._pending.add(task_id)
+        self._pending.add(task_id)  # held: not released (decision 071)
         self._task_of_sandbox.setdefault(task_sandbox_id(state), task_id)
 
     def _task_forgotten(self, task_id: str, state: tk.Task) -> None:
@@ -260,7 +259,7 @@ class Orchestrator:
         if task_id is None:
             return
         state, _ = self.tasks.get(task_id)
-        if state is not None and state.terminal and not state.released:
+        if state is not None and state.terminal:  # (a released one is not held)
             self._pending.add(task_id)
             self._ensure_runner(task_id)
 
@@ -270,12 +269,6 @@ class Orchestrator:
             return
         running = self._runners.get(task_id)
         if running is not None and not running.done():
-            return
-        if state.released:
-            self._runners.pop(task_id, None)  # a finished runner is not kept forever
-            self._runner_terms.pop(task_id, None)
-            self._pending.discard(task_id)
-            self._driving.forget(task_id)
             return
         if not self._driving.may_claim() or not self._driving.wants(state, asked=asked):
             return

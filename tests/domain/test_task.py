@@ -15,6 +15,7 @@ from sandhold.domain import task as tk
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import TaskManifest, load_manifest
+from sandhold.domain.task_views import task_view
 
 T0 = 1_700_000_000.0
 KEY = "submit-1"
@@ -236,6 +237,7 @@ def test_a_release_counts_only_after_the_end_and_makes_the_task_forgettable():
     )
     assert released.released and tk.forgettable(released)
     assert tk.release(released) == []  # a twin released it first: nothing more
+    assert (task_view(ended).released, task_view(released).released) == (False, True)
     # Nothing else changed: the ended task as it was, released.
     assert msgspec.structs.replace(released, released=False) == ended
 

@@ -953,10 +953,10 @@ async def test_a_failed_task_releases_its_sandbox(client: Client):
     assert task.state == "failed" and task.steps["agent"].exit_code == 5
     assert task.sandbox_id is not None
     after = await released(client, task_id)
-    # Released once its sandbox's stop was decided (decision 071).
+    # Released once its sandbox's stop was decided (decision 071), and its view says so.
     sandbox = await client.sandbox_state(task.sandbox_id)
     assert sandbox is not None and sandbox.phase in ("stopping", "stopped"), sandbox.phase
-    assert after.state == "failed"
+    assert after.state == "failed" and (await client.show_task(task_id)).released
     view = await client.wait_for_phase(task.sandbox_id, {"stopped"}, timeout=30)
     assert view.phase == "stopped"
 

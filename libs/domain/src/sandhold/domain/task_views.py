@@ -56,6 +56,9 @@ class TaskView(msgspec.Struct, kw_only=True):
     attempts: list[AttemptView] = []
     artifacts: list[Artifact] = []
     final_save_id: str | None = None
+    # Ended, and nothing about it changes any more: its sandbox's stop decided
+    # (decision 071).
+    released: bool = False
 
 
 class TaskReply(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -106,4 +109,5 @@ def task_view(state: tk.Task) -> TaskView:
         attempts=[AttemptView(**msgspec.structs.asdict(a)) for a in state.attempts],
         artifacts=state.artifacts,
         final_save_id=state.final_save_id,
+        released=state.released,
     )

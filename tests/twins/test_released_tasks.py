@@ -6,6 +6,7 @@ decided on it read back from the log."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sandhold.domain import task as tk
 from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import load_manifest
 from sandhold.orchestrator import runner as runner_module
+from sandhold.orchestrator import service as service_module
 from sandhold.orchestrator.runner import sandbox_key, start_key
 from sandhold.orchestrator.service import Orchestrator
 from sandhold.scheduler.service import Scheduler
@@ -290,5 +292,49 @@ async def test_a_lost_sandbox_of_an_ended_task_is_stopped_before_the_release(
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
         assert sandbox is not None and sandbox.phase == "stopped", sandbox
+    finally:
+        await running.close()
+
+
+async def test_tasks_that_ended_before_the_start_are_released_a_few_at_a_time(
+    nc: nats.NATS,
+    nats_url: str,
+    names: Names,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """After an upgrade every task ever ended is released at the first start:
+    not all at once (a runner each, a read and an append each), or the
+    instance's lease renewal waits behind them."""
+    ended = []
+    for n in range(24):
+        task_id, submitted = _submitted(f"ended-before-{n}")
+        await append(nc, names, "task", task_id, [
+            *submitted,
+            ev.TaskStageEntered(stage="staging"),
+            ev.TaskFailed(reason="clone_failed", stage="staging"),
+        ])  # fmt: skip
+        ended.append(task_id)
+    monkeypatch.setattr(service_module, "RELEASES_AT_ONCE", 4)
+    in_flight, most = 0, 0
+    release = runner_module.Runner._release
+
+    async def counted(self: runner_module.Runner, state: tk.Task) -> bool:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            await asyncio.sleep(0.05)  # long enough for the others to pile up
+            return await release(self, state)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(runner_module.Runner, "_release", counted)
+    running = Running()
+    try:
+        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+        for task_id in ended:
+            await _released(nc, names, orchestrator, task_id)
+        assert 1 < most <= 4, most
     finally:
         await running.close()

@@ -44,6 +44,9 @@ log = logging.getLogger("sandhold.orchestrator")
 
 _encoder = msgspec.json.Encoder()
 
+# Runners releasing tasks that had ended before they were started, at once.
+RELEASES_AT_ONCE = 16
+
 
 class Orchestrator:
     name = "orchestrator"
@@ -80,6 +83,7 @@ class Orchestrator:
         # sandbox of an ended task not released starts a runner. A released task
         # is forgotten (decision 071), and its entry goes.
         self._task_of_sandbox: dict[str, str] = {}
+        self._releasing = asyncio.Semaphore(RELEASES_AT_ONCE)
 
     async def run(self) -> None:
         check_configuration()
@@ -303,55 +307,59 @@ class Orchestrator:
             epoch = claimed
         driver = self._driving.runner_claim(epoch, term)
         delay = 0.5
-        while not self._shell.stopping:
-            if self.tasks.get(task_id)[0] is None:
-                return  # released meanwhile (by a twin, or by an append whose ack was lost)
-            runner = Runner(
-                task_id,
-                tasks=self.tasks,
-                sandboxes=self._sandboxes,
-                save_store=self._save_store,
-                work_dir=self._work_dir,
-                output=self._output,
-                proof_window_s=self._proof_window_s,
-                decision_wait_s=self._decision_wait_s,
-                http=self._http,
-                driver=driver,
-            )
-            self._live[task_id] = runner
-            try:
-                # The runner continues the trace its task was submitted in.
-                with (
-                    context.carry(self.tasks.trace_of(task_id)),
-                    context.working_on(task_id=task_id),
-                ):
-                    releasable = await runner.run()
-                    await self._forget_secrets(task_id)
-                    if releasable:  # (after the secrets: a released task is not held here)
-                        await self.tasks.follow_up(task_id, tk.release, why="released")
-                    else:  # a provisioning request undecided: its sandbox's next change
-                        self._pending.discard(task_id)
-                if self._runners.get(task_id) is asyncio.current_task():
-                    del self._runners[task_id]
-                    self._runner_terms.pop(task_id, None)
-                    self._driving.forget(task_id)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Superseded as err:
-                log.warning("%s: %s's runner stops: %s", task_id, self._instance, err)
-                return
-            except Exception:
-                log.exception("runner of %s failed; a new one resumes from the ledger", task_id)
-                await asyncio.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 30.0)
-                # NATS may still be away (often why the runner failed): a sync that
-                # fails must not end this loop, or nothing drives the task any more.
-                # The next runner's appends are fenced; a stale cache only conflicts.
-                with contextlib.suppress(Exception):
-                    await self.tasks.sync(task_id)
-            finally:
-                self._live.pop(task_id, None)
+        # A task that ended before this start (after an upgrade: every one ended
+        # since the first start) waits its turn: releases are not all at once.
+        gate = self._releasing if state.terminal else contextlib.nullcontext()
+        async with gate:
+            while not self._shell.stopping:
+                if self.tasks.get(task_id)[0] is None:
+                    return  # released meanwhile (by a twin, or by an append whose ack was lost)
+                runner = Runner(
+                    task_id,
+                    tasks=self.tasks,
+                    sandboxes=self._sandboxes,
+                    save_store=self._save_store,
+                    work_dir=self._work_dir,
+                    output=self._output,
+                    proof_window_s=self._proof_window_s,
+                    decision_wait_s=self._decision_wait_s,
+                    http=self._http,
+                    driver=driver,
+                )
+                self._live[task_id] = runner
+                try:
+                    # The runner continues the trace its task was submitted in.
+                    with (
+                        context.carry(self.tasks.trace_of(task_id)),
+                        context.working_on(task_id=task_id),
+                    ):
+                        releasable = await runner.run()
+                        await self._forget_secrets(task_id)
+                        if releasable:  # (after the secrets: a released task is not held here)
+                            await self.tasks.follow_up(task_id, tk.release, why="released")
+                        else:  # a provisioning request undecided: its sandbox's next change
+                            self._pending.discard(task_id)
+                    if self._runners.get(task_id) is asyncio.current_task():
+                        del self._runners[task_id]
+                        self._runner_terms.pop(task_id, None)
+                        self._driving.forget(task_id)
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Superseded as err:
+                    log.warning("%s: %s's runner stops: %s", task_id, self._instance, err)
+                    return
+                except Exception:
+                    log.exception("runner of %s failed; a new one resumes from the ledger", task_id)
+                    await asyncio.sleep(delay * (1 + random.random()))
+                    delay = min(delay * 2, 30.0)
+                    # NATS may still be away (often why the runner failed): a sync that
+                    # fails must not end this loop, or nothing drives the task any more.
+                    # The next runner's appends are fenced; a stale cache only conflicts.
+                    with contextlib.suppress(Exception):
+                        await self.tasks.sync(task_id)
+                finally:
+                    self._live.pop(task_id, None)
 
 
 def _fitting(reply: TaskReply, limit: int) -> bytes:

@@ -7,7 +7,9 @@ decided on it read back from the log."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -55,18 +57,24 @@ async def _sandbox_in_log(nc: nats.NATS, names: Names, sandbox_id: str) -> sb.Sa
     return (await store.read_whole(sandbox_id))[0]
 
 
-async def _started(
-    nc: nats.NATS, nats_url: str, names: Names, running: Running, tmp_path: Path
-) -> Orchestrator:
-    announced = await readiness(nc, names)
-    running.start(Scheduler(nats_url, names))
-    orchestrator = running.start(Orchestrator(nats_url, names, work_dir=tmp_path / "work"))
-    await wait_until(
-        lambda: "orchestrator" in announced and "scheduler" in announced,
-        timeout=30,
-        what="the orchestrator and the scheduler ready",
-    )
-    return orchestrator
+@contextlib.asynccontextmanager
+async def _orchestrator(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+) -> AsyncIterator[Orchestrator]:
+    """An orchestrator and a scheduler, ready; both stopped however the test ends."""
+    running = Running()
+    try:
+        announced = await readiness(nc, names)
+        running.start(Scheduler(nats_url, names))
+        orchestrator = running.start(Orchestrator(nats_url, names, work_dir=tmp_path / "work"))
+        await wait_until(
+            lambda: "orchestrator" in announced and "scheduler" in announced,
+            timeout=30,
+            what="the orchestrator and the scheduler ready",
+        )
+        yield orchestrator
+    finally:
+        await running.close()
 
 
 async def _released(
@@ -113,9 +121,7 @@ async def test_a_failed_tasks_sandbox_is_stopped_then_the_task_released_and_forg
     nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
 ):
     task_id, sandbox_id = await _failed_while_running(nc, names, "failed-running", "agent_failed")
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         await _released(nc, names, orchestrator, task_id)
         # Its stop was decided before the release was appended.
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
@@ -130,8 +136,6 @@ async def test_a_failed_tasks_sandbox_is_stopped_then_the_task_released_and_forg
             assert refused.value.code == "task_finished"
         finally:
             await client.close()
-    finally:
-        await running.close()
 
 
 async def test_a_task_that_ended_before_any_create_is_released_at_once(
@@ -150,14 +154,10 @@ async def test_a_task_that_ended_before_any_create_is_released_at_once(
         ev.TaskStageEntered(stage="provisioning"),
         ev.TaskFailed(reason="provision_snapshot_not_found", stage="provisioning"),
     ])  # fmt: skip
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         for task_id in (staging, refused):
             await _released(nc, names, orchestrator, task_id)
             assert await _sandbox_in_log(nc, names, _sandbox_of(task_id)) is None
-    finally:
-        await running.close()
 
 
 @pytest.fixture
@@ -196,9 +196,7 @@ async def test_a_task_whose_create_is_undecided_is_kept_until_its_sandbox_shows(
         ev.TaskCancelRequested(request_key="cancel-1", request_digest="d"),
         ev.TaskCancelled(stage="provisioning"),
     ])  # fmt: skip
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         await _given_up(nc, names, orchestrator, task_id)
 
         # The create is decided late: the sandbox waits for a host.
@@ -207,8 +205,6 @@ async def test_a_task_whose_create_is_undecided_is_kept_until_its_sandbox_shows(
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, _sandbox_of(task_id))
         assert sandbox is not None and sandbox.phase == "stopped", sandbox
-    finally:
-        await running.close()
 
 
 async def _provisioning_failed_once(
@@ -246,9 +242,7 @@ async def test_a_later_attempts_start_still_undecided_keeps_the_task_until_it_is
     task_id, sandbox_id = await _provisioning_failed_once(
         nc, names, "start-undecided", retry_in_s=-30
     )
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         await _given_up(nc, names, orchestrator, task_id)
 
         # The start is decided late: the sandbox waits for a host again.
@@ -258,22 +252,16 @@ async def test_a_later_attempts_start_still_undecided_keeps_the_task_until_it_is
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
         assert sandbox is not None and sandbox.phase == "stopped", sandbox
-    finally:
-        await running.close()
 
 
 async def test_a_retry_due_after_the_end_was_never_sent_and_the_task_is_released(
     nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
 ):
     task_id, sandbox_id = await _provisioning_failed_once(nc, names, "never-sent", retry_in_s=600)
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
         assert sandbox is not None and sandbox.phase == "failed", "nothing to stop"
-    finally:
-        await running.close()
 
 
 async def test_a_lost_sandbox_of_an_ended_task_is_stopped_before_the_release(
@@ -286,14 +274,10 @@ async def test_a_lost_sandbox_of_an_ended_task_is_stopped_before_the_release(
     task_id, sandbox_id = await _failed_while_running(
         nc, names, "lost-at-the-end", "infrastructure_lost", lost
     )
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
         assert sandbox is not None and sandbox.phase == "stopped", sandbox
-    finally:
-        await running.close()
 
 
 async def test_tasks_that_ended_before_the_start_are_released_a_few_at_a_time(
@@ -330,11 +314,7 @@ async def test_tasks_that_ended_before_the_start_are_released_a_few_at_a_time(
             in_flight -= 1
 
     monkeypatch.setattr(runner_module.Runner, "_release", counted)
-    running = Running()
-    try:
-        orchestrator = await _started(nc, nats_url, names, running, tmp_path)
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
         for task_id in ended:
             await _released(nc, names, orchestrator, task_id)
         assert 1 < most <= 4, most
-    finally:
-        await running.close()

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import msgspec
 from nats.aio.msg import Msg
@@ -107,6 +107,7 @@ async def consume(
     what: str,
     lane: Callable[[Msg], str] | None = None,
     concurrency: int = 1,
+    keep_alive_s: float | None = None,
 ) -> None:
     """Take messages off a durable pull consumer forever: one at a time, or
     with `lane`, in lanes: messages of one lane (one sandbox) one after another
@@ -116,8 +117,16 @@ async def consume(
     Nothing stops the loop: a fetch that fails (a reconnect, a server busy
     electing a leader) is retried, and a handler that raises unexpectedly has
     its message redelivered later instead of taking the consumer down with it.
+
+    With `keep_alive_s`, every message in hand (handled, or waiting for its
+    lane) is told to the server as still in progress that often, so the
+    consumer's `ack_wait` can be short: it then bounds only how long a message
+    lost on its way here (its connection's node killed as it delivered) waits
+    to be delivered again, not how long a handler may take.
     """
-    lanes = _Lanes(handle, what, lane, concurrency) if lane is not None else None
+    in_hand = _InHand(keep_alive_s)
+    lanes = _Lanes(handle, what, lane, concurrency, in_hand) if lane is not None else None
+    keeping_alive = asyncio.create_task(in_hand.keep_alive(what)) if keep_alive_s else None
     try:
         while True:
             try:
@@ -142,12 +151,48 @@ async def consume(
                 continue
             for msg in msgs:
                 if lanes is None:
-                    await _handle_one(msg, handle, what)
+                    with in_hand.holding(msg):
+                        await _handle_one(msg, handle, what)
                 else:
                     await lanes.add(msg)
     finally:
+        if keeping_alive is not None:
+            keeping_alive.cancel()
         if lanes is not None:
             await lanes.cancel()
+
+
+class _InHand:
+    """The messages taken off a consumer and not yet answered, kept alive at
+    the server (`+WPI`) every `every_s` while they are held here."""
+
+    def __init__(self, every_s: float | None) -> None:
+        self._every_s = every_s
+        self._msgs: dict[int, Msg] = {}  # (by identity: a Msg is not hashable)
+
+    def add(self, msg: Msg) -> None:
+        self._msgs[id(msg)] = msg
+
+    def discard(self, msg: Msg) -> None:
+        self._msgs.pop(id(msg), None)
+
+    @contextlib.contextmanager
+    def holding(self, msg: Msg) -> Iterator[None]:
+        self.add(msg)
+        try:
+            yield
+        finally:
+            self.discard(msg)
+
+    async def keep_alive(self, what: str) -> None:
+        assert self._every_s
+        while True:
+            await asyncio.sleep(self._every_s)
+            for msg in list(self._msgs.values()):
+                try:
+                    await msg.in_progress()
+                except Exception as err:  # noqa: BLE001 - at worst it is delivered again
+                    log.warning("keeping a message of %s in progress failed: %r", what, err)
 
 
 # Messages waiting in lanes, per handler allowed to run: a lane held up by a
@@ -166,8 +211,10 @@ class _Lanes:
         what: str,
         lane: Callable[[Msg], str],
         limit: int,
+        in_hand: _InHand,
     ) -> None:
         self._handle = handle
+        self._held = in_hand
         self._what = what
         self._lane = lane
         self._running_room = asyncio.Semaphore(max(1, limit))
@@ -179,7 +226,12 @@ class _Lanes:
         """Queue `msg` behind its lane's messages; waits while the lanes hold all
         they may (no more are fetched meanwhile: the backlog stays on the server)."""
         key = self._lane(msg)
-        await self._room.acquire()
+        self._held.add(msg)  # from now until its handler returns (or is cancelled)
+        try:
+            await self._room.acquire()
+        except BaseException:
+            self._held.discard(msg)
+            raise
         task = asyncio.create_task(self._run(self._last.get(key), msg))
         self._last[key] = task
         self._in_hand.add(task)
@@ -192,6 +244,7 @@ class _Lanes:
             async with self._running_room:
                 await _handle_one(msg, self._handle, self._what)
         finally:
+            self._held.discard(msg)
             self._room.release()
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:

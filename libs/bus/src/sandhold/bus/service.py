@@ -181,7 +181,13 @@ class Shell:
 
         sub = await patiently(make, wait_s=None, pause_s=0.5, on_first_wait=not_yet)
         await deadletters.watch(self.nc, stream, durable, what=what)
-        return self.spawn(consume(sub, handle, what=what, lane=lane, concurrency=concurrency), what)
+        # Kept alive three times per ack_wait: a message is delivered again
+        # only when it is lost on its way, or its handler is gone.
+        keep_alive_s = config.ack_wait / 3 if config.ack_wait else None
+        consuming = consume(
+            sub, handle, what=what, lane=lane, concurrency=concurrency, keep_alive_s=keep_alive_s
+        )
+        return self.spawn(consuming, what)
 
     def on_stopping(self, wind_down: Callable[[], Awaitable[object]]) -> None:
         """Something to do once a stop began, while the loops still run (a host

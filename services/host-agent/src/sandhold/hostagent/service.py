@@ -53,6 +53,13 @@ _work_decoder = msgspec.json.Decoder(wk.AnyWork)
 # sandboxes (each sandbox's one at a time).
 WORK_CONCURRENCY = 32
 
+# How long a work message delivered and never answered waits to be delivered
+# again. Messages in hand are kept alive meanwhile (`consume`), so this is not a
+# bound on a restore or a final save: it is how late a run instruction lost on
+# its way here (the node this agent was connected to killed as it delivered
+# it) still starts.
+WORK_ACK_WAIT_S = 10.0
+
 
 class _Lane(msgspec.Struct):
     sandbox_id: str = ""
@@ -198,7 +205,7 @@ class HostAgent:
                         durable_name=self._names.work_consumer(self.host_id, saves=saves),
                         filter_subject=self._names.work(self.host_id, saves=saves),
                         ack_policy=AckPolicy.EXPLICIT,
-                        ack_wait=60,
+                        ack_wait=WORK_ACK_WAIT_S,
                         max_deliver=20,
                     ),
                     functools.partial(self._handle, saves_only=saves),
@@ -546,7 +553,7 @@ class HostAgent:
             log.info("%s for %s dropped: %s", type(work).__name__, work.sandbox_id, err)
         except _RETRIED as err:
             # The bus not answering (an election, a reconnect) is retried like any
-            # infrastructure error: in a second, not after the minute of ack_wait.
+            # infrastructure error: in a second, not after ack_wait.
             log.warning(
                 "%s for %s failed, will retry: %r", type(work).__name__, work.sandbox_id, err
             )

@@ -24,6 +24,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from _common import (
     arguments,
@@ -36,6 +37,7 @@ from _common import (
     verdict,
 )
 from sandhold.client import Client, connect
+from sandhold.domain.requests import command_id_for
 
 GOAL_P99_S = 0.050
 CREATES_IN_FLIGHT = 16
@@ -58,27 +60,92 @@ async def grow(client: Client, have: list[str], size: int) -> float:
     return time.perf_counter() - started
 
 
+class Exec(NamedTuple):
+    sandbox_id: str
+    key: str
+    sent_at: float  # wall clock, as the events' `time`
+    returned_at: float
+    latency: float
+
+
 async def exec_load(
     client: Client, sandboxes: list[str], seconds: float, tag: str, clients: int = EXEC_CLIENTS
-) -> list[float]:
-    """Latencies of `true` run by `clients` clients at once for `seconds`."""
-    latencies: list[float] = []
+) -> list[Exec]:
+    """`true` run by `clients` clients at once for `seconds`, each timed."""
+    done: list[Exec] = []
     deadline = time.perf_counter() + seconds
     rng = random.Random(tag)
 
     async def one_client(n: int) -> None:
         i = 0
         while time.perf_counter() < deadline:
-            sandbox_id = rng.choice(sandboxes)
-            sent = time.perf_counter()
-            result = await client.exec(sandbox_id, ["true"], key=f"{tag}-{n}-{i}")
+            sandbox_id, key = rng.choice(sandboxes), f"{tag}-{n}-{i}"
+            sent, sent_at = time.perf_counter(), time.time()
+            result = await client.exec(sandbox_id, ["true"], key=key)
             if result.command.state != "exited":
                 raise RuntimeError(f"{sandbox_id}: {result.command.state}")
-            latencies.append(time.perf_counter() - sent)
+            latency = time.perf_counter() - sent
+            done.append(Exec(sandbox_id, key, sent_at, time.time(), latency))
             i += 1
 
     await asyncio.gather(*(one_client(n) for n in range(clients)))
-    return latencies
+    return done
+
+
+# Where an exec's time goes, from its events' `time` (the writer's clock, this
+# machine's): the step that ends at each milestone.
+STAGES = (
+    ("request → queued", "command.queued"),
+    ("→ dispatched", "command.dispatched"),
+    ("→ started", "command.started"),
+    ("→ ended", "command.ended"),
+    ("→ returned", None),
+)
+TAIL_SHARE = 0.01  # the slowest 1% (at least TAIL_MIN) are taken apart
+TAIL_MIN = 5
+
+
+async def stages_of(client: Client, run: Exec) -> tuple[list[float], bool]:
+    """The exec's steps in ms (as STAGES), and whether a save of its own sandbox
+    was under way (requested, not yet captured) while it ran."""
+    command_id = command_id_for(run.sandbox_id, run.key)
+    at: dict[str, float] = {}
+    saving = False
+    pending_saves: dict[str, float] = {}
+    for record in await client.sandbox_records(run.sandbox_id):
+        envelope = record.envelope
+        event = envelope.event
+        if getattr(event, "command_id", None) == command_id:
+            at.setdefault(envelope.type, envelope.time)
+        save_id = getattr(event, "save_id", None)
+        if save_id is not None and envelope.type == "save.requested":
+            pending_saves[save_id] = envelope.time
+        elif save_id in pending_saves and envelope.type in (
+            "save.captured", "save.unchanged", "save.failed"
+        ):  # fmt: skip
+            begun = pending_saves.pop(save_id)
+            saving = saving or (begun < run.returned_at and envelope.time > run.sent_at)
+    steps, last = [], run.sent_at
+    for _, milestone in STAGES:
+        now = run.returned_at if milestone is None else at.get(milestone, last)
+        steps.append((now - last) * 1000)
+        last = now
+    return steps, saving
+
+
+async def tail(client: Client, alone: list[Exec]) -> dict:
+    """The slowest execs taken apart, next to as many picked at random."""
+    ranked = sorted(alone, key=lambda e: e.latency)
+    n = max(TAIL_MIN, int(len(ranked) * TAIL_SHARE))
+    slowest = ranked[-n:]
+    typical = random.Random(0).sample(ranked, min(n, len(ranked)))
+    out: dict = {"n": n}
+    for name, runs in (("slowest", slowest), ("typical", typical)):
+        taken = [await stages_of(client, run) for run in runs]
+        out[name] = [median([steps[i] for steps, _ in taken]) for i in range(len(STAGES))]
+        out[f"{name}_saving"] = sum(saving for _, saving in taken)
+        out[f"{name}_worst"] = max(taken, key=lambda t: sum(t[0]))[0]
+    return out
 
 
 def machine_busy_seconds() -> float:
@@ -150,9 +217,10 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
         for size in sizes:
             took = await grow(client, have, size)
             print(f"{size} running after {took:.0f} s", flush=True)
-            alone = await exec_load(client, have, seconds, f"alone-{size}", clients=1)
+            alone_runs = await exec_load(client, have, seconds, f"alone-{size}", clients=1)
+            alone = [run.latency for run in alone_runs]
             busy, by_service = machine_busy_seconds(), services_cpu_seconds(up.runtime)
-            latencies = await exec_load(client, have, seconds, f"exec-{size}")
+            latencies = [r.latency for r in await exec_load(client, have, seconds, f"exec-{size}")]
             busy = machine_busy_seconds() - busy
             after = services_cpu_seconds(up.runtime)
             by_service = {name: after[name] - by_service[name] for name in after}
@@ -165,6 +233,7 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
                 "alone_p50": median(alone),
                 "alone_p99": percentile(alone, 99),
                 "alone_max": max(alone),
+                "tail": await tail(client, alone_runs),
                 "execs": len(latencies),
                 "per_s": len(latencies) / seconds,
                 "p50": median(latencies),
@@ -246,6 +315,20 @@ def main() -> None:
         + [f"{r['cpu_ms'] - sum(r['cpu_by'].values()):.1f}" for r in rows],
     ]
     worst = max(r["alone_p99"] for r in rows)
+    tail_rows = []
+    for r in rows:
+        t = r["tail"]
+        for name, label in (
+            ("typical", f"{t['n']} at random"),
+            ("slowest", f"the slowest {t['n']}"),
+        ):
+            tail_rows.append(
+                [f"{r['size']:,}", label, *(f"{ms:.1f}" for ms in t[name]),
+                 f"{t[name + '_saving']} of {t['n']}"]
+            )  # fmt: skip
+        tail_rows.append(
+            [f"{r['size']:,}", "the slowest one", *(f"{ms:.1f}" for ms in t["slowest_worst"]), ""]
+        )
     body = f"""
 One `sandhold up --host-capacity {max(sizes)}` (the default driver, one host,
 saves every 30 s). Each size adds sandboxes to the previous ones ({CREATES_IN_FLIGHT}
@@ -277,6 +360,13 @@ once.
 Goal: exec p99 ≤ {GOAL_P99_S * 1000:.0f} ms at every size (alone) → worst {worst * 1000:.1f} ms {
         verdict(worst <= GOAL_P99_S)
     }
+
+Where the slowest execs alone spent their time, next to as many picked at
+random (median of each step, ms; from the events' times, the writers' clocks
+on this machine; "own save" counts those whose sandbox was being saved —
+requested, not yet captured — while they ran):
+
+{table(["sandboxes", "execs", *(name for name, _ in STAGES), "own save"], tail_rows)}
 
 CPU per command during the saturated exec load (ms of CPU time, all cores; the machine
 has {os.cpu_count()} cores, so commands/s can reach at most

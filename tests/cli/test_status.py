@@ -64,6 +64,25 @@ def test_an_unisolated_sandbox_says_so() -> None:
     assert (lines["commands"], lines["last save"]) == ("none", "none")
 
 
+def test_a_sandbox_kept_stopped_says_when_it_is_deleted() -> None:
+    view = SandboxView(
+        id="sb-4", tenant="t", phase="stopped", host="h1", generation=1, created_at=NOW - 900,
+        keep_stopped_s=7 * 86400.0, deletes_at=NOW + 2 * 86400,
+    )  # fmt: skip
+    lines = _rows(status_block(view, now=NOW))
+    assert lines["kept stopped"] == "7.0d, then deleted (its Snapshots stay); deleted in 2.0d"
+    running = SandboxView(
+        id="sb-5", tenant="t", phase="running", host="h1", generation=1, created_at=NOW,
+        keep_stopped_s=3600.0,
+    )  # fmt: skip
+    assert _rows(status_block(running, now=NOW))["kept stopped"] == (
+        "60m, then deleted (its Snapshots stay)"
+    )
+    assert "kept stopped" not in _rows(status_block(SandboxView(
+        id="sb-6", tenant="t", phase="stopped", host=None, generation=0, created_at=NOW,
+    ), now=NOW))  # fmt: skip
+
+
 def _rows(block: str) -> dict[str, str]:
     """label -> value: labels are padded to one width, then two spaces."""
     return dict(re.match(r"^(.+?)\s{2,}(.*)$", line).groups() for line in block.splitlines())

@@ -376,3 +376,17 @@ def test_v8_a_deleted_snapshot_and_a_loss_of_files_replay() -> None:
     assert sandbox.snapshot_ids == () and sandbox.last_completed_save == record
     assert {"v8-snap", "v8-unsnap"} <= set(sandbox.requests)
     assert sandbox.lost is not None and sandbox.lost.cause == "files_gone"
+
+
+def test_v9_a_sandbox_kept_stopped_then_deleted_replays() -> None:
+    """Decision 074: `keep_stopped_s` on the create, and the saver's Delete once
+    the sandbox was stopped that long (`reason` on `sandbox.delete_requested`)."""
+    from sandhold.domain.sandbox import deletes_at
+
+    lines = (GOLDEN.parent / "sandbox_v9.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    kept = fold(evolve, envelopes[:6], None)
+    assert kept is not None and kept.phase == "stopped" and kept.keep_stopped_s == 86400.0
+    assert deletes_at(kept) == envelopes[5].time + 86400.0 == envelopes[6].time
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and (sandbox.phase, sandbox.reason) == ("deleted", "kept_stopped")

@@ -95,6 +95,20 @@ def test_the_defaults_are_the_seeds():
     assert (manifest.hang.warn_after, manifest.hang.cancel_after) == (1800.0, 7200.0)
     assert manifest.on_infrastructure_lost == "fail"
     assert manifest.repository is None and manifest.artifacts == []
+    assert manifest.sandbox.keep_stopped == 7 * 86400.0  # decision 074
+
+
+def test_a_task_sandbox_may_be_kept_shorter_longer_or_until_deleted():
+    assert load_manifest(minimal(sandbox={"keep_stopped": "2h"})).sandbox.keep_stopped == 7200.0
+    assert load_manifest(minimal(sandbox={"keep_stopped": "30d"})).sandbox.keep_stopped == 2592000.0
+    assert load_manifest(minimal(sandbox={"keep_stopped": None})).sandbox.keep_stopped is None
+
+
+def test_a_manifest_recorded_before_keep_stopped_keeps_its_sandbox_until_deleted():
+    from sandhold.domain.task_manifest import RecordedManifest
+
+    recorded = msgspec.json.decode(json.dumps(minimal(sandbox={})), type=RecordedManifest)
+    assert recorded.sandbox.keep_stopped is None
 
 
 # --- shapes ----------------------------------------------------------------------------
@@ -224,6 +238,9 @@ REFUSED = {
         ),
         "`sandbox.from_snapshot`",
     ),
+    "keep_stopped past 30 days": (minimal(sandbox={"keep_stopped": "40d"}), "`keep_stopped`"),
+    "keep_stopped of 0": (minimal(sandbox={"keep_stopped": 0}), "`keep_stopped`"),
+    "keep_stopped not a duration": (minimal(sandbox={"keep_stopped": "a week"}), "`keep_stopped`"),
     "bad on_infrastructure_lost": (
         minimal(on_infrastructure_lost="ignore"),
         "$.on_infrastructure_lost",

@@ -68,6 +68,37 @@ async def test_a_sandbox_someone_stopped_is_not_woken_by_a_command(client: Clien
     assert refused.value.code == "sandbox_not_running"
 
 
+async def test_a_stopped_sandbox_kept_for_its_time_is_deleted_and_its_snapshot_stays(
+    up: Up, client: Client
+):
+    """Decision 074: a sandbox created with `--keep-stopped` is deleted by the
+    saver once it has been stopped that long; its Snapshot stays."""
+    created = up.cli_json("sandbox", "create", "--keep-stopped", "2s", "--wait")
+    assert created["keep_stopped_s"] == 2.0 and created["deletes_at"] is None  # running
+    sandbox_id = created["id"]
+    assert (await client.exec(sandbox_id, ["sh", "-c", "echo kept > note"])).command.exit_code == 0
+    snap = await client.snapshot(sandbox_id, "before-stop")
+    await client.wait_for_save(sandbox_id, snap.id, timeout=60)
+    await client.stop_sandbox(sandbox_id)
+    stopped = await client.wait_for_phase(sandbox_id, {"stopped", "deleted"}, timeout=60)
+    if stopped.phase == "stopped":  # (else deleted already: 2 s is short)
+        assert stopped.deletes_at is not None
+    deleted = await client.wait_for(
+        sandbox_id,
+        lambda s: s if s.phase == "deleted" else None,
+        timeout=60,
+        what="deleted once kept stopped for 2 s",
+    )
+    assert deleted.reason == "kept_stopped"
+    [asked] = [
+        r.envelope for r in await client.sandbox_records(sandbox_id)
+        if r.envelope.type == "sandbox.delete_requested"
+    ]  # fmt: skip
+    settled = deleted.settled_at
+    assert asked.actor == "saver" and settled is not None and asked.time >= settled + 2.0
+    assert deleted.saves[snap.id].state == "completed"  # the Snapshot stays (decision 060)
+
+
 def test_the_default_idle_timeout_is_published_in_up_help() -> None:
     shown = subprocess.run(
         [SANDHOLD, "up", "--help"], capture_output=True, text=True, timeout=60, check=True

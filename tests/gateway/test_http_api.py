@@ -158,6 +158,8 @@ async def test_bad_input_is_a_problem_naming_the_field_and_changes_nothing(
         ({"tenant": "globex"}, "$.tenant"),  # the tenant comes from the token only
         ({"recovery": "sometimes"}, "$.recovery"),
         ({"idle_timeout_s": -5}, "$.idle_timeout_s"),
+        ({"keep_stopped_s": -5}, "$.keep_stopped_s"),
+        ({"keep_stopped_s": "7d"}, "$.keep_stopped_s"),
         ({"from_snapshot": "not-an-id"}, "$.from_snapshot"),
         ({"seed": "sv-0123456789abcdef"}, "$.seed"),  # the orchestrator's, not the API's
     ):

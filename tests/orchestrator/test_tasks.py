@@ -200,6 +200,10 @@ async def test_a_task_with_a_repository_completes_with_output_artifacts_and_a_fi
     assert created.source_snapshot_digest == staged.seed_manifest_digest
     # never reaped for being idle while its task runs: the task says when it stops
     assert created.idle_timeout_s == 0
+    # ...and once stopped, kept a week (the manifest's default), then deleted
+    assert created.keep_stopped_s == 7 * 86400.0
+    stopped = await client.wait_for_phase(task.sandbox_id, {"stopped"}, timeout=60)
+    assert stopped.keep_stopped_s == 7 * 86400.0 and stopped.deletes_at is not None
 
 
 # --- 2. the CLI ------------------------------------------------------------------------

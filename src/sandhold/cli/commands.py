@@ -78,6 +78,7 @@ async def _sandbox(args: argparse.Namespace, client: Client) -> int:
                 cpu_limit=args.cpus,
                 disk_limit_bytes=args.disk_mb * 1024 * 1024 if args.disk_mb else None,
                 idle_timeout_s=args.idle_timeout,
+                keep_stopped_s=args.keep_stopped,
             )
             if args.wait or args.from_snapshot:
                 async with progress(client, view.id):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 DEFAULT_IDLE_TIMEOUT_S = 1800.0
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, *, most_days: int = 30) -> float:
     """Seconds from `900`, `15m`, `2h`, `1h30m`; 0 allowed (never)."""
     try:
         seconds = float(text)
@@ -38,9 +38,13 @@ def _duration(text: str) -> float:
             seconds = parse_duration(text, "duration", check_range=False)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-    if not 0 <= seconds <= 30 * 86400:
-        raise argparse.ArgumentTypeError(f"must be 0 (never) to 30 days, got {text!r}")
+    if not 0 <= seconds <= most_days * 86400:
+        raise argparse.ArgumentTypeError(f"must be 0 (never) to {most_days} days, got {text!r}")
     return seconds
+
+
+def _long_duration(text: str) -> float:
+    return _duration(text, most_days=365)
 
 
 # sandhold.saves.DEFAULT_CACHE_BYTES (a test keeps them equal), as for the idle timeout.
@@ -343,6 +347,12 @@ def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
         type=_duration,
         help="stop it (with its final save) after this long idle, e.g. 900, 15m, 2h; "
         "0: never (default: the installation's, 30m)",
+    )
+    create.add_argument(
+        "--keep-stopped",
+        type=_long_duration,
+        help="delete it once it has been stopped (or failed) this long, e.g. 7d; its "
+        "Snapshots stay. 0: kept until deleted (the default)",
     )
     create.add_argument("--stop-deadline", type=float, help="seconds a stop may take")
     create.add_argument(

@@ -48,6 +48,8 @@ def status_block(view: SandboxView, *, now: float | None = None) -> str:
         behind = "" if r.behind_failure_s is None else f", {_duration(r.behind_failure_s)} behind"
         rows.append(("recovered", f"from {r.source} {r.save_id or ''}{behind}".replace("  ", " ")))
     rows.append(("idle", _idle(view, now)))
+    if view.keep_stopped_s > 0:
+        rows.append(("kept stopped", _kept(view, now)))
     commands = ", ".join(f"{n} {state}" for state, n in sorted(view.commands.items()))
     rows.append(("commands", commands or "none"))
     width = max(len(label) for label, _ in rows)
@@ -108,6 +110,13 @@ def _idle(view: SandboxView, now: float) -> str:
     return (
         f"{limit}; idle {_duration(now - idle.since)}, stopped in {_duration(idle.reaps_at - now)}"
     )
+
+
+def _kept(view: SandboxView, now: float) -> str:
+    limit = f"{_duration(view.keep_stopped_s)}, then deleted (its Snapshots stay)"
+    if view.deletes_at is None:
+        return limit
+    return f"{limit}; deleted in {_duration(view.deletes_at - now)}"
 
 
 def _snapshot(save: SaveView) -> str:

@@ -178,6 +178,7 @@ class Client:
         cpu_limit: float | None = None,
         disk_limit_bytes: int | None = None,
         idle_timeout_s: float | None = None,
+        keep_stopped_s: float | None = None,
     ) -> SandboxView:
         reply = await self.send(
             rq.CreateSandbox(
@@ -194,6 +195,7 @@ class Client:
                 cpu_limit=cpu_limit,
                 disk_limit_bytes=disk_limit_bytes,
                 idle_timeout_s=idle_timeout_s,
+                keep_stopped_s=keep_stopped_s,
             )
         )
         assert reply.sandbox is not None

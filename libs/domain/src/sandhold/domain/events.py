@@ -44,6 +44,9 @@ class SandboxCreated(Event, tag="sandbox.created", frozen=True):
     # Reaped (stopped with its final save) after this long without activity;
     # 0: never. None: created before idle limits existed, so never reaped.
     idle_timeout_s: float | None = None
+    # Deleted once it has been stopped (or failed) this long; 0 or None: kept
+    # until someone deletes it (decision 074).
+    keep_stopped_s: float | None = None
 
 
 class SandboxPlaced(Event, tag="sandbox.placed", frozen=True):
@@ -127,6 +130,8 @@ class SandboxTouched(Event, tag="sandbox.touched", frozen=True):
 class SandboxDeleteRequested(Event, tag="sandbox.delete_requested", frozen=True):
     request_key: str
     request_digest: str
+    # "": someone's Delete; "kept_stopped": stopped for its `keep_stopped_s`.
+    reason: str = ""
 
 
 class SandboxDeleted(Event, tag="sandbox.deleted", frozen=True):

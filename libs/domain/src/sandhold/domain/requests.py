@@ -50,6 +50,9 @@ Interval = Annotated[float, msgspec.Meta(ge=1, le=86400)]
 Deadline = Annotated[float, msgspec.Meta(ge=1, le=3600)]
 # Seconds without activity before a sandbox is stopped with its final save; 0: never.
 IdleTimeout = Annotated[float, msgspec.Meta(ge=0, le=30 * 86400)]
+# Seconds a stopped (or failed) sandbox is kept before it is deleted; 0: until
+# someone deletes it (decision 074).
+KeepStopped = Annotated[float, msgspec.Meta(ge=0, le=365 * 86400)]
 # A sandbox's network: its own loopback only, or outbound through user-mode
 # networking (docs/isolation.md). The host's loopback is unreachable in both.
 Network = Literal["none", "egress"]
@@ -82,6 +85,7 @@ class CreateSandbox(Request, tag="sandbox.create", frozen=True):
     cpu_limit: CpuLimit | None = None  # default: no limit
     disk_limit_bytes: DiskLimit | None = None  # default: no quota (the host's free space)
     idle_timeout_s: IdleTimeout | None = None  # default: the scheduler's (30 min); 0: never
+    keep_stopped_s: KeepStopped | None = None  # default (and 0): kept until deleted
 
 
 class StartSandbox(Request, tag="sandbox.start", frozen=True):
@@ -226,6 +230,7 @@ _LATER_FIELDS: dict[str, object] = {
     "cpu_limit": None,
     "disk_limit_bytes": None,
     "idle_timeout_s": None,
+    "keep_stopped_s": None,
     "secrets": {},
 }
 

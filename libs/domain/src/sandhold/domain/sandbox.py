@@ -165,6 +165,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     # Idle limits (docs/saves.md, "Idle and cold starts"): 0 = never reaped.
     idle_timeout_s: float = 0.0
     last_active_at: float = 0.0  # started, a command queued/started/ended, a touch
+    # Retention of a stopped sandbox (decision 074): 0 = kept until deleted; else
+    # deleted once stopped or failed for this long, counted from `settled_at`.
+    keep_stopped_s: float = 0.0
+    settled_at: float | None = None  # when it last became stopped or failed
     # Its commands not ended (queued, dispatched or running), in the order they
     # were queued: what the scheduler's passes, recovery and views look at, so a
     # sandbox that ran 10,000 commands costs no more per event than a new one.
@@ -568,6 +572,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             cpu_limit=event.cpu_limit,
             disk_limit_bytes=event.disk_limit_bytes,
             idle_timeout_s=event.idle_timeout_s or 0.0,
+            keep_stopped_s=event.keep_stopped_s or 0.0,
             last_active_at=envelope_time,
             start_requested_at=envelope_time,
         )
@@ -628,7 +633,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 start_requested_at=envelope_time,
             )
         case ev.SandboxStartFailed(reason=reason):
-            return replace(state, phase="failed", reason=reason)
+            return replace(state, phase="failed", reason=reason, settled_at=envelope_time)
         case ev.SandboxWaiting(reason=reason) if state.phase in ("pending", "recovering"):
             return replace(state, reason=reason)
         case ev.SandboxWaiting():
@@ -671,9 +676,10 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 final_save_id=event.final_save_id,
                 running_since=None,
                 reason=event.reason,
+                settled_at=envelope_time if phase == "stopped" else state.settled_at,
             )
         case ev.SandboxStopped():
-            return replace(state, phase="stopped")
+            return replace(state, phase="stopped", settled_at=envelope_time)
         case ev.SandboxTouched(request_key=key, request_digest=digest):
             return replace(
                 state,
@@ -689,6 +695,7 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 delete_requested=True,
                 requests=_remember(state, key, digest),
                 final_save_id=None,
+                reason=event.reason or state.reason,  # (someone's Delete gives none)
             )
         case ev.SandboxDeleted():
             return replace(state, phase="deleted")
@@ -940,6 +947,7 @@ def _create(
                 if request.idle_timeout_s is None
                 else request.idle_timeout_s
             ),
+            keep_stopped_s=request.keep_stopped_s or None,
         )
     ]
 
@@ -1038,6 +1046,29 @@ def waits_outside_its_log(state: Sandbox) -> bool:
     return state.phase in ("pending", "recovering") or (
         state.delete_requested and state.phase in ("stopped", "failed")
     )
+
+
+def deletes_at(state: Sandbox) -> float | None:
+    """When a stopped or failed sandbox is deleted for having been kept its
+    `keep_stopped_s` (decision 074); None: not stopped now, or kept until deleted."""
+    if state.keep_stopped_s <= 0 or state.delete_requested or state.settled_at is None:
+        return None
+    if state.phase not in ("stopped", "failed"):
+        return None
+    return state.settled_at + state.keep_stopped_s
+
+
+def delete_if_kept_long_enough(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:
+    """A Delete, once the sandbox has been stopped for its `keep_stopped_s`. Its
+    Snapshots stay (decision 060); its other saves and its copy go."""
+    at = deletes_at(state)
+    if at is None or now < at:
+        return []
+    return [
+        ev.SandboxDeleteRequested(
+            request_key=f"kept-stopped:{cause}", request_digest="", reason="kept_stopped"
+        )
+    ]
 
 
 def reap_if_idle(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:

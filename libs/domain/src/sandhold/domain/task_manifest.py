@@ -27,6 +27,8 @@ DurationInput = float | str
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _MAX_DURATION = 30 * 86400.0
+# A task's sandbox, once stopped, is kept this long by default (decision 074).
+DEFAULT_KEEP_STOPPED = "7d"
 # Python's `\s` spelt out: the schema's ECMAScript `\s` is a different set (it
 # leaves out \x1c-\x1f and \x85), and the document must allow exactly what we do.
 _SPACE = r"\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -85,6 +87,9 @@ class RecordedRepository(_Recorded, frozen=True):
 class RecordedSandboxSpec(_Recorded, frozen=True):
     memory_limit_bytes: int | None = None
     from_snapshot: str | None = None
+    # Recorded before it existed: None, the sandbox kept until deleted.
+    keep_stopped: DurationInput | None = None
+    _durations = ("keep_stopped",)
 
 
 class RecordedAgentCommand(_Recorded, frozen=True):
@@ -190,6 +195,13 @@ class Repository(RecordedRepository, frozen=True, forbid_unknown_fields=True):
 class SandboxSpec(RecordedSandboxSpec, frozen=True, forbid_unknown_fields=True):
     memory_limit_bytes: MemoryLimit | None = None
     from_snapshot: SaveId | None = None  # start from a Snapshot instead of a clone
+    # How long the task's sandbox is kept once stopped (its files inspectable),
+    # then deleted; its Snapshots, so the artifacts, stay (decision 074).
+    # null: kept until someone deletes it.
+    keep_stopped: DurationInput | None = DEFAULT_KEEP_STOPPED
+
+    def __post_init__(self) -> None:
+        _strict_durations(self)
 
 
 class AgentCommand(RecordedAgentCommand, frozen=True, forbid_unknown_fields=True):

@@ -11,6 +11,7 @@ from sandhold.domain.sandbox import (
     Command,
     RecoveredFrom,
     Sandbox,
+    deletes_at,
     reaps_at,
     saved_until,
     unchanged_since,
@@ -116,6 +117,9 @@ class SandboxView(msgspec.Struct, kw_only=True):
     connections: list[str] = []
     connections_pending: bool = False
     idle: IdleView | None = None
+    # Retention once stopped (decision 074): 0 = kept until deleted.
+    keep_stopped_s: float = 0.0
+    deletes_at: float | None = None  # when, if it stays stopped (or failed)
 
 
 def isolation_of(s: Sandbox) -> dict[str, object]:
@@ -315,6 +319,8 @@ def sandbox_view(s: Sandbox, *, now: float) -> SandboxView:
         connections=sorted(s.connections),
         connections_pending=s.phase in ("starting", "running") and not s.connections_current,
         idle=IdleView(timeout_s=s.idle_timeout_s, since=s.last_active_at, reaps_at=reaps_at(s)),
+        keep_stopped_s=s.keep_stopped_s,
+        deletes_at=deletes_at(s),
     )
 
 

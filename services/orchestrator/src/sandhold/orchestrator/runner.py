@@ -465,6 +465,8 @@ class Runner:
                         seed_manifest_digest=state.seed_manifest_digest or None,
                         # Never reaped: the task says when its sandbox stops.
                         idle_timeout_s=0,
+                        # ...and how long it is kept once stopped (decision 074).
+                        keep_stopped_s=float(spec.keep_stopped) if spec.keep_stopped else None,
                     ),
                     lambda s: True,
                     sandbox_id=sandbox_id,

@@ -1,7 +1,8 @@
 """The saver: asks for saves on schedule, and makes a save count only once verified.
 
 It is also the reaper: a running sandbox idle for its `idle_timeout_s` (no command
-queued or running, none ended, no touch) is stopped with its final save.
+queued or running, none ended, no touch) is stopped with its final save, and a
+stopped one kept for its `keep_stopped_s` is deleted (decision 074).
 
 It follows every sandbox's events. Each second it requests the saves that are
 due; whenever a sandbox changes it sends the save work its state calls for,
@@ -179,6 +180,17 @@ class Saver:
                                 sb.reap_if_idle(s, now=now, cause=str(seq)) if s else []
                             ),
                             "idle",
+                        )
+                    if sb.delete_if_kept_long_enough(state, now=now, cause=str(seq)):
+                        # Stopped for its `keep_stopped_s`: deleted, as a Delete does.
+                        await self._follow_up(
+                            sandbox_id,
+                            lambda s, seq=seq, now=now: (
+                                sb.delete_if_kept_long_enough(s, now=now, cause=str(seq))
+                                if s
+                                else []
+                            ),
+                            "kept stopped",
                         )
                     if policy.timed_out(state, now=now, timeout_s=self._save_timeout_s):
                         await self._follow_up(

@@ -78,6 +78,11 @@ def test_a_sandbox_kept_stopped_says_when_it_is_deleted() -> None:
     assert _rows(status_block(running, now=NOW))["kept stopped"] == (
         "60m, then deleted (its Snapshots stay)"
     )
+    late = SandboxView(
+        id="sb-7", tenant="t", phase="stopped", host="h1", generation=1, created_at=NOW,
+        keep_stopped_s=3600.0, deletes_at=NOW - 3,
+    )  # fmt: skip
+    assert _rows(status_block(late, now=NOW))["kept stopped"].endswith("; deletion due now")
     assert "kept stopped" not in _rows(status_block(SandboxView(
         id="sb-6", tenant="t", phase="stopped", host=None, generation=0, created_at=NOW,
     ), now=NOW))  # fmt: skip

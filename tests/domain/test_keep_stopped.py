@@ -14,6 +14,7 @@ from sandhold.domain.sandbox import (
     delete_if_kept_long_enough,
     deletes_at,
     deletion_asked,
+    reap_if_idle,
 )
 from sandhold.domain.saver import on_schedule
 from sandhold.domain.views import sandbox_view
@@ -24,6 +25,7 @@ from .history import (
     create,
     given_sandbox,
     placed,
+    run,
     start,
     start_failed,
     started,
@@ -79,15 +81,29 @@ def test_without_a_keep_time_a_stopped_sandbox_is_kept_until_deleted(keep) -> No
     assert deletes_at(state) is None
     assert delete_if_kept_long_enough(state, now=T0 + 365 * 86400, cause="1") == []
     assert sandbox_view(state, now=T0).keep_stopped_s == 0.0
-    assert not on_schedule(given_sandbox(create(keep_stopped_s=keep), stop()))
 
 
 def test_a_sandbox_stopped_before_it_was_placed_counts_from_its_stop() -> None:
-    # Never placed (no host had room): the Stop settles it at once, with no save
-    # under way; only its keep time puts it on the saver's tick.
+    # Never placed (no host had room): the Stop settles it at once.
     state = given_sandbox(create(keep_stopped_s=KEEP), stop())
     assert state.phase == "stopped" and deletes_at(state) == T0 + 1 + KEEP
-    assert not state.saves_in_flight and on_schedule(state)
+    # With no save under way it is not on the saver's every-second tick.
+    assert not state.saves_in_flight and not on_schedule(state)
+
+
+def test_a_command_queued_to_wake_a_reaped_sandbox_keeps_it_from_deletion() -> None:
+    # Reaped for being idle (stopped, reason idle), past its keep time, and a
+    # command queued meanwhile: it wakes the sandbox, which is not deleted under it.
+    state = given_sandbox(
+        create(keep_stopped_s=KEEP, idle_timeout_s=60), placed(), starting(), started()
+    )
+    reaped = apply(state, reap_if_idle(state, now=T0 + 63, cause="4"), time=T0 + 63)
+    reaped = apply(reaped, [stopped()], time=T0 + 64)
+    assert deletes_at(reaped) == T0 + 64 + KEEP
+    woken = apply(reaped, decide(reaped, run("wake")), time=T0 + 64 + KEEP)
+    assert woken.phase == "stopped" and woken.unended_ids
+    assert deletes_at(woken) is None
+    assert delete_if_kept_long_enough(woken, now=T0 + 64 + 2 * KEEP, cause="5") == []
 
 
 def test_the_create_carries_the_keep_time_and_an_unset_one_keeps_old_digests() -> None:

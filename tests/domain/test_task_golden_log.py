@@ -131,3 +131,25 @@ def test_a_released_task_replays_released() -> None:
     assert (f.state, f.reason, f.failed_stage) == ("failed", "clone_ref_not_found", "staging")
     assert f.released and tk.forgettable(f)
     assert tk.release(f) == []
+
+
+def test_a_submit_retried_across_upgrades_keeps_its_digest() -> None:
+    """The same manifest submitted again after a field was added (decision 074's
+    `sandbox.keep_stopped`, at its default) is the same request, not a conflict."""
+    for line in GOLDEN.read_bytes().splitlines():
+        envelope = msgspec.json.decode(line, type=Envelope)
+        event = envelope.event
+        if not isinstance(event, tk.ev.TaskSubmitted):
+            continue
+        # The manifest as a client of then sent it (the log's JSON has no such field).
+        raw = msgspec.json.decode(line)["event"]["manifest"]
+        assert "keep_stopped" not in raw["sandbox"]
+        manifest = msgspec.convert(raw, TaskManifest)
+        assert manifest.sandbox.keep_stopped == 7 * 86400.0  # today's default
+        retried = tk.SubmitTask(key=event.request_key, tenant=event.tenant, manifest=manifest)
+        assert tk.task_request_digest(retried) == event.request_digest
+        kept = msgspec.structs.replace(
+            manifest, sandbox=msgspec.structs.replace(manifest.sandbox, keep_stopped=None)
+        )
+        other = tk.SubmitTask(key=event.request_key, tenant=event.tenant, manifest=kept)
+        assert tk.task_request_digest(other) != event.request_digest  # asks for more

@@ -99,7 +99,7 @@ def test_the_defaults_are_the_seeds():
 
 
 def test_a_task_sandbox_may_be_kept_shorter_longer_or_until_deleted():
-    assert load_manifest(minimal(sandbox={"keep_stopped": "2h"})).sandbox.keep_stopped == 7200.0
+    assert load_manifest(minimal(sandbox={"keep_stopped": "1h"})).sandbox.keep_stopped == 3600.0
     assert load_manifest(minimal(sandbox={"keep_stopped": "30d"})).sandbox.keep_stopped == 2592000.0
     assert load_manifest(minimal(sandbox={"keep_stopped": None})).sandbox.keep_stopped is None
 
@@ -240,6 +240,11 @@ REFUSED = {
     ),
     "keep_stopped past 30 days": (minimal(sandbox={"keep_stopped": "40d"}), "`keep_stopped`"),
     "keep_stopped of 0": (minimal(sandbox={"keep_stopped": 0}), "`keep_stopped`"),
+    "keep_stopped under an hour": (minimal(sandbox={"keep_stopped": "10m"}), "at least 1h"),
+    "keep_stopped within the retry delay": (
+        minimal(sandbox={"keep_stopped": "2h"}, retry={"max_delay": "3h"}),
+        "`sandbox.keep_stopped` must be longer than `retry.max_delay`",
+    ),
     "keep_stopped not a duration": (minimal(sandbox={"keep_stopped": "a week"}), "`keep_stopped`"),
     "bad on_infrastructure_lost": (
         minimal(on_infrastructure_lost="ignore"),

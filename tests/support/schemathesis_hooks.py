@@ -2,7 +2,8 @@
 
 A task manifest has rules across fields that JSON Schema cannot state (the
 document says them in words): `hang.cancel_after` longer than `hang.warn_after`,
-unique step names, not both `repository` and `sandbox.from_snapshot`; and a
+`sandbox.keep_stopped` longer than `retry.max_delay`, unique step names, not
+both `repository` and `sandbox.from_snapshot`; and a
 command may not name a variable both in `env` and in `secrets`. A body
 that breaks one is refused with 422, as documented, so the fuzzer must not
 count it as "schema-valid yet rejected": such bodies are left out. Every other
@@ -21,6 +22,7 @@ from sandhold.gateway.problems import ProblemError
 # The domain's own messages for the rules across fields (task_manifest.py).
 _CROSS_FIELD = (
     "`cancel_after` must be longer than `warn_after`",
+    "`sandbox.keep_stopped` must be longer than `retry.max_delay`",
     "step names must be unique",
     "both name the starting files",
     "also set in an `env` or by sandhold",

@@ -116,6 +116,8 @@ def _kept(view: SandboxView, now: float) -> str:
     limit = f"{_duration(view.keep_stopped_s)}, then deleted (its Snapshots stay)"
     if view.deletes_at is None:
         return limit
+    if view.deletes_at <= now:
+        return f"{limit}; deletion due now"
     return f"{limit}; deleted in {_duration(view.deletes_at - now)}"
 
 

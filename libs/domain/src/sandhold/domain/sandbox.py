@@ -1053,7 +1053,8 @@ def deletes_at(state: Sandbox) -> float | None:
     `keep_stopped_s` (decision 074); None: not stopped now, or kept until deleted."""
     if state.keep_stopped_s <= 0 or state.delete_requested or state.settled_at is None:
         return None
-    if state.phase not in ("stopped", "failed"):
+    if state.phase not in ("stopped", "failed") or state.unended_ids:
+        # (A command queued to wake a sandbox reaped for being idle: it starts.)
         return None
     return state.settled_at + state.keep_stopped_s
 

@@ -12,7 +12,7 @@ from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import saves as sv
 from sandhold.domain import work as wk
-from sandhold.domain.sandbox import Sandbox, deletes_at, unchanged_since
+from sandhold.domain.sandbox import Sandbox, unchanged_since
 
 
 def first_save_fraction(sandbox_id: str) -> float:
@@ -27,10 +27,11 @@ def first_save_fraction(sandbox_id: str) -> float:
 
 def on_schedule(state: Sandbox) -> bool:
     """Whether the saver's schedule has anything to judge of the sandbox: a save
-    due or its idle reaping (only while it runs), a save that may time out
-    (only while one is under way), or its deletion once kept stopped long
-    enough (decision 074). Any other sandbox needs no look each tick."""
-    return state.phase == "running" or bool(state.saves_in_flight) or deletes_at(state) is not None
+    due or its idle reaping (only while it runs), or a save that may time out
+    (only while one is under way). Any other sandbox needs no look each tick.
+    (One kept stopped for a time, decision 074, is looked at less often:
+    `deletes_at`, on a selection of its own.)"""
+    return state.phase == "running" or bool(state.saves_in_flight)
 
 
 def due_save(state: Sandbox, *, now: float, cause: str) -> list[ev.AnyEvent]:

@@ -19,7 +19,12 @@ from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.idempotency import seen_before
 from sandhold.domain.requests import IdempotencyKey, Secrets, Tenant
-from sandhold.domain.task_manifest import RecordedManifest, RecordedStep, TaskManifest
+from sandhold.domain.task_manifest import (
+    DEFAULT_KEEP_STOPPED_S,
+    RecordedManifest,
+    RecordedStep,
+    TaskManifest,
+)
 
 TaskState = Literal[
     "pending",
@@ -113,6 +118,11 @@ def task_request_digest(request: AnyTaskRequest) -> str:
     manifest = body.get("manifest")
     if isinstance(manifest, dict) and manifest.get("secrets") == []:
         manifest.pop("secrets")
+    # The same for a manifest field added later, at the value a manifest from
+    # before it now gets (decision 074): a submit retried across the upgrade.
+    sandbox = manifest.get("sandbox") if isinstance(manifest, dict) else None
+    if isinstance(sandbox, dict) and sandbox.get("keep_stopped") == DEFAULT_KEEP_STOPPED_S:
+        sandbox.pop("keep_stopped")
     return hashlib.sha256(_encoder.encode(body)).hexdigest()[:32]
 
 

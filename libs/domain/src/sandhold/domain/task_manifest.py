@@ -27,8 +27,10 @@ DurationInput = float | str
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _MAX_DURATION = 30 * 86400.0
-# A task's sandbox, once stopped, is kept this long by default (decision 074).
-DEFAULT_KEEP_STOPPED = "7d"
+# A task's sandbox, once stopped, is kept this long by default (decision 074),
+# and at least an hour: the task's own stop and retries must still find it.
+DEFAULT_KEEP_STOPPED_S = 7 * 86400.0
+MIN_KEEP_STOPPED_S = 3600.0
 # Python's `\s` spelt out: the schema's ECMAScript `\s` is a different set (it
 # leaves out \x1c-\x1f and \x85), and the document must allow exactly what we do.
 _SPACE = r"\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -198,10 +200,15 @@ class SandboxSpec(RecordedSandboxSpec, frozen=True, forbid_unknown_fields=True):
     # How long the task's sandbox is kept once stopped (its files inspectable),
     # then deleted; its Snapshots, so the artifacts, stay (decision 074).
     # null: kept until someone deletes it.
-    keep_stopped: DurationInput | None = DEFAULT_KEEP_STOPPED
+    keep_stopped: DurationInput | None = DEFAULT_KEEP_STOPPED_S
 
     def __post_init__(self) -> None:
         _strict_durations(self)
+        if self.keep_stopped is not None and float(self.keep_stopped) < MIN_KEEP_STOPPED_S:
+            raise ValueError(
+                "`keep_stopped`: at least 1h (the task's own stop and retries use its "
+                f"sandbox), got {self.keep_stopped!r}"
+            )
 
 
 class AgentCommand(RecordedAgentCommand, frozen=True, forbid_unknown_fields=True):
@@ -287,6 +294,12 @@ class TaskManifest(RecordedManifest, frozen=True, forbid_unknown_fields=True):
         names = [step.name for step in self.pipeline]
         if len(set(names)) != len(names):
             raise ValueError("`pipeline`: step names must be unique")
+        keep = self.sandbox.keep_stopped
+        if keep is not None and float(keep) <= float(self.retry.max_delay):
+            raise ValueError(
+                "`sandbox.keep_stopped` must be longer than `retry.max_delay`: a failed "
+                "sandbox is started again by the next attempt"
+            )
         if self.repository is not None and self.sandbox.from_snapshot is not None:
             raise ValueError(
                 "`repository` and `sandbox.from_snapshot` both name the starting files; give one"

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 from sandhold.domain import requests as rq
+from sandhold.domain.task_manifest import MIN_KEEP_STOPPED_S
 from sandhold.domain.views import CommandView, SandboxView, SaveView
 from sandhold.gateway import bodies as b
 from sandhold.gateway import web
@@ -509,7 +510,8 @@ def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
     manifest = components["TaskManifest"]
     manifest["description"] = (
         "A task. Rules across fields that a schema cannot state, each refused with 422: "
-        "`hang.cancel_after` longer than `hang.warn_after`; step names unique within "
+        "`hang.cancel_after` longer than `hang.warn_after`; `sandbox.keep_stopped` longer "
+        "than `retry.max_delay`; step names unique within "
         "`pipeline`; not both `repository` and `sandbox.from_snapshot`; no name in `secrets` "
         "also set in an `env`. Over HTTP `secrets` may also be an object, name to value: "
         "the task is given those values (never recorded; the manifest records the names); "
@@ -541,6 +543,12 @@ def _rules_msgspec_cannot_say(components: dict[str, Any]) -> None:
         for field, schema in components.get(name, {}).get("properties", {}).items():
             if _is_duration(schema):
                 components[name]["properties"][field] = _duration(schema, field)
+    # A task's sandbox is kept at least an hour once stopped (decision 074).
+    spec = components["SandboxSpec"]["properties"]
+    spec["keep_stopped"] = _duration(spec["keep_stopped"], "keep_stopped")
+    spec["keep_stopped"]["anyOf"][0] = {
+        "type": "number", "minimum": MIN_KEEP_STOPPED_S, "maximum": _MAX_DURATION_S
+    }  # fmt: skip
     for schema in components.values():
         for field in schema.get("properties", {}).values():
             for option in field.get("anyOf", [field]):

@@ -621,8 +621,12 @@ class Runner:
                 sandbox_id=sandbox_id,
             )
         except Rejected as err:
-            await self._fail("stop_failed", err.message)
+            # Deleted already (kept stopped its time, decision 074, while this task
+            # waited for an orchestrator): stopped for good.
+            if err.code != "sandbox_deleted":
+                await self._fail("stop_failed", err.message)
         stopped = await self.sandboxes.wait(
-            sandbox_id, lambda s: s if s.phase in ("stopped", "failed", "lost") else None
+            sandbox_id,
+            lambda s: s if s.phase in ("stopped", "failed", "lost", "deleted") else None,
         )
         await self.append(ev.TaskCompleted(final_save_id=stopped.final_save_id), why="completed")

@@ -50,6 +50,10 @@ from sandhold.saves import (
 
 log = logging.getLogger("sandhold.saver")
 
+# How often the sandboxes kept stopped for a time are looked at: their deletion
+# is due days after their stop, so a few seconds late is nothing.
+KEPT_LOOK_S = 5.0
+
 
 class Saver:
     name = "saver"
@@ -103,6 +107,9 @@ class Saver:
             self.sandboxes.watch(self._note_ended_saves)
             # What the schedule looks at each tick (not every sandbox ever made).
             self._scheduled = self.sandboxes.select(policy.on_schedule)
+            # Stopped ones to delete once kept their time (decision 074): a week
+            # of tasks' sandboxes, so looked at every KEPT_LOOK_S, not each tick.
+            self._kept = self.sandboxes.select(lambda s: sb.deletes_at(s) is not None)
             await shell.start_stores()
             self.duty = Claim(
                 await instance_bucket(shell.js, self._names),
@@ -156,8 +163,12 @@ class Saver:
     # --- the schedule -----------------------------------------------------------
 
     async def _schedule(self) -> None:
+        kept_looked_at = 0.0
         while True:
             now = time.time()
+            if now - kept_looked_at >= KEPT_LOOK_S:
+                kept_looked_at = now
+                await self._delete_kept(now)
             for sandbox_id in self._scheduled.ids():
                 state, seq = self.sandboxes.get(sandbox_id)
                 if state is None:
@@ -181,17 +192,6 @@ class Saver:
                             ),
                             "idle",
                         )
-                    if sb.delete_if_kept_long_enough(state, now=now, cause=str(seq)):
-                        # Stopped for its `keep_stopped_s`: deleted, as a Delete does.
-                        await self._follow_up(
-                            sandbox_id,
-                            lambda s, seq=seq, now=now: (
-                                sb.delete_if_kept_long_enough(s, now=now, cause=str(seq))
-                                if s
-                                else []
-                            ),
-                            "kept stopped",
-                        )
                     if policy.timed_out(state, now=now, timeout_s=self._save_timeout_s):
                         await self._follow_up(
                             sandbox_id,
@@ -205,6 +205,23 @@ class Saver:
                 except Exception as err:  # this sandbox's turn fails; the schedule goes on
                     log.warning("scheduling a save of %s: %r", sandbox_id, err)
             await asyncio.sleep(self._tick_s)
+
+    async def _delete_kept(self, now: float) -> None:
+        """Delete, as a Delete does, each sandbox stopped for its `keep_stopped_s`."""
+        for sandbox_id in self._kept.ids():
+            state, seq = self.sandboxes.get(sandbox_id)
+            if state is None or not sb.delete_if_kept_long_enough(state, now=now, cause=str(seq)):
+                continue
+            try:
+                await self._follow_up(
+                    sandbox_id,
+                    lambda s, seq=seq: (
+                        sb.delete_if_kept_long_enough(s, now=now, cause=str(seq)) if s else []
+                    ),
+                    "kept stopped",
+                )
+            except Exception as err:  # this one's turn fails; the next look tries again
+                log.warning("deleting %s, kept stopped its time: %r", sandbox_id, err)
 
     # --- reacting to changes ----------------------------------------------------
 

@@ -20,8 +20,11 @@ last save — decision 051 — and how many are so).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import random
+import shlex
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -94,10 +97,13 @@ async def exec_load(
 
 # Where an exec's time goes, from its events' `time` (the writer's clock, this
 # machine's): the step that ends at each milestone.
+# The host's two (`supervisor …`) are read from the command's exit.json.
 STAGES = (
     ("request → queued", "command.queued"),
     ("→ dispatched", "command.dispatched"),
+    ("→ supervisor took it", "supervisor took"),
     ("→ started", "command.started"),
+    ("→ exit recorded", "supervisor recorded the exit"),
     ("→ ended", "command.ended"),
     ("→ returned", None),
 )
@@ -105,11 +111,16 @@ TAIL_SHARE = 0.01  # the slowest 1% (at least TAIL_MIN) are taken apart
 TAIL_MIN = 5
 
 
-async def stages_of(client: Client, run: Exec) -> tuple[list[float], bool]:
+async def stages_of(client: Client, run: Exec, host_root: Path) -> tuple[list[float], bool]:
     """The exec's steps in ms (as STAGES), and whether a save of its own sandbox
     was under way (requested, not yet captured) while it ran."""
     command_id = command_id_for(run.sandbox_id, run.key)
     at: dict[str, float] = {}
+    exit_file = host_root / "sandboxes" / run.sandbox_id / "commands" / command_id / "exit.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        record = json.loads(exit_file.read_text())
+        at["supervisor took"] = record["started_at"]
+        at["supervisor recorded the exit"] = record["ended_at"]
     saving = False
     pending_saves: dict[str, float] = {}
     for record in await client.sandbox_records(run.sandbox_id):
@@ -133,7 +144,7 @@ async def stages_of(client: Client, run: Exec) -> tuple[list[float], bool]:
     return steps, saving
 
 
-async def tail(client: Client, alone: list[Exec]) -> dict:
+async def tail(client: Client, alone: list[Exec], host_root: Path) -> dict:
     """The slowest execs taken apart, next to as many picked at random."""
     ranked = sorted(alone, key=lambda e: e.latency)
     n = max(TAIL_MIN, int(len(ranked) * TAIL_SHARE))
@@ -141,7 +152,7 @@ async def tail(client: Client, alone: list[Exec]) -> dict:
     typical = random.Random(0).sample(ranked, min(n, len(ranked)))
     out: dict = {"n": n}
     for name, runs in (("slowest", slowest), ("typical", typical)):
-        taken = [await stages_of(client, run) for run in runs]
+        taken = [await stages_of(client, run, host_root) for run in runs]
         out[name] = [median([steps[i] for steps, _ in taken]) for i in range(len(STAGES))]
         out[f"{name}_saving"] = sum(saving for _, saving in taken)
         out[f"{name}_worst"] = max(taken, key=lambda t: sum(t[0]))[0]
@@ -153,6 +164,27 @@ def machine_busy_seconds() -> float:
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+QUIET_S = 10.0
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor took from this machine's cores so far (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7] / os.sysconf("SC_CLK_TCK")
+
+
+async def background_cpu(runtime: dict, seconds: float) -> dict[str, float]:
+    """Cores each part used over `seconds` with nothing asked of sandhold: what
+    the sandboxes' number alone costs (ticks, sweeps, lease renewals)."""
+    before, busy, steal = services_cpu_seconds(runtime), machine_busy_seconds(), steal_seconds()
+    await asyncio.sleep(seconds)
+    after = services_cpu_seconds(runtime)
+    used = {name: (after[name] - before[name]) / seconds for name in after}
+    used["whole machine"] = (machine_busy_seconds() - busy) / seconds
+    used["stolen by the hypervisor"] = (steal_seconds() - steal) / seconds
+    return used
 
 
 def services_cpu_seconds(runtime: dict) -> dict[str, float]:
@@ -217,6 +249,7 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
         for size in sizes:
             took = await grow(client, have, size)
             print(f"{size} running after {took:.0f} s", flush=True)
+            quiet = await background_cpu(up.runtime, QUIET_S)
             alone_runs = await exec_load(client, have, seconds, f"alone-{size}", clients=1)
             alone = [run.latency for run in alone_runs]
             busy, by_service = machine_busy_seconds(), services_cpu_seconds(up.runtime)
@@ -233,7 +266,8 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
                 "alone_p50": median(alone),
                 "alone_p99": percentile(alone, 99),
                 "alone_max": max(alone),
-                "tail": await tail(client, alone_runs),
+                "tail": await tail(client, alone_runs, up.data_dir / "hosts" / "local"),
+                "quiet": quiet,
                 "execs": len(latencies),
                 "per_s": len(latencies) / seconds,
                 "p50": median(latencies),
@@ -274,7 +308,8 @@ def main() -> None:
         else ([10, 50] if args.quick else [10, 100, 1000])
     )
     seconds = args.seconds or (20.0 if args.quick else 60.0)
-    with sandhold_up("scale", "--host-capacity", str(max(sizes))) as up:
+    extra = shlex.split(os.environ.get("SANDHOLD_BENCH_UP_ARGS", ""))  # a diagnosis's knobs
+    with sandhold_up("scale", "--host-capacity", str(max(sizes)), *extra) as up:
         rows = asyncio.run(measure(up, sizes, seconds))
     services = [k for k in rows[0]["mem"] if k not in ("sandbox processes", "host helpers")]
 
@@ -315,6 +350,7 @@ def main() -> None:
         + [f"{r['cpu_ms'] - sum(r['cpu_by'].values()):.1f}" for r in rows],
     ]
     worst = max(r["alone_p99"] for r in rows)
+    quiet_rows = [[name] + [f"{r['quiet'][name]:.3f}" for r in rows] for name in rows[0]["quiet"]]
     tail_rows = []
     for r in rows:
         t = r["tail"]
@@ -367,6 +403,11 @@ on this machine; "own save" counts those whose sandbox was being saved —
 requested, not yet captured — while they ran):
 
 {table(["sandboxes", "execs", *(name for name, _ in STAGES), "own save"], tail_rows)}
+
+Background: cores used over {QUIET_S:.0f} s with no exec running, just before the execs alone
+(the sandboxes' number alone: ticks, sweeps, lease renewals, idle boxes):
+
+{table(["where", *(f"{r['size']:,} sandboxes" for r in rows)], quiet_rows)}
 
 CPU per command during the saturated exec load (ms of CPU time, all cores; the machine
 has {os.cpu_count()} cores, so commands/s can reach at most

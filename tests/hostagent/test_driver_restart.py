@@ -37,7 +37,7 @@ async def _go(driver: ProcessDriver, command_id: str = "go") -> None:
     # layer from outside may stay unseen (overlayfs caches the lookup).
     end = await (await driver.launch(SB, command_id, ["touch", "go"])).wait()
     assert end.reason == "exited"
-    driver.mark_reported(SB, command_id)
+    await driver.mark_reported(SB, command_id)
 
 
 def _supervisor_pid(driver: ProcessDriver, command_id: str) -> int:
@@ -89,7 +89,7 @@ async def test_exit_written_while_no_driver_runs_is_read_after_restart(
     stdout, _, end = await collect(adopted)
     assert stdout == b"first\nsecond\n"
     assert end.exit_code == 7
-    second.mark_reported(SB, "c1")
+    await second.mark_reported(SB, "c1")
     assert second.adopt_all() == []
 
 

@@ -182,6 +182,10 @@ async def test_cgroup_v2_freeze_kill_and_remove_on_the_unified_hierarchy(
     finally:
         await driver.thaw(SB)
     await wait_until(lambda: _counter(workspace) > frozen_at + 10, what="the counter resumes")
+    _, _, end = await collect(await driver.launch(SB, "once", ["true"]))
+    assert end.reason == "exited" and (mounts[0] / "sandhold" / host_id / SB / "once").is_dir()
+    await driver.mark_reported(SB, "once")  # its cgroup goes with its report
+    assert not (mounts[0] / "sandhold" / host_id / SB / "once").exists()
     await driver.destroy_sandbox(SB)
     assert not (mounts[0] / "sandhold" / host_id / SB).exists()
     assert not Path(f"/proc/{child}").exists()
@@ -276,6 +280,65 @@ async def test_a_command_is_born_in_its_own_cgroup_on_every_hierarchy(
         assert any(line.endswith(f"/{SB}/c1") for line in ours), ours
     assert await driver.interrupt(SB, "c1", grace_s=1.0)
     assert (await handle.wait()).reason == "interrupted"
+
+
+def _command_cgroups(host_id: str, command_id: str) -> list[Path]:
+    """The command's own cgroup in every hierarchy mounted here."""
+    return sorted(Path("/sys/fs/cgroup").glob(f"**/sandhold/{host_id}/{SB}/{command_id}"))
+
+
+async def test_a_commands_cgroups_go_once_its_end_is_reported(
+    driver: ProcessDriver, host_id: str
+) -> None:
+    """A long-lived sandbox must not keep a cgroup per command it ever ran (the
+    kernel allows 65,535 memory cgroups; a freeze's look walks them all). One a
+    left-behind process still holds goes at a later end, once it is empty."""
+    if driver.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    for n in range(3):
+        _, _, end = await collect(await driver.launch(SB, f"c{n}", ["true"]))
+        assert end.reason == "exited"
+        assert _command_cgroups(host_id, f"c{n}")  # until its end is in the log
+        await driver.mark_reported(SB, f"c{n}")
+        assert _command_cgroups(host_id, f"c{n}") == []
+    # A command that leaves a process behind: its cgroup stays while it runs.
+    handle = await driver.launch(SB, "bg", ["sh", "-c", "sleep 300 >/dev/null 2>&1 &"])
+    _, _, end = await collect(handle)
+    assert end.reason == "exited"
+    await driver.mark_reported(SB, "bg")
+    assert _command_cgroups(host_id, "bg")
+    left = driver.cgroups.pids(SB, "bg")
+    assert left  # the sleep
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: driver.cgroups.pids(SB, "bg") == [], what="the left process gone")
+    await driver.mark_reported(SB, (await _ended(driver, "next")))
+    assert _command_cgroups(host_id, "bg") == [] and _command_cgroups(host_id, "next") == []
+
+
+async def _ended(driver: ProcessDriver, command_id: str) -> str:
+    _, _, end = await collect(await driver.launch(SB, command_id, ["true"]))
+    assert end.reason == "exited"
+    return command_id
+
+
+async def test_a_new_driver_removes_the_cgroups_of_commands_reported_before(
+    make_driver: MakeDriver, host_id: str
+) -> None:
+    """An agent that died between a command's report and the removal of its
+    cgroups (or ran before they were removed) leaves them to the next one."""
+    first = await make_driver()
+    if first.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {first.cgroups.message}")
+    await first.create_sandbox(SB, None)
+    await _ended(first, "old")
+    first.layout.command(SB, "old").reported.touch()  # reported, cgroups left
+    assert _command_cgroups(host_id, "old")
+    await first.close()
+    second = await make_driver()
+    await second.claim_cgroups()
+    assert _command_cgroups(host_id, "old") == []
 
 
 # Another agent of the same host id, on the same machine: it claims the host's

@@ -930,7 +930,7 @@ class HostAgent:
                 log.warning("reporting the end of %s failed, retrying: %r", cid, err)
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
-        self.driver.mark_reported(sid, cid)
+        await self.driver.mark_reported(sid, cid)
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
         """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""

@@ -74,6 +74,11 @@ class Cgroups(Protocol):
     def thaw(self, sandbox_id: str) -> None: ...
     def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
+    def remove_command(self, sandbox_id: str, command_id: str) -> bool:
+        """Remove the command's own cgroups once its end is reported; False (left
+        for the sandbox's removal) while a process it left behind is in one."""
+        ...
+
     def remove_host(self) -> None: ...
     def claim_host(self, keep: Collection[str]) -> list[str]:
         """Mark this host's cgroups in use for the rest of the process's life; if
@@ -201,6 +206,19 @@ def _rmdir_tree(top: Path, deadline: float) -> None:
             if err.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise CgroupError(err.errno, f"cannot remove cgroup {top}: {err.strerror}") from err
             time.sleep(_POLL_S)
+
+
+def _rmdir_if_empty(directory: Path) -> bool:
+    """rmdir one cgroup (no children); False while a process is in it."""
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            return False
+        raise CgroupError(err.errno, f"cannot remove cgroup {directory}: {err.strerror}") from err
+    return True
 
 
 def _mkdir(directory: Path, *, parents: bool = False) -> None:
@@ -435,6 +453,10 @@ class V1Cgroups:
             if directory.exists():
                 _rmdir_tree(directory, deadline)
 
+    def remove_command(self, sandbox_id: str, command_id: str) -> bool:
+        hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
+        return all([_rmdir_if_empty(host / sandbox_id / command_id) for host in hosts])
+
     def remove_host(self) -> None:
         for directory in self._dirs():
             if directory.exists():
@@ -562,6 +584,9 @@ class V2Cgroups:
         if sandbox.exists():
             _rmdir_tree(sandbox, time.monotonic() + timeout_s)
 
+    def remove_command(self, sandbox_id: str, command_id: str) -> bool:
+        return _rmdir_if_empty(self._host / sandbox_id / command_id)
+
     def remove_host(self) -> None:
         if self._host.exists():
             _rmdir_tree(self._host, time.monotonic() + 5.0)
@@ -615,6 +640,9 @@ class NoCgroups:
 
     def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
         pass
+
+    def remove_command(self, sandbox_id: str, command_id: str) -> bool:
+        return True
 
     def remove_host(self) -> None:
         pass

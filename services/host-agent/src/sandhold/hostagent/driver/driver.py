@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -51,6 +52,8 @@ DEFAULT_PIDS_LIMIT = 4096
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Beyond the grace, how long a supervisor may take to record an exit.
 _EXIT_MARGIN_S = 10.0
+
+log = logging.getLogger("sandhold.host-agent.driver")
 
 
 Isolation = Literal["namespaces", "process"]
@@ -114,6 +117,9 @@ class ProcessDriver:
         self._tmp_probe: tuple[bool, str] = (False, "not probed yet (call start())")
         self._poll_interval_s = poll_interval_s
         self._handles: dict[tuple[str, str], CommandHandle] = {}
+        # Per sandbox: commands ended and reported whose cgroups a process they
+        # left behind still held (`mark_reported`).
+        self._left_cgroups: dict[str, set[str]] = {}
         self.isolation: Isolation = isolation
         self.boxes = (
             Boxes(
@@ -327,6 +333,7 @@ class ProcessDriver:
         self._end_box(sandbox_id)
         await self._await_exits(live, _EXIT_MARGIN_S)
         await asyncio.to_thread(self.cgroups.remove, sandbox_id)
+        self._left_cgroups.pop(sandbox_id, None)
         for key in [key for key in self._handles if key[0] == sandbox_id]:
             self._handles.pop(key).detach()
         if self.boxes is not None:
@@ -627,7 +634,9 @@ class ProcessDriver:
         keep = set(self.layout.sandbox_ids())
         for other in others_of(self.host_id, self.layout.root):
             keep.update(HostLayout(other).sandbox_ids())
-        return self.cgroups.claim_host(keep)
+        removed = self.cgroups.claim_host(keep)
+        self._remove_reported_cgroups()
+        return removed
 
     def adopt_all(self) -> list[CommandHandle]:
         """Every command whose end has not been reported yet (after an agent restart)."""
@@ -638,12 +647,48 @@ class ProcessDriver:
             if not self.layout.command(sandbox_id, command_id).reported.exists()
         ]
 
-    def mark_reported(self, sandbox_id: str, command_id: str) -> None:
-        """Record that the command's end is durably in the log; it is not adopted again."""
+    async def mark_reported(self, sandbox_id: str, command_id: str) -> None:
+        """Record that the command's end is durably in the log (it is not adopted
+        again), and remove its own cgroups. Kept, a long-lived sandbox had one
+        per command it ever ran, in each hierarchy: the kernel allows 65,535
+        memory cgroups, and every look at a sandbox's processes (a save's
+        freeze, a stop) walked them all. One that a process the command left
+        behind still holds is tried again at the sandbox's next command's end,
+        and goes with the sandbox in any case."""
         self.layout.command(sandbox_id, command_id).reported.touch()
         handle = self._handles.pop((sandbox_id, command_id), None)
         if handle is not None:
             handle.detach()
+        left = self._left_cgroups.setdefault(sandbox_id, set())
+        left.add(command_id)
+        removed = await asyncio.to_thread(self._remove_command_cgroups, sandbox_id, sorted(left))
+        left.difference_update(removed)
+        if not left:
+            self._left_cgroups.pop(sandbox_id, None)
+
+    def _remove_command_cgroups(self, sandbox_id: str, command_ids: list[str]) -> list[str]:
+        removed = []
+        for command_id in command_ids:
+            try:
+                if self.cgroups.remove_command(sandbox_id, command_id):
+                    removed.append(command_id)
+            except CgroupError as err:  # left for the sandbox's removal
+                log.warning("cgroups of %s not removed: %s", command_id, err)
+                removed.append(command_id)
+        return removed
+
+    def _remove_reported_cgroups(self) -> None:
+        """At start: the cgroups of commands whose end an earlier agent reported
+        (it died before removing them, or ran before they were removed)."""
+        for sandbox_id in self.layout.sandbox_ids():
+            reported = [
+                command_id
+                for command_id in self.layout.command_ids(sandbox_id)
+                if self.layout.command(sandbox_id, command_id).reported.exists()
+            ]
+            left = set(reported) - set(self._remove_command_cgroups(sandbox_id, reported))
+            if left:
+                self._left_cgroups[sandbox_id] = left
 
 
 async def _disabled_tmp() -> tuple[bool, str]:

@@ -184,7 +184,7 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[di
                 t2 = time.perf_counter()
                 record = await handle.wait()
                 t3 = time.perf_counter()
-                driver.mark_reported(sid, command_id)
+                await driver.mark_reported(sid, command_id)
                 if record.reason != "exited":
                     raise RuntimeError(f"driver: {record!r}")
                 if i >= WARMUP:

@@ -79,7 +79,7 @@ async def exec_true(root: Path, isolation: str, count: int) -> list[float]:
             end = await handle.wait()
             elapsed = time.perf_counter() - started
             assert end.reason == "exited", end
-            driver.mark_reported("sb-0000000000000001", f"c{i}")
+            await driver.mark_reported("sb-0000000000000001", f"c{i}")
             if i >= 5:  # warm-up
                 out.append(elapsed)
             await asyncio.sleep(0.02)  # let the pool refill, as between real commands

@@ -188,7 +188,11 @@ class _InHand:
         assert self._every_s
         while True:
             await asyncio.sleep(self._every_s)
-            for msg in list(self._msgs.values()):
+            for key, msg in list(self._msgs.items()):
+                if key not in self._msgs or msg.is_acked:
+                    # Answered meanwhile (a publish can wait for a flush): a +WPI
+                    # after a nak would push its redelivery back by ack_wait.
+                    continue
                 try:
                     await msg.in_progress()
                 except Exception as err:  # noqa: BLE001 - at worst it is delivered again

@@ -663,8 +663,9 @@ class ProcessDriver:
         left.add(command_id)
         removed = await asyncio.to_thread(self._remove_command_cgroups, sandbox_id, sorted(left))
         left.difference_update(removed)
-        if not left:
-            self._left_cgroups.pop(sandbox_id, None)
+        # (Only this set: another end may have emptied it and a later one begun anew.)
+        if not left and self._left_cgroups.get(sandbox_id) is left:
+            del self._left_cgroups[sandbox_id]
 
     def _remove_command_cgroups(self, sandbox_id: str, command_ids: list[str]) -> list[str]:
         removed = []

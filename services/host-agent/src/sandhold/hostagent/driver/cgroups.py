@@ -79,6 +79,10 @@ class Cgroups(Protocol):
         for the sandbox's removal) while a process it left behind is in one."""
         ...
 
+    def command_cgroups(self, sandbox_id: str) -> list[str]:
+        """The ids of the commands whose own cgroups the sandbox still has."""
+        ...
+
     def remove_host(self) -> None: ...
     def claim_host(self, keep: Collection[str]) -> list[str]:
         """Mark this host's cgroups in use for the rest of the process's life; if
@@ -219,6 +223,15 @@ def _rmdir_if_empty(directory: Path) -> bool:
             return False
         raise CgroupError(err.errno, f"cannot remove cgroup {directory}: {err.strerror}") from err
     return True
+
+
+def _children(directory: Path) -> list[str]:
+    """The child cgroups of a sandbox's that are commands' (not its box's, `_box`)."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    return [e.name for e in entries if e.is_dir(follow_symlinks=False) and e.name[:1] != "_"]
 
 
 def _mkdir(directory: Path, *, parents: bool = False) -> None:
@@ -457,6 +470,10 @@ class V1Cgroups:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
         return all([_rmdir_if_empty(host / sandbox_id / command_id) for host in hosts])
 
+    def command_cgroups(self, sandbox_id: str) -> list[str]:
+        hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
+        return sorted({name for host in hosts for name in _children(host / sandbox_id)})
+
     def remove_host(self) -> None:
         for directory in self._dirs():
             if directory.exists():
@@ -587,6 +604,9 @@ class V2Cgroups:
     def remove_command(self, sandbox_id: str, command_id: str) -> bool:
         return _rmdir_if_empty(self._host / sandbox_id / command_id)
 
+    def command_cgroups(self, sandbox_id: str) -> list[str]:
+        return sorted(_children(self._host / sandbox_id))
+
     def remove_host(self) -> None:
         if self._host.exists():
             _rmdir_tree(self._host, time.monotonic() + 5.0)
@@ -643,6 +663,9 @@ class NoCgroups:
 
     def remove_command(self, sandbox_id: str, command_id: str) -> bool:
         return True
+
+    def command_cgroups(self, sandbox_id: str) -> list[str]:
+        return []
 
     def remove_host(self) -> None:
         pass

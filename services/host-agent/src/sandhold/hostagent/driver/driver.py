@@ -680,11 +680,12 @@ class ProcessDriver:
 
     def _remove_reported_cgroups(self) -> None:
         """At start: the cgroups of commands whose end an earlier agent reported
-        (it died before removing them, or ran before they were removed)."""
+        (it died before removing them, or ran before they were removed). Only the
+        cgroups still there are looked at, not every command the sandbox ran."""
         for sandbox_id in self.layout.sandbox_ids():
             reported = [
                 command_id
-                for command_id in self.layout.command_ids(sandbox_id)
+                for command_id in self.cgroups.command_cgroups(sandbox_id)
                 if self.layout.command(sandbox_id, command_id).reported.exists()
             ]
             left = set(reported) - set(self._remove_command_cgroups(sandbox_id, reported))

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
@@ -640,3 +641,20 @@ def latency_row(label: str, values: Sequence[float]) -> list[str]:
 
 
 LATENCY_HEADERS = ["what", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"]
+
+
+async def timed_true(driver: Any, sandbox_id: str, command_id: str) -> tuple[float, float, float]:
+    """`true` through a host's `ProcessDriver`, reported as the agent does once it
+    ends: seconds of launch (cgroups, spec, hand-over to a warm supervisor), then
+    until started (the supervisor forked it), then until its exit is recorded."""
+    t0 = time.perf_counter()
+    handle = await driver.launch(sandbox_id, command_id, ["true"])
+    t1 = time.perf_counter()
+    await handle.started()
+    t2 = time.perf_counter()
+    end = await handle.wait()
+    t3 = time.perf_counter()
+    await driver.mark_reported(sandbox_id, command_id)
+    if end.reason != "exited":
+        raise RuntimeError(f"driver, {command_id}: {end!r}")
+    return t1 - t0, t2 - t1, t3 - t2

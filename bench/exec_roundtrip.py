@@ -36,6 +36,7 @@ from _common import (
     spawn_floor,
     table,
     temp_dir,
+    timed_true,
     verdict,
 )
 from sandhold.bus.codec import decode_envelope
@@ -176,23 +177,13 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[di
             await driver.create_sandbox(sid, None)
             phases: dict[str, list[float]] = {"launch": [], "started": [], "exit": [], "all": []}
             for i in range(WARMUP + count):
-                command_id = f"cmd-{i:016x}"
-                t0 = time.perf_counter()
-                handle = await driver.launch(sid, command_id, ["true"])
-                t1 = time.perf_counter()
-                await handle.started()
-                t2 = time.perf_counter()
-                record = await handle.wait()
-                t3 = time.perf_counter()
-                await driver.mark_reported(sid, command_id)
-                if record.reason != "exited":
-                    raise RuntimeError(f"driver: {record!r}")
+                launch, started, exit_ = await timed_true(driver, sid, f"cmd-{i:016x}")
                 if i >= WARMUP:
                     for name, value in (
-                        ("launch", t1 - t0),
-                        ("started", t2 - t1),
-                        ("exit", t3 - t2),
-                        ("all", t3 - t0),
+                        ("launch", launch),
+                        ("started", started),
+                        ("exit", exit_),
+                        ("all", launch + started + exit_),
                     ):
                         phases[name].append(value)
                 await asyncio.sleep(pause)

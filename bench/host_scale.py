@@ -25,9 +25,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
+from _common import timed_true
 from sandhold.hostagent.driver import ProcessDriver
 
 EXECS = 600
@@ -43,20 +43,10 @@ async def _execs(driver: ProcessDriver, boxes: list[str], tag: str) -> dict[str,
     rng = random.Random(tag)
     steps: dict[str, list[float]] = {"launch": [], "started": [], "exit": [], "all": []}
     for i in range(EXECS):
-        sandbox_id, command_id = rng.choice(boxes), f"cmd-{tag}-{i:08x}"
-        t0 = time.perf_counter()
-        handle = await driver.launch(sandbox_id, command_id, ["true"])
-        t1 = time.perf_counter()
-        await handle.started()
-        t2 = time.perf_counter()
-        end = await handle.wait()
-        t3 = time.perf_counter()
-        await driver.mark_reported(sandbox_id, command_id)
-        if end.reason != "exited":
-            raise RuntimeError(f"{command_id}: {end!r}")
-        for name, value in (("launch", t1 - t0), ("started", t2 - t1), ("exit", t3 - t2)):
+        taken = await timed_true(driver, rng.choice(boxes), f"cmd-{tag}-{i:08x}")
+        for name, value in zip(("launch", "started", "exit"), taken, strict=True):
             steps[name].append(value)
-        steps["all"].append(t3 - t0)
+        steps["all"].append(sum(taken))
         await asyncio.sleep(PAUSE_S)
     return steps
 

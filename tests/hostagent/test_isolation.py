@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from sandhold.hostagent.driver import CommandExit, ProcessDriver
+from sandhold.hostagent.driver import CommandExit, ProcessDriver, box_init
 
 from tests.support.net import host_address
 from tests.support.waiting import wait_until
@@ -115,11 +115,54 @@ async def test_host_processes_are_invisible(two: ProcessDriver) -> None:
     out, _, end = await run(two, A, "ps -eo pid=,args=")
     assert end.exit_code == 0
     lines = [line.split(None, 1) for line in out.strip().splitlines()]
-    assert 3 <= len(lines) <= 8, out  # the init, its holder, this shell and ps: a handful
+    # the init (and a holder where box_init has no program), this shell and ps
+    assert 3 <= len(lines) <= 8, out
     assert all(int(pid) < 100 for pid, _ in lines)
     assert not any("pytest" in args or "sandhold" in args for _, args in lines), out
     out, _, _ = await run(two, A, f"cat /proc/{os.getpid()}/cmdline | tr '\\0' ' '")
     assert "pytest" not in out
+
+
+def _init_pid(driver: ProcessDriver, sandbox: str) -> int:
+    assert driver.boxes is not None
+    state = driver.boxes.state(sandbox)
+    assert state is not None
+    return state.init.pid
+
+
+@pytest.mark.skipif(box_init.program() is None, reason="box_init has no program for this CPU")
+async def test_the_boxs_pid_1_maps_no_shared_file(two: ProcessDriver) -> None:
+    # Every process mapping libc lengthens the kernel's reverse-map walks that
+    # forks and execs on the whole host wait for (box_init says why).
+    out, _, end = await run(two, A, "true")
+    assert end.exit_code == 0
+    maps = Path(f"/proc/{_init_pid(two, A)}/maps").read_text().splitlines()
+    files = {line.split(None, 5)[5] for line in maps if len(line.split(None, 5)) == 6}
+    assert {f for f in files if not f.startswith("[")} == {box_init.PATH_INSIDE}, maps
+
+
+async def test_orphans_inside_are_reaped(two: ProcessDriver) -> None:
+    # The command's shell exits at once; its `sleep` is re-parented to the box's
+    # pid 1, which must reap it when it ends, or it stays a zombie for ever.
+    out, _, end = await run(two, A, "sleep 0.3 & echo $!")
+    assert end.exit_code == 0
+    orphan = out.strip()
+
+    async def gone() -> bool:
+        out, _, _ = await run(two, A, f"ps -o stat=,args= -p {orphan} || true")
+        return out.strip() == ""
+
+    await wait_until(gone, timeout=15, what=f"the orphan {orphan} reaped")
+
+
+@pytest.mark.parametrize("signal_name", ["KILL", "TERM"])
+async def test_the_sandboxs_root_cannot_end_its_box(two: ProcessDriver, signal_name: str) -> None:
+    init = _init_pid(two, A)
+    _, err, end = await run(two, A, f"kill -{signal_name} 1; kill -{signal_name} -1", user="root")
+    assert end.reason in ("exited", "signaled"), err  # -1 reaches the shell itself too
+    out, _, end = await run(two, A, "echo still")
+    assert (out, end.exit_code) == ("still\n", 0)
+    assert _init_pid(two, A) == init  # the same box, not a new one
 
 
 @pytest.mark.parametrize("user", ["user", "root"])

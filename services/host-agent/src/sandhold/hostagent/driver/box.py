@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandhold.hostagent.driver import box_init
 from sandhold.hostagent.driver.cgroups import join_self
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
@@ -51,10 +52,20 @@ _ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD, _EGRESS_FD = 3, 4, 5, 6, 7
 SLIRP4NETNS = "slirp4netns"
 _SLIRP_READY_S = 10.0
 # Keeps the namespaces alive once it has said that they are set up (bubblewrap
-# runs it only after every mount succeeded); bubblewrap's pid 1 reaps orphans.
-HOLDER = [
+# runs it only after every mount succeeded). Where box_init has a program for
+# the machine, that is the box's pid 1 and reaps orphans itself; elsewhere this
+# portable holder runs under bubblewrap's own pid 1, which reaps them, at the
+# cost of three more processes per box that map libc (see box_init).
+SHELL_HOLDER = [
     "/bin/sh", "-c", f"echo ready >&{_READY_FD}; exec {_READY_FD}>&-; while :; do sleep 86400; done"
 ]  # fmt: skip
+assert box_init.READY_FD == _READY_FD
+_INIT = box_init.program()
+
+
+def holder() -> list[str]:
+    """What bubblewrap runs in the box once it is set up."""
+    return [box_init.PATH_INSIDE] if _INIT is not None else SHELL_HOLDER
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,8 @@ def bwrap_args(spec: BoxSpec) -> list[str]:
         args += ["--overlay", overlay["upper"], overlay["work"], overlay["target"]]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "0755", "--tmpfs", "/run"]
+    if _INIT is not None:
+        args += ["--as-pid-1", "--ro-bind", f"{STAGE}/init", box_init.PATH_INSIDE]
     if spec.connections:
         # A bind of the directory, so files the host writes later appear too.
         args += ["--ro-bind", f"{STAGE}/conn", CONNECTIONS_INSIDE]
@@ -285,6 +298,11 @@ def _stage(spec: BoxSpec, idmap: int | None) -> bool:
             idmapped = idmapped and not lower  # one lower refused: say the base is not
             mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND, None)
         os.close(fd)
+    if _INIT is not None:
+        # A copy per box, on this tmpfs: no page of it is shared with another box.
+        init = os.open(f"{STAGE}/init", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
+        os.write(init, _INIT)
+        os.close(init)
     return idmapped
 
 
@@ -320,7 +338,7 @@ def _child(
                 os.close(fd)
     os.closerange(last + 1, 1 << 16)
     try:
-        os.execv(staged_bwrap(spec), ["bwrap", "--args", str(_ARGS_FD), "--", *HOLDER])
+        os.execv(staged_bwrap(spec), ["bwrap", "--args", str(_ARGS_FD), "--", *holder()])
     except OSError as err:
         os.write(2, f"cannot run bubblewrap ({staged_bwrap(spec)}): {err}\n".encode())
         raise

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
+from sandhold.hostagent.driver import driver as driver_module
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
 from sandhold.hostagent.driver.owners import others_of
 
@@ -339,6 +340,71 @@ async def test_a_new_driver_removes_the_cgroups_of_commands_reported_before(
     second = await make_driver()
     await second.claim_cgroups()
     assert _command_cgroups(host_id, "old") == []
+
+
+async def test_a_sandbox_keeps_the_directories_of_its_last_reported_commands_only(
+    driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each command's directory (spec, output copies, exit record) is kept for
+    a while after its end is in the log, not for as long as the sandbox lives;
+    one whose end is not reported yet is never touched."""
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED", 3)
+    await driver.create_sandbox(SB, None)
+    running = await driver.launch(SB, "running", ["sleep", "100"])
+    assert isinstance(await running.started(), int)
+    for n in range(5):
+        await driver.mark_reported(SB, await _ended(driver, f"c{n}"))
+    assert driver.layout.command_ids(SB) == ["c2", "c3", "c4", "running"]
+    assert await driver.interrupt(SB, "running", grace_s=0.0)
+    assert (await running.wait()).reason == "interrupted"
+    await driver.mark_reported(SB, "running")
+    assert driver.layout.command_ids(SB) == ["c3", "c4", "running"]
+
+
+async def test_a_new_driver_keeps_only_the_last_reported_command_directories(
+    make_driver: MakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories left by an earlier agent (or before there was a limit) are
+    cut to the newest reported ones at start, and counted on from there."""
+    first = await make_driver()
+    await first.create_sandbox(SB, None)
+    for n in range(5):
+        await _ended(first, f"c{n}")
+        marker = first.layout.command(SB, f"c{n}").reported
+        marker.touch()
+        os.utime(marker, (1_000_000 + n, 1_000_000 + n))  # reported in this order
+    await _ended(first, "unreported")  # ended, its end not in the log yet
+    await first.close()
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED", 2)
+    second = await make_driver()
+    await second.tidy_reported()
+    assert second.layout.command_ids(SB) == ["c3", "c4", "unreported"]
+    assert [h.command_id for h in second.adopt_all()] == ["unreported"]
+    await second.mark_reported(SB, "unreported")
+    assert second.layout.command_ids(SB) == ["c4", "unreported"]
+
+
+async def test_a_new_driver_removes_a_cgroup_whose_commands_directory_went(
+    make_driver: MakeDriver, host_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reported command's cgroup a left-behind process held outlives its
+    directory; a new agent knows it as reported by that directory's absence."""
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED", 0)
+    first = await make_driver()
+    if first.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {first.cgroups.message}")
+    await first.create_sandbox(SB, None)
+    _, _, end = await collect(await first.launch(SB, "bg", ["sh", "-c", "sleep 300 >&- 2>&- &"]))
+    assert end.reason == "exited"
+    await first.mark_reported(SB, "bg")
+    assert first.layout.command_ids(SB) == [] and _command_cgroups(host_id, "bg")
+    for pid in first.cgroups.pids(SB, "bg"):
+        os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: first.cgroups.pids(SB, "bg") == [], what="the left process gone")
+    await first.close()
+    second = await make_driver()
+    await second.claim_cgroups()
+    assert _command_cgroups(host_id, "bg") == []
 
 
 # Another agent of the same host id, on the same machine: it claims the host's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -52,6 +53,8 @@ DEFAULT_PIDS_LIMIT = 4096
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Beyond the grace, how long a supervisor may take to record an exit.
 _EXIT_MARGIN_S = 10.0
+# Reported commands whose directories a sandbox keeps (mark_reported).
+KEEP_REPORTED = 32
 
 log = logging.getLogger("sandhold.host-agent.driver")
 
@@ -120,6 +123,9 @@ class ProcessDriver:
         # Per sandbox: commands ended and reported whose cgroups a process they
         # left behind still held (`mark_reported`).
         self._left_cgroups: dict[str, set[str]] = {}
+        # Per sandbox: the reported commands whose directories are still kept,
+        # oldest first (at most KEEP_REPORTED of them after each report).
+        self._reported: dict[str, collections.deque[str]] = {}
         self.isolation: Isolation = isolation
         self.boxes = (
             Boxes(
@@ -334,6 +340,7 @@ class ProcessDriver:
         await self._await_exits(live, _EXIT_MARGIN_S)
         await asyncio.to_thread(self.cgroups.remove, sandbox_id)
         self._left_cgroups.pop(sandbox_id, None)
+        self._reported.pop(sandbox_id, None)
         for key in [key for key in self._handles if key[0] == sandbox_id]:
             self._handles.pop(key).detach()
         if self.boxes is not None:
@@ -649,23 +656,61 @@ class ProcessDriver:
 
     async def mark_reported(self, sandbox_id: str, command_id: str) -> None:
         """Record that the command's end is durably in the log (it is not adopted
-        again), and remove its own cgroups. Kept, a long-lived sandbox had one
-        per command it ever ran, in each hierarchy: the kernel allows 65,535
-        memory cgroups, and every look at a sandbox's processes (a save's
-        freeze, a stop) walked them all. One that a process the command left
-        behind still holds is tried again at the sandbox's next command's end,
-        and goes with the sandbox in any case."""
-        self.layout.command(sandbox_id, command_id).reported.touch()
+        again), and tidy up after it.
+
+        Its own cgroups go: kept, a long-lived sandbox had one per command it
+        ever ran, in each hierarchy (the kernel allows 65,535 memory cgroups, and
+        every look at a sandbox's processes walked them all). One that a process
+        the command left behind still holds is tried again at the sandbox's next
+        command's end, and goes with the sandbox in any case.
+
+        Its directory (spec, output copies, exit record, supervisor log) is kept
+        among the sandbox's last KEEP_REPORTED reported ones, for whoever looks
+        into a recent command on the host; the oldest beyond that goes
+        (decision 077). The log, not the directory, is what keeps a command from
+        running twice once its end is reported."""
+        try:
+            self.layout.command(sandbox_id, command_id).reported.touch()
+        except FileNotFoundError:
+            return  # reported before, and its directory gone since
         handle = self._handles.pop((sandbox_id, command_id), None)
         if handle is not None:
             handle.detach()
         left = self._left_cgroups.setdefault(sandbox_id, set())
         left.add(command_id)
-        removed = await asyncio.to_thread(self._remove_command_cgroups, sandbox_id, sorted(left))
+        kept = self._reported.setdefault(sandbox_id, collections.deque())
+        kept.append(command_id)
+        old = [kept.popleft() for _ in range(len(kept) - KEEP_REPORTED)]
+        removed = await asyncio.to_thread(self._tidy, sandbox_id, sorted(left), old)
         left.difference_update(removed)
         # (Only this set: another end may have emptied it and a later one begun anew.)
         if not left and self._left_cgroups.get(sandbox_id) is left:
             del self._left_cgroups[sandbox_id]
+
+    def _tidy(self, sandbox_id: str, cgroups_of: list[str], directories_of: list[str]) -> list[str]:
+        """Remove those commands' cgroups and directories; the ids whose cgroups went."""
+        for command_id in directories_of:
+            shutil.rmtree(self.layout.command(sandbox_id, command_id).directory, ignore_errors=True)
+        return self._remove_command_cgroups(sandbox_id, cgroups_of)
+
+    async def tidy_reported(self) -> None:
+        """At start: keep the directories of each sandbox's last KEEP_REPORTED
+        reported commands (by when their end was reported) and remove the rest,
+        as if each had been reported by this agent."""
+        await asyncio.to_thread(self._tidy_reported)
+
+    def _tidy_reported(self) -> None:
+        for sandbox_id in self.layout.sandbox_ids():
+            reported: list[tuple[float, str]] = []
+            for command_id in self.layout.command_ids(sandbox_id):
+                with contextlib.suppress(FileNotFoundError):
+                    marker = self.layout.command(sandbox_id, command_id).reported
+                    reported.append((marker.stat().st_mtime, command_id))
+            ordered = [command_id for _, command_id in sorted(reported)]
+            cut = max(0, len(ordered) - KEEP_REPORTED)
+            self._tidy(sandbox_id, [], ordered[:cut])
+            if ordered[cut:]:
+                self._reported[sandbox_id] = collections.deque(ordered[cut:])
 
     def _remove_command_cgroups(self, sandbox_id: str, command_ids: list[str]) -> list[str]:
         removed = []
@@ -681,12 +726,15 @@ class ProcessDriver:
     def _remove_reported_cgroups(self) -> None:
         """At start: the cgroups of commands whose end an earlier agent reported
         (it died before removing them, or ran before they were removed). Only the
-        cgroups still there are looked at, not every command the sandbox ran."""
+        cgroups still there are looked at, not every command the sandbox ran.
+        A command cgroup without a directory is a reported command's whose
+        directory went (`mark_reported`): the cgroup is made after the directory."""
         for sandbox_id in self.layout.sandbox_ids():
             reported = [
                 command_id
                 for command_id in self.cgroups.command_cgroups(sandbox_id)
                 if self.layout.command(sandbox_id, command_id).reported.exists()
+                or not self.layout.command(sandbox_id, command_id).directory.exists()
             ]
             left = set(reported) - set(self._remove_command_cgroups(sandbox_id, reported))
             if left:

@@ -3,8 +3,11 @@ comes again after its command ended is taken and dropped, and runs nothing."""
 
 from __future__ import annotations
 
+import shutil
+
 import msgspec
 import nats
+import pytest
 from sandhold.bus.names import Names
 from sandhold.domain import requests as rq
 from sandhold.domain import work as wk
@@ -15,14 +18,22 @@ from tests.support.waiting import wait_until
 NAMES = Names("sh")
 
 
-async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up):
+@pytest.mark.parametrize("directory", ["kept", "gone"])
+async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up, directory: str):
+    """Also once the host no longer keeps the command's directory (decision 077):
+    the log, not the directory, keeps a reported command from running again."""
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
     first = up.cli("exec", sandbox_id, "--key", "once", "--", "sh", "-c", "echo x >> count")
     assert first.returncode == 0, first.stderr
+    command_id = rq.command_id_for(sandbox_id, "once")
+    commands = up.data_dir / "hosts" / "local" / "sandboxes" / sandbox_id / "commands"
+    assert (commands / command_id).is_dir()
+    if directory == "gone":
+        shutil.rmtree(commands / command_id)
     again = wk.RunCommandWork(
         sandbox_id=sandbox_id,
         generation=1,
-        command_id=rq.command_id_for(sandbox_id, "once"),
+        command_id=command_id,
         argv=["sh", "-c", "echo x >> count"],
         request_key="once",
     )
@@ -45,6 +56,7 @@ async def test_a_run_instruction_repeated_after_the_end_runs_nothing(up: Up):
     finally:
         await nc.close()
     assert up.cli("exec", sandbox_id, "--", "cat", "count").stdout == "x\n", "ran once"
+    assert not (commands / command_id).exists() or directory == "kept"
 
 
 async def test_the_queue_of_saves_takes_saves_and_nothing_else(up: Up):

@@ -76,6 +76,19 @@ async def test_destroy_kills_everything_and_removes_the_sandbox(driver: ProcessD
     await driver.destroy_sandbox(SB)  # idempotent
 
 
+async def test_a_sandbox_with_nothing_left_running_stops_without_waiting_out_its_grace(
+    driver: ProcessDriver,
+) -> None:
+    """Only commands and what they left behind are asked to end; the box's own
+    processes (its pid 1 ignores TERM) go with the cgroup kill at once."""
+    await driver.create_sandbox(SB, None)
+    _, _, end = await collect(await driver.launch(SB, "once", ["true"]))
+    assert end.reason == "exited"
+    async with asyncio.timeout(60):  # against a grace of 600 s
+        assert await driver.stop_sandbox(SB, grace=600.0) == {}
+    assert driver.cgroups.kind == "none" or driver.cgroups.pids(SB) == []
+
+
 async def test_freeze_stops_the_sandbox_and_thaw_resumes_it(driver: ProcessDriver) -> None:
     if not driver.cgroups.can_freeze:
         pytest.skip(f"no cgroup freezer on this host: {driver.cgroups.message}")
@@ -372,16 +385,17 @@ async def test_a_new_driver_keeps_only_the_last_reported_command_directories(
         await _ended(first, f"c{n}")
         marker = first.layout.command(SB, f"c{n}").reported
         marker.touch()
-        os.utime(marker, (1_000_000 + n, 1_000_000 + n))  # reported in this order
+        os.utime(marker, (1_000_000 - n, 1_000_000 - n))  # reported c4 first, c0 last
     await _ended(first, "unreported")  # ended, its end not in the log yet
     await first.close()
     monkeypatch.setattr(driver_module, "KEEP_REPORTED", 2)
     second = await make_driver()
     await second.tidy_reported()
-    assert second.layout.command_ids(SB) == ["c3", "c4", "unreported"]
+    assert second.layout.command_ids(SB) == ["c0", "c1", "unreported"]
     assert [h.command_id for h in second.adopt_all()] == ["unreported"]
     await second.mark_reported(SB, "unreported")
-    assert second.layout.command_ids(SB) == ["c4", "unreported"]
+    await second.mark_reported(SB, "unreported")  # followed twice: counted once
+    assert second.layout.command_ids(SB) == ["c0", "unreported"]
 
 
 async def test_a_new_driver_removes_a_cgroup_whose_commands_directory_went(

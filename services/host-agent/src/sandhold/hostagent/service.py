@@ -887,7 +887,8 @@ class HostAgent:
                     await self._publish_output(sid, cid, item)
                     kept[item.stream] = item.offset + len(item.data)
                 except Exception as err:
-                    # The output stays on disk; what JetStream did not acknowledge is not kept.
+                    # What JetStream did not acknowledge is not kept (the host keeps its
+                    # copy among the last reported commands' only, decision 077).
                     log.warning("output of %s not kept: %s", cid, err)
                     complete = False
             else:

@@ -13,6 +13,9 @@ starter's private tmpfs), so not even its own page is shared.
 
 What it does, as pid 1 of the box's pid namespace (bubblewrap ``--as-pid-1``):
 
+0. makes itself not dumpable: it runs as the sandbox's root, who could
+   otherwise rewrite it through ``/proc/1/mem`` (no ptrace needed) and end
+   the box;
 1. writes ``ready\\n`` to descriptor 6 and closes it (the starter waits for it:
    bubblewrap runs pid 1 only after every mount succeeded);
 2. blocks SIGCHLD, then for ever: reaps every child that has ended (commands'
@@ -42,6 +45,10 @@ _EHDR, _PHDR = 64, 56
 
 # x86-64, Linux system call numbers. Each row: the bytes, the instruction.
 _X86_64_CODE: list[tuple[str, str]] = [
+    ("b8 9d 00 00 00", "mov eax, 157          ; prctl"),
+    ("bf 04 00 00 00", "mov edi, 4            ;   PR_SET_DUMPABLE"),
+    ("31 f6", "xor esi, esi          ;   0: /proc/1/mem and the like are the host's only"),
+    ("0f 05", "syscall"),
     ("b8 01 00 00 00", "mov eax, 1            ; write"),
     ("bf 06 00 00 00", "mov edi, 6            ;   to the ready descriptor"),
     ("48 8d 35 5d 00 00 00", "lea rsi, [rip+0x5d] ;   'ready\\n' (at the end)"),
@@ -57,7 +64,7 @@ _X86_64_CODE: list[tuple[str, str]] = [
     ("31 d2", "xor edx, edx          ;   no old set"),
     ("41 ba 08 00 00 00", "mov r10d, 8           ;   sizeof(sigset_t)"),
     ("0f 05", "syscall"),
-    # reap: (offset 0x3d)
+    # reap: (offset 0x4b)
     ("b8 3d 00 00 00", "mov eax, 61           ; wait4"),
     ("bf ff ff ff ff", "mov edi, -1           ;   any child"),
     ("31 f6", "xor esi, esi          ;   no status"),
@@ -73,7 +80,7 @@ _X86_64_CODE: list[tuple[str, str]] = [
     ("41 ba 08 00 00 00", "mov r10d, 8           ;   sizeof(sigset_t)"),
     ("0f 05", "syscall"),
     ("eb cf", "jmp reap"),
-    # msg: (offset 0x6e)
+    # msg: (offset 0x7c)
     ("72 65 61 64 79 0a", "'ready\\n'"),
 ]
 

@@ -390,16 +390,23 @@ class ProcessDriver:
             await self.thaw(sandbox_id)
 
     async def _end_leftovers(self, sandbox_id: str, grace: float) -> None:
-        pids = await asyncio.to_thread(self.cgroups.pids, sandbox_id)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and self.cgroups.pids(sandbox_id):
-            await asyncio.sleep(self._poll_interval_s)
+        # The box is not asked: its pid 1 ignores TERM (it has no handler, and a
+        # namespace's init is only ever ended by KILL), so waiting for it would
+        # make every stop last its whole grace. It goes with the cgroup kill.
+        pids = await asyncio.to_thread(self._leftovers, sandbox_id)
+        if pids:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self._leftovers(sandbox_id):
+                await asyncio.sleep(self._poll_interval_s)
         await asyncio.to_thread(self.cgroups.kill_all, sandbox_id)
+
+    def _leftovers(self, sandbox_id: str) -> set[int]:
+        """The sandbox's processes but its box's: commands, and what they left behind."""
+        box = set(self.cgroups.pids(sandbox_id, BOX_CGROUP)) if self.boxes is not None else set()
+        return set(self.cgroups.pids(sandbox_id)) - box
 
     async def _await_exits(
         self, handles: list[CommandHandle], timeout_s: float
@@ -439,8 +446,7 @@ class ProcessDriver:
         False where this host cannot tell (no cgroups to list its processes)."""
         if self.cgroups.kind == "none":
             return False
-        box = set(self.cgroups.pids(sandbox_id, BOX_CGROUP)) if self.boxes is not None else set()
-        return set(self.cgroups.pids(sandbox_id)) <= box
+        return not self._leftovers(sandbox_id)
 
     async def thaw(self, sandbox_id: str) -> None:
         if self.cgroups.can_freeze:
@@ -669,17 +675,22 @@ class ProcessDriver:
         into a recent command on the host; the oldest beyond that goes
         (decision 077). The log, not the directory, is what keeps a command from
         running twice once its end is reported."""
-        try:
-            self.layout.command(sandbox_id, command_id).reported.touch()
-        except FileNotFoundError:
-            return  # reported before, and its directory gone since
         handle = self._handles.pop((sandbox_id, command_id), None)
         if handle is not None:
             handle.detach()
+        marker = self.layout.command(sandbox_id, command_id).reported
+        try:
+            marker.touch(exist_ok=False)
+            again = False
+        except FileExistsError:
+            again = True  # followed twice: counted among the kept once
+        except FileNotFoundError:
+            return  # reported before, and its directory gone since
         left = self._left_cgroups.setdefault(sandbox_id, set())
         left.add(command_id)
         kept = self._reported.setdefault(sandbox_id, collections.deque())
-        kept.append(command_id)
+        if not again:
+            kept.append(command_id)
         old = [kept.popleft() for _ in range(len(kept) - KEEP_REPORTED)]
         removed = await asyncio.to_thread(self._tidy, sandbox_id, sorted(left), old)
         left.difference_update(removed)

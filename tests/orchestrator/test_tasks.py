@@ -1028,8 +1028,12 @@ def garbage_server() -> Iterator[tuple[str, list[int]]]:
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}/hook", connections
     finally:
+        # close() alone does not wake a thread blocked in accept(); shutdown does.
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
         listener.close()
         thread.join(timeout=10)
+        assert not thread.is_alive()
 
 
 async def test_an_answer_that_is_not_http_fails_the_step_as_a_network_error(

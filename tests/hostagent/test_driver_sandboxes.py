@@ -362,6 +362,7 @@ async def test_a_sandbox_keeps_the_directories_of_its_last_reported_commands_onl
     a while after its end is in the log, not for as long as the sandbox lives;
     one whose end is not reported yet is never touched."""
     monkeypatch.setattr(driver_module, "KEEP_REPORTED", 3)
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED_FOR_S", 0.0)
     await driver.create_sandbox(SB, None)
     running = await driver.launch(SB, "running", ["sleep", "100"])
     assert isinstance(await running.started(), int)
@@ -372,6 +373,23 @@ async def test_a_sandbox_keeps_the_directories_of_its_last_reported_commands_onl
     assert (await running.wait()).reason == "interrupted"
     await driver.mark_reported(SB, "running")
     assert driver.layout.command_ids(SB) == ["c3", "c4", "running"]
+
+
+async def test_a_reported_commands_directory_is_kept_a_while_whatever_the_count(
+    driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run instruction read from the log just before its command's end may
+    still be acted on: its directory (the launch's own guard) outlives the count
+    for KEEP_REPORTED_FOR_S."""
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED", 0)
+    await driver.create_sandbox(SB, None)
+    for n in range(3):
+        await driver.mark_reported(SB, await _ended(driver, f"c{n}"))
+    assert driver.layout.command_ids(SB) == ["c0", "c1", "c2"]
+    assert driver.handle(SB, "c0").exit_record() is not None
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED_FOR_S", 0.0)
+    await driver.mark_reported(SB, await _ended(driver, "c3"))
+    assert driver.layout.command_ids(SB) == []
 
 
 async def test_a_new_driver_keeps_only_the_last_reported_command_directories(
@@ -404,6 +422,7 @@ async def test_a_new_driver_removes_a_cgroup_whose_commands_directory_went(
     """A reported command's cgroup a left-behind process held outlives its
     directory; a new agent knows it as reported by that directory's absence."""
     monkeypatch.setattr(driver_module, "KEEP_REPORTED", 0)
+    monkeypatch.setattr(driver_module, "KEEP_REPORTED_FOR_S", 0.0)
     first = await make_driver()
     if first.cgroups.kind == "none":
         pytest.skip(f"no cgroups on this host: {first.cgroups.message}")

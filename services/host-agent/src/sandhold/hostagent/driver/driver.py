@@ -53,8 +53,10 @@ DEFAULT_PIDS_LIMIT = 4096
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Beyond the grace, how long a supervisor may take to record an exit.
 _EXIT_MARGIN_S = 10.0
-# Reported commands whose directories a sandbox keeps (mark_reported).
+# Reported commands whose directories a sandbox keeps (mark_reported): the
+# last KEEP_REPORTED, and all those reported in the last KEEP_REPORTED_FOR_S.
 KEEP_REPORTED = 32
+KEEP_REPORTED_FOR_S = 60.0
 
 log = logging.getLogger("sandhold.host-agent.driver")
 
@@ -124,8 +126,8 @@ class ProcessDriver:
         # left behind still held (`mark_reported`).
         self._left_cgroups: dict[str, set[str]] = {}
         # Per sandbox: the reported commands whose directories are still kept,
-        # oldest first (at most KEEP_REPORTED of them after each report).
-        self._reported: dict[str, collections.deque[str]] = {}
+        # with when each was reported (wall clock, as the markers' mtimes), oldest first.
+        self._reported: dict[str, collections.deque[tuple[str, float]]] = {}
         self.isolation: Isolation = isolation
         self.boxes = (
             Boxes(
@@ -672,9 +674,11 @@ class ProcessDriver:
 
         Its directory (spec, output copies, exit record, supervisor log) is kept
         among the sandbox's last KEEP_REPORTED reported ones, for whoever looks
-        into a recent command on the host; the oldest beyond that goes
-        (decision 077). The log, not the directory, is what keeps a command from
-        running twice once its end is reported."""
+        into a recent command on the host; the oldest beyond that goes once it
+        was reported KEEP_REPORTED_FOR_S ago (decision 077). The log, not the
+        directory, is what keeps a command from running twice once its end is
+        reported; the time floor keeps the directory too while a read of the log
+        from before the report may still be acted on."""
         handle = self._handles.pop((sandbox_id, command_id), None)
         if handle is not None:
             handle.detach()
@@ -690,8 +694,8 @@ class ProcessDriver:
         left.add(command_id)
         kept = self._reported.setdefault(sandbox_id, collections.deque())
         if not again:
-            kept.append(command_id)
-        old = [kept.popleft() for _ in range(len(kept) - KEEP_REPORTED)]
+            kept.append((command_id, time.time()))
+        old = _evicted(kept, now=time.time())
         removed = await asyncio.to_thread(self._tidy, sandbox_id, sorted(left), old)
         left.difference_update(removed)
         # (Only this set: another end may have emptied it and a later one begun anew.)
@@ -706,8 +710,9 @@ class ProcessDriver:
 
     async def tidy_reported(self) -> None:
         """At start: keep the directories of each sandbox's last KEEP_REPORTED
-        reported commands (by when their end was reported) and remove the rest,
-        as if each had been reported by this agent."""
+        reported commands (by when their end was reported), and those reported
+        less than KEEP_REPORTED_FOR_S ago, and remove the rest, as if each had
+        been reported by this agent."""
         await asyncio.to_thread(self._tidy_reported)
 
     def _tidy_reported(self) -> None:
@@ -717,11 +722,10 @@ class ProcessDriver:
                 with contextlib.suppress(FileNotFoundError):
                     marker = self.layout.command(sandbox_id, command_id).reported
                     reported.append((marker.stat().st_mtime, command_id))
-            ordered = [command_id for _, command_id in sorted(reported)]
-            cut = max(0, len(ordered) - KEEP_REPORTED)
-            self._tidy(sandbox_id, [], ordered[:cut])
-            if ordered[cut:]:
-                self._reported[sandbox_id] = collections.deque(ordered[cut:])
+            kept = collections.deque((command_id, at) for at, command_id in sorted(reported))
+            self._tidy(sandbox_id, [], _evicted(kept, now=time.time()))
+            if kept:
+                self._reported[sandbox_id] = kept
 
     def _remove_command_cgroups(self, sandbox_id: str, command_ids: list[str]) -> list[str]:
         removed = []
@@ -750,6 +754,15 @@ class ProcessDriver:
             left = set(reported) - set(self._remove_command_cgroups(sandbox_id, reported))
             if left:
                 self._left_cgroups[sandbox_id] = left
+
+
+def _evicted(kept: collections.deque[tuple[str, float]], *, now: float) -> list[str]:
+    """Take from `kept` (oldest first) the commands whose directories go: beyond
+    the last KEEP_REPORTED, and reported at least KEEP_REPORTED_FOR_S ago."""
+    old = []
+    while len(kept) > KEEP_REPORTED and now - kept[0][1] >= KEEP_REPORTED_FOR_S:
+        old.append(kept.popleft()[0])
+    return old
 
 
 async def _disabled_tmp() -> tuple[bool, str]:

@@ -44,7 +44,8 @@ BOX_MODULE = "sandhold.hostagent.driver.box"
 CONNECTIONS_INSIDE = "/run/connections"
 _CLONE_NEWUSER = 0x10000000
 # The descriptors bubblewrap is given, in the starter's child.
-_ARGS_FD, _STATUS_FD, _SECCOMP_FD, _READY_FD, _EGRESS_FD = 3, 4, 5, 6, 7
+_ARGS_FD, _STATUS_FD, _SECCOMP_FD, _EGRESS_FD = 3, 4, 5, 7
+_READY_FD = box_init.READY_FD  # 6: where the holder says the box is set up
 # egress: user-mode networking (slirp4netns, outside the box, on the host's
 # network) behind a tap device in the box's own net namespace; host loopback
 # disabled, so 10.0.2.2 is not the host's 127.0.0.1. It exits when the box does:
@@ -59,7 +60,6 @@ _SLIRP_READY_S = 10.0
 SHELL_HOLDER = [
     "/bin/sh", "-c", f"echo ready >&{_READY_FD}; exec {_READY_FD}>&-; while :; do sleep 86400; done"
 ]  # fmt: skip
-assert box_init.READY_FD == _READY_FD
 _INIT = box_init.program()
 
 

@@ -32,6 +32,7 @@ from _common import (
     sandhold_up,
     table,
     temp_dir,
+    timed_true,
     verdict,
 )
 from sandhold.hostagent.driver import ProcessDriver
@@ -74,12 +75,7 @@ async def exec_true(root: Path, isolation: str, count: int) -> list[float]:
     try:
         await driver.create_sandbox("sb-0000000000000001", None)
         for i in range(count + 5):
-            started = time.perf_counter()
-            handle = await driver.launch("sb-0000000000000001", f"c{i}", ["true"])
-            end = await handle.wait()
-            elapsed = time.perf_counter() - started
-            assert end.reason == "exited", end
-            await driver.mark_reported("sb-0000000000000001", f"c{i}")
+            elapsed = sum(await timed_true(driver, "sb-0000000000000001", f"c{i}"))
             if i >= 5:  # warm-up
                 out.append(elapsed)
             await asyncio.sleep(0.02)  # let the pool refill, as between real commands

@@ -60,7 +60,7 @@ async def test_command_outlives_the_driver_and_is_adopted(make_driver: MakeDrive
     assert supervisor.is_alive()
 
     second = await make_driver()
-    adopted = {h.command_id: h for h in second.adopt_all()}
+    adopted = {h.command_id: h for h in await second.adopt_all()}
     assert set(adopted) == {"c1"}
     assert adopted["c1"].adopted
     await _go(second)
@@ -85,12 +85,12 @@ async def test_exit_written_while_no_driver_runs_is_read_after_restart(
     await wait_until(exit_file.exists, what="the supervisor records the exit on its own")
 
     second = await make_driver()
-    [adopted] = second.adopt_all()
+    [adopted] = await second.adopt_all()
     stdout, _, end = await collect(adopted)
     assert stdout == b"first\nsecond\n"
     assert end.exit_code == 7
     await second.mark_reported(SB, "c1")
-    assert second.adopt_all() == []
+    assert await second.adopt_all() == []
 
 
 async def test_killed_supervisor_with_its_child_gone_is_unknown(driver: ProcessDriver) -> None:
@@ -117,7 +117,7 @@ async def test_vanished_supervisor_is_unknown_for_an_adopting_driver(
     os.kill(_supervisor_pid(first, "c1"), signal.SIGKILL)
     os.killpg(child, signal.SIGKILL)
     second = await make_driver()
-    [adopted] = second.adopt_all()
+    [adopted] = await second.adopt_all()
     _, _, end = await collect(adopted)
     assert (end.reason, end.detail) == ("unknown", "supervisor vanished without an exit record")
 
@@ -131,7 +131,7 @@ async def test_command_never_handed_to_a_supervisor_is_unknown(driver: ProcessDr
     write_json(paths.spec, spec.to_json())
     old = time.time() - LAUNCH_CONFIRM_S - 1
     os.utime(paths.spec, (old, old))
-    [handle] = driver.adopt_all()
+    [handle] = await driver.adopt_all()
     end = await handle.wait()
     assert end.reason == "unknown"
     assert "never confirmed" in end.detail

@@ -408,9 +408,9 @@ async def test_a_new_driver_keeps_only_the_last_reported_command_directories(
     await first.close()
     monkeypatch.setattr(driver_module, "KEEP_REPORTED", 2)
     second = await make_driver()
-    await second.tidy_reported()
+    adopted = await second.adopt_all()
     assert second.layout.command_ids(SB) == ["c0", "c1", "unreported"]
-    assert [h.command_id for h in second.adopt_all()] == ["unreported"]
+    assert [h.command_id for h in adopted] == ["unreported"]
     await second.mark_reported(SB, "unreported")
     await second.mark_reported(SB, "unreported")  # followed twice: counted once
     assert second.layout.command_ids(SB) == ["c0", "unreported"]

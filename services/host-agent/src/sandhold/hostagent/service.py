@@ -186,9 +186,7 @@ class HostAgent:
             await self._register()
             await self._drop_stale_copies()
             await self._claim_cgroups()
-            # Before the walk below: a backlog of old command directories is not walked twice.
-            await self.driver.tidy_reported()
-            for handle in self.driver.adopt_all():
+            for handle in await self.driver.adopt_all():
                 if self._is_current(handle.sandbox_id):
                     self._watch(handle)
             await self._check_connections()

@@ -653,14 +653,35 @@ class ProcessDriver:
         self._remove_reported_cgroups()
         return removed
 
-    def adopt_all(self) -> list[CommandHandle]:
-        """Every command whose end has not been reported yet (after an agent restart)."""
-        return [
-            self._handle(sandbox_id, command_id)
-            for sandbox_id in self.layout.sandbox_ids()
-            for command_id in self.layout.command_ids(sandbox_id)
-            if not self.layout.command(sandbox_id, command_id).reported.exists()
-        ]
+    async def adopt_all(self) -> list[CommandHandle]:
+        """Every command whose end has not been reported yet (after an agent
+        restart). The same walk keeps each sandbox's reported directories as
+        `mark_reported` would have (the last KEEP_REPORTED by when each end was
+        reported, and those of the last KEEP_REPORTED_FOR_S) and removes the
+        rest: what an earlier agent left, or what was there before decision 077."""
+        unreported, kept = await asyncio.to_thread(self._walk_commands)
+        self._reported.update(kept)
+        return [self._handle(sandbox_id, command_id) for sandbox_id, command_id in unreported]
+
+    def _walk_commands(
+        self,
+    ) -> tuple[list[tuple[str, str]], dict[str, collections.deque[tuple[str, float]]]]:
+        unreported: list[tuple[str, str]] = []
+        kept_by_sandbox: dict[str, collections.deque[tuple[str, float]]] = {}
+        for sandbox_id in self.layout.sandbox_ids():
+            reported: list[tuple[float, str]] = []
+            for command_id in self.layout.command_ids(sandbox_id):
+                try:
+                    at = self.layout.command(sandbox_id, command_id).reported.stat().st_mtime
+                except FileNotFoundError:
+                    unreported.append((sandbox_id, command_id))
+                    continue
+                reported.append((at, command_id))
+            kept = collections.deque((command_id, at) for at, command_id in sorted(reported))
+            self._tidy(sandbox_id, [], _evicted(kept, now=time.time()))
+            if kept:
+                kept_by_sandbox[sandbox_id] = kept
+        return unreported, kept_by_sandbox
 
     async def mark_reported(self, sandbox_id: str, command_id: str) -> None:
         """Record that the command's end is durably in the log (it is not adopted
@@ -707,25 +728,6 @@ class ProcessDriver:
         for command_id in directories_of:
             shutil.rmtree(self.layout.command(sandbox_id, command_id).directory, ignore_errors=True)
         return self._remove_command_cgroups(sandbox_id, cgroups_of)
-
-    async def tidy_reported(self) -> None:
-        """At start: keep the directories of each sandbox's last KEEP_REPORTED
-        reported commands (by when their end was reported), and those reported
-        less than KEEP_REPORTED_FOR_S ago, and remove the rest, as if each had
-        been reported by this agent."""
-        await asyncio.to_thread(self._tidy_reported)
-
-    def _tidy_reported(self) -> None:
-        for sandbox_id in self.layout.sandbox_ids():
-            reported: list[tuple[float, str]] = []
-            for command_id in self.layout.command_ids(sandbox_id):
-                with contextlib.suppress(FileNotFoundError):
-                    marker = self.layout.command(sandbox_id, command_id).reported
-                    reported.append((marker.stat().st_mtime, command_id))
-            kept = collections.deque((command_id, at) for at, command_id in sorted(reported))
-            self._tidy(sandbox_id, [], _evicted(kept, now=time.time()))
-            if kept:
-                self._reported[sandbox_id] = kept
 
     def _remove_command_cgroups(self, sandbox_id: str, command_ids: list[str]) -> list[str]:
         removed = []

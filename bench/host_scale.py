@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from _common import timed_true
+from _common import percentile, timed_true
 from sandhold.hostagent.driver import ProcessDriver
 
 EXECS = 600
@@ -35,8 +35,7 @@ PAUSE_S = 0.02
 
 
 def _ms(values: list[float], pct: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))] * 1000
+    return percentile(values, pct) * 1000
 
 
 async def _execs(driver: ProcessDriver, boxes: list[str], tag: str) -> dict[str, list[float]]:

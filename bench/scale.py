@@ -69,12 +69,31 @@ class Exec(NamedTuple):
     sent_at: float  # wall clock, as the events' `time`
     returned_at: float
     latency: float
+    # The supervisor's own times (took the command, recorded the exit), read
+    # from its exit.json as soon as the exec returned: the host keeps a
+    # command's directory only a while after its end (decision 077).
+    supervisor: tuple[float, float] | None = None
+
+
+def supervisor_times(host_root: Path, sandbox_id: str, key: str) -> tuple[float, float] | None:
+    command_id = command_id_for(sandbox_id, key)
+    exit_file = host_root / "sandboxes" / sandbox_id / "commands" / command_id / "exit.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        record = json.loads(exit_file.read_text())
+        return record["started_at"], record["ended_at"]
+    return None
 
 
 async def exec_load(
-    client: Client, sandboxes: list[str], seconds: float, tag: str, clients: int = EXEC_CLIENTS
+    client: Client,
+    sandboxes: list[str],
+    seconds: float,
+    tag: str,
+    clients: int = EXEC_CLIENTS,
+    host_root: Path | None = None,
 ) -> list[Exec]:
-    """`true` run by `clients` clients at once for `seconds`, each timed."""
+    """`true` run by `clients` clients at once for `seconds`, each timed (and,
+    given the host's root, its supervisor's times kept)."""
     done: list[Exec] = []
     deadline = time.perf_counter() + seconds
     rng = random.Random(tag)
@@ -87,8 +106,9 @@ async def exec_load(
             result = await client.exec(sandbox_id, ["true"], key=key)
             if result.command.state != "exited":
                 raise RuntimeError(f"{sandbox_id}: {result.command.state}")
-            latency = time.perf_counter() - sent
-            done.append(Exec(sandbox_id, key, sent_at, time.time(), latency))
+            latency, returned_at = time.perf_counter() - sent, time.time()
+            host = None if host_root is None else supervisor_times(host_root, sandbox_id, key)
+            done.append(Exec(sandbox_id, key, sent_at, returned_at, latency, host))
             i += 1
 
     await asyncio.gather(*(one_client(n) for n in range(clients)))
@@ -111,16 +131,13 @@ TAIL_SHARE = 0.01  # the slowest 1% (at least TAIL_MIN) are taken apart
 TAIL_MIN = 5
 
 
-async def stages_of(client: Client, run: Exec, host_root: Path) -> tuple[list[float], bool]:
+async def stages_of(client: Client, run: Exec) -> tuple[list[float], bool]:
     """The exec's steps in ms (as STAGES), and whether a save of its own sandbox
     was under way (requested, not yet captured) while it ran."""
     command_id = command_id_for(run.sandbox_id, run.key)
     at: dict[str, float] = {}
-    exit_file = host_root / "sandboxes" / run.sandbox_id / "commands" / command_id / "exit.json"
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        record = json.loads(exit_file.read_text())
-        at["supervisor took"] = record["started_at"]
-        at["supervisor recorded the exit"] = record["ended_at"]
+    if run.supervisor is not None:
+        at["supervisor took"], at["supervisor recorded the exit"] = run.supervisor
     saving = False
     pending_saves: dict[str, float] = {}
     for record in await client.sandbox_records(run.sandbox_id):
@@ -144,7 +161,7 @@ async def stages_of(client: Client, run: Exec, host_root: Path) -> tuple[list[fl
     return steps, saving
 
 
-async def tail(client: Client, alone: list[Exec], host_root: Path) -> dict:
+async def tail(client: Client, alone: list[Exec]) -> dict:
     """The slowest execs taken apart, next to as many picked at random."""
     ranked = sorted(alone, key=lambda e: e.latency)
     n = max(TAIL_MIN, int(len(ranked) * TAIL_SHARE))
@@ -152,7 +169,7 @@ async def tail(client: Client, alone: list[Exec], host_root: Path) -> dict:
     typical = random.Random(0).sample(ranked, min(n, len(ranked)))
     out: dict = {"n": n}
     for name, runs in (("slowest", slowest), ("typical", typical)):
-        taken = [await stages_of(client, run, host_root) for run in runs]
+        taken = [await stages_of(client, run) for run in runs]
         out[name] = [median([steps[i] for steps, _ in taken]) for i in range(len(STAGES))]
         out[f"{name}_saving"] = sum(saving for _, saving in taken)
         out[f"{name}_worst"] = max(taken, key=lambda t: sum(t[0]))[0]
@@ -250,7 +267,10 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
             took = await grow(client, have, size)
             print(f"{size} running after {took:.0f} s", flush=True)
             quiet = await background_cpu(up.runtime, QUIET_S)
-            alone_runs = await exec_load(client, have, seconds, f"alone-{size}", clients=1)
+            host_root = up.data_dir / "hosts" / "local"
+            alone_runs = await exec_load(
+                client, have, seconds, f"alone-{size}", clients=1, host_root=host_root
+            )
             alone = [run.latency for run in alone_runs]
             busy, by_service = machine_busy_seconds(), services_cpu_seconds(up.runtime)
             latencies = [r.latency for r in await exec_load(client, have, seconds, f"exec-{size}")]
@@ -266,7 +286,7 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
                 "alone_p50": median(alone),
                 "alone_p99": percentile(alone, 99),
                 "alone_max": max(alone),
-                "tail": await tail(client, alone_runs, up.data_dir / "hosts" / "local"),
+                "tail": await tail(client, alone_runs),
                 "quiet": quiet,
                 "execs": len(latencies),
                 "per_s": len(latencies) / seconds,

@@ -579,3 +579,66 @@ def test_a_save_being_restored_is_retained_whatever_was_said_of_it_since() -> No
     assert "sv-0123456789abcdef" in policy.retained(restoring)
     running = msgspec.structs.replace(restoring, phase="running")
     assert "sv-0123456789abcdef" not in policy.retained(running), "restored: nothing holds it"
+
+
+# --- a command's end that found the files unchanged (decision 078) ---
+
+
+def _ran_and_looked(
+    state: Sandbox, at: float, key: str, *, files_of: str | None, moved: int = 0
+) -> Sandbox:
+    """A command queued, started and ended at `at`..`at + 1`; its host looked at
+    the files at its end (`files_of`), at the count before the end less `moved`
+    (what was recorded after the host looked)."""
+    [queued] = decide(state, run(key))
+    state = apply(state, [queued], time=at)
+    state = apply(state, [dispatched(key), command_started(key)], time=at + 0.5)
+    end = msgspec.structs.replace(
+        command_ended(key), files_of=files_of, files_at=state.activity - moved
+    )
+    return apply(state, [end], time=at + 1)
+
+
+def test_a_command_that_changed_nothing_brings_no_save() -> None:
+    state, save_id = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=False)
+    state = _ran_and_looked(state, T0 + 200, "run-true", files_of=save_id)
+    later = T0 + 10_000
+    assert policy.due_save(state, now=later, cause="x") == []
+    view = sandbox_view(state, now=later)
+    assert view.unchanged_since_save == save_id and view.rpo_s == 0.0
+    latest = state.last_completed_save
+    assert latest is not None and latest.id == save_id
+    # Held as of the end, by the placement that looked: a quiet holding from there.
+    assert (latest.confirmed_at, latest.confirmed_generation) == (T0 + 201, 1)
+    assert latest.quiet and latest.changed_at is None
+    # The next command that may change a file starts the interval again.
+    state = _queued_and_ended(state, T0 + 9000, "run-9")
+    assert sandbox_view(state, now=later).unchanged_since_save is None
+    assert sandbox_view(state, now=later).rpo_s == later - (T0 + 9000)
+    assert policy.due_save(state, now=T0 + 9000 + 29, cause="y") == []
+    assert policy.due_save(state, now=T0 + 9000 + 30, cause="y") != []
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["not looked", "moved after the look", "another command unended", "another save completed"],
+)
+def test_an_end_holds_the_files_only_as_its_host_found_them_with_nothing_since(why: str) -> None:
+    """The end's word counts only for the last completed save, the only command,
+    and the count the host looked at; anything else leaves the save due."""
+    state, save_id = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    files_of: str | None = save_id
+    moved = 0
+    if why == "not looked":
+        files_of = None
+    elif why == "moved after the look":
+        moved = 1  # e.g. a command queued and ended between the look and the end
+    elif why == "another command unended":
+        [other] = decide(state, run("other"))
+        state = apply(state, [other], time=T0 + 150)
+    else:
+        state, newer = _saved(_queued_and_ended(state, T0 + 150, "w"), T0 + 180, quiet=True)
+        assert newer != save_id
+    state = _ran_and_looked(state, T0 + 200, "run-true", files_of=files_of, moved=moved)
+    assert sandbox_view(state, now=T0 + 500).unchanged_since_save is None
+    assert policy.due_save(state, now=T0 + 500, cause="x") != []

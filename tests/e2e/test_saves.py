@@ -20,6 +20,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain import saves as sv
 from sandhold.domain.errors import Rejected
 from sandhold.domain.views import SaveView
+from sandhold.hostagent.saving import LOOK_MAX_NAMES
 from sandhold.saves import SaveStore, restore
 from sandhold.saves.errors import MissingManifest
 
@@ -693,7 +694,11 @@ async def test_a_scheduled_save_that_finds_nothing_changed_stores_nothing(
     ends `unchanged`: no manifest, no upload, no verification; the last completed
     save stays the restore point and holds the files as of that capture."""
     sandbox_id = await running_sandbox(client, save_interval_s=1)
-    await client.exec(sandbox_id, ["sh", "-c", "echo kept > note"])
+    # More names than a command's end looks at (decision 078), so that the end of
+    # `true` leaves the question to the scheduled save.
+    many = LOOK_MAX_NAMES + 100
+    fill = f"mkdir many && cd many && i=0; while [ $i -lt {many} ]; do : > f$i; i=$((i+1)); done"
+    await client.exec(sandbox_id, ["sh", "-c", f"echo kept > note && {fill}"])
     # A file written within a second of a save's capture is read again by the
     # next capture (the racy-window rule), so one save after the write may still
     # be stored; one a command later no longer is.
@@ -701,6 +706,8 @@ async def test_a_scheduled_save_that_finds_nothing_changed_stores_nothing(
     for _ in range(4):
         ran = await client.exec(sandbox_id, ["true"])
         ended_at = ran.command.ended_at or time.time()
+        after = await client.sandbox_state(sandbox_id)
+        assert after is not None and sb_view(after).unchanged_since_save is None
 
         def settled_after(s: sb.Sandbox, ended_at: float = ended_at) -> sv.SaveRecord | None:
             late = [r for r in s.saves.values() if r.requested_at > ended_at]
@@ -783,4 +790,46 @@ async def test_a_workspace_removed_from_inside_fails_the_launch_there_and_can_be
     assert remade.command.exit_code == 0, remade.stderr
     again = await client.exec(sandbox_id, ["sh", "-c", 'pwd && cat "$HOME/note"'])
     assert (again.command.exit_code, again.stdout) == (0, b"/workspace\nkept\n"), again
+    await client.stop_sandbox(sandbox_id)
+
+
+async def test_a_command_that_changed_nothing_brings_no_save(client: Client):
+    """Decision 078: a command that ends with nothing left running in its sandbox
+    and every file as the last completed save holds them (its host looks, at the
+    end) leaves that save holding them, as of the end: no save is due for it. A
+    command that wrote a file is not held so, and its change is saved."""
+    sandbox_id = await running_sandbox(client, save_interval_s=1)
+
+    def quiet_and_settled(s: sb.Sandbox) -> str | None:
+        return None if s.saves_in_flight else sb_view(s).unchanged_since_save
+
+    # A file written within a second of a save's capture is not trusted by the
+    # look (the racy-window rule): the save or two after the sandbox's start may
+    # hold such files, and the save after the next command then holds none.
+    held_by_end = None
+    for _ in range(4):
+        held = await client.wait_for(sandbox_id, quiet_and_settled, timeout=30, what="a save")
+        ran = await client.exec(sandbox_id, ["true"])
+        state = await client.sandbox_state(sandbox_id)
+        assert state is not None and state.last_completed_save is not None
+        if state.last_completed_save.confirmed_at == ran.command.ended_at:
+            held_by_end = held
+            break
+        assert sb_view(state).unchanged_since_save is None  # not held: a save is due
+    assert held_by_end is not None, "no end of `true` found the files unchanged"
+    assert state.last_completed_save.id == held_by_end
+    assert sb_view(state).unchanged_since_save == held_by_end and sb_view(state).rpo_s == 0.0
+
+    wrote = await client.exec(sandbox_id, ["sh", "-c", "echo changed > new-file"])
+    state = await client.sandbox_state(sandbox_id)
+    assert state is not None and sb_view(state).unchanged_since_save is None
+    saved = await client.wait_for(
+        sandbox_id,
+        lambda s: s if sb_view(s).unchanged_since_save not in (None, held_by_end) else None,
+        timeout=30,
+        what="a save of the change",
+    )
+    assert saved.last_completed_save is not None
+    assert saved.last_completed_save.captured_at is not None
+    assert saved.last_completed_save.captured_at >= (wrote.command.ended_at or 0)
     await client.stop_sandbox(sandbox_id)

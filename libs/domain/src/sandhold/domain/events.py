@@ -192,6 +192,12 @@ class CommandEnded(Event, tag="command.ended", frozen=True):
     generation: int = 0
     output_kept: dict[str, int] = {}
     output_complete: bool = True
+    # The host found, as this command ended and nothing was left running in the
+    # sandbox, every file as this completed save holds them, with the sandbox's
+    # `activity` count at `files_at` when it looked (decision 078). Then no
+    # save is due for this command: it changed nothing.
+    files_of: str | None = None
+    files_at: int = -1
 
 
 # --- connections -------------------------------------------------------------

@@ -406,6 +406,38 @@ def _changed(state: Sandbox, at: float) -> Sandbox:
     return msgspec.structs.replace(state, activity=state.activity + 1, requested_since_activity=())
 
 
+def _files_held(state: Sandbox, save_id: str, generation: int, at: float) -> Sandbox:
+    """A command ended and its host found every file as the save `save_id` holds
+    them, nothing else running in the sandbox, with nothing recorded since it
+    looked that could change a file (the count it looked at is the count before
+    the end, `files_at`; decision 078). If that save is still the last completed
+    one and no other command is unended, it holds the files as of this end, as
+    an unchanged capture (decision 067) would have found: no save is due."""
+    latest = state.last_completed_save
+    if (
+        state.phase != "running"
+        or generation != state.generation
+        or state.unended_ids
+        or latest is None
+        or latest.id != save_id
+    ):
+        return state
+    held = msgspec.structs.replace(
+        latest,
+        confirmed_at=at,
+        confirmed_generation=generation,
+        activity=state.activity,
+        quiet=True,
+        changed_at=None,
+    )
+    state = _with_save(state, held)
+    # The next move of the count stamps it (`held_until`), as after a quiet save.
+    waiting = state.requested_since_activity
+    if save_id not in waiting:
+        waiting = (*waiting, save_id)
+    return msgspec.structs.replace(state, requested_since_activity=waiting)
+
+
 def _with_command(state: Sandbox, command: Command) -> Sandbox:
     """The command put in (new or changed), with the indexes that spare a pass
     over all of them kept in step: queued, unended, and the ended counts."""
@@ -733,11 +765,14 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             return _update_command(state, cid, cancel_requested=True)
         case ev.CommandEnded():
             ending = state.commands.get(event.command_id)
-            if ending is not None and not ending.ended:
+            # (The count the host looked at is the one before this end moves it.)
+            ends = ending is not None and not ending.ended
+            looked = ends and event.files_of is not None and event.files_at == state.activity
+            if ends:
                 state = replace(
                     _changed(state, envelope_time), last_active_at=_later(state, envelope_time)
                 )
-            return _update_command(
+            state = _update_command(
                 state,
                 event.command_id,
                 state=event.state,
@@ -748,6 +783,9 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 output_complete=event.output_complete,
                 ended_at=envelope_time,
             )
+            if looked and event.files_of is not None:
+                state = _files_held(state, event.files_of, event.generation, envelope_time)
+            return state
         case ev.ConnectionSet(name=name):
             connection = Connection(
                 value_id=event.value_id, size=event.size, revision=event.revision

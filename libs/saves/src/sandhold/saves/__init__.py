@@ -7,6 +7,7 @@ from sandhold.saves.capture import (
     Capture,
     capture,
     finish_capture,
+    holds,
 )
 from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE
 from sandhold.saves.errors import (
@@ -57,6 +58,7 @@ __all__ = [
     "capture",
     "clear_spool",
     "finish_capture",
+    "holds",
     "collect_garbage",
     "delete_unretained_manifests",
     "collectable",

@@ -24,7 +24,15 @@ from sandhold.saves._spool import copy_all
 from sandhold.saves._xattrs import read_xattrs
 from sandhold.saves.chunking import DEFAULT_CHUNK_SIZE, Chunker, recorded_lengths
 from sandhold.saves.errors import CaptureError
-from sandhold.saves.manifest import FORMAT, Entry, EntryKind, Layout, Manifest, recorded_id
+from sandhold.saves.manifest import (
+    FORMAT,
+    Entry,
+    EntryKind,
+    Layout,
+    Manifest,
+    recorded_id,
+    same_files,
+)
 
 # Temporary mounts and delivered credentials are never saved (top-level names).
 DEFAULT_EXCLUDE: frozenset[bytes] = frozenset({b"tmp", b"run", b".sandhold-credentials"})
@@ -128,6 +136,50 @@ def capture(
     )
 
 
+class _Differs(Exception):
+    """A probe met a file that a capture would have to read (`holds`)."""
+
+
+def holds(
+    workspace: Path,
+    previous: Manifest,
+    *,
+    exclude: frozenset[bytes] = DEFAULT_EXCLUDE,
+    id_offset: int = 0,
+    layout: Layout = "workspace",
+) -> bool:
+    """Whether a capture now would find every file as `previous` holds it
+    (`same_files`: a scheduled save would end unchanged, decision 067), found
+    with a stat walk alone: nothing is read or copied, and the walk stops at
+    the first file whose stat differs from its entry or lies in the racy
+    window. The same walker as `capture`'s makes the same entries, so the two
+    cannot disagree about what "unchanged" is (decision 078).
+
+    Raises:
+        CaptureError: a directory could not be listed or a link read.
+    """
+    if previous.layout != layout:
+        return False
+    walker = _Walker(
+        os.fsencode(os.path.abspath(workspace)),
+        Path("/nonexistent"),  # never written: a file to read ends the probe
+        previous.chunk_size,
+        exclude,
+        previous,
+    )
+    walker.probe = True
+    walker.id_offset = id_offset
+    try:
+        root_entry = walker.root_entry()
+        walker.walk()
+    except _Differs:
+        return False
+    found = msgspec.structs.replace(
+        previous, entries=walker.entries, root=root_entry, format=FORMAT
+    )
+    return same_files(previous, found)
+
+
 def finish_capture(captured: Capture, spool: Path) -> Capture:
     """Chunk and hash the files a deferred capture copied; the copies are removed.
 
@@ -198,6 +250,7 @@ class _Walker:
         self.changed_bytes = 0
         self._chunker = Chunker(chunk_size)
         self.defer = False
+        self.probe = False  # `holds`: a file to read means a change; stop there
         self.pending: list[tuple[int, str]] = []
         self.id_offset = 0
         self.previous_has_xattrs = usable and previous is not None and previous.format >= 2
@@ -287,6 +340,8 @@ class _Walker:
             self._remember_links(rel, st)
             self.entries.append(self._reused(old, rel, st))
             return
+        if self.probe:
+            raise _Differs(rel)
         if self.defer:
             copied = self._copy(rel)
             if copied is None:

@@ -34,6 +34,7 @@ from sandhold.saves import (
     capture,
     decode_manifest,
     encode_manifest,
+    holds,
     restore,
     same_files,
     store_capture,
@@ -68,6 +69,12 @@ class Progress(msgspec.Struct):
     done_bytes: int
     total_bytes: int
 
+
+# A command's end looks at the sandbox's files (`HostSaves.files_held`, decision
+# 078) only where its last save lists at most this many names: the walk is in
+# the command's own path, ~4 µs a name here. A larger tree is left to the
+# scheduled save, which finds the same (decision 067) off that path.
+LOOK_MAX_NAMES = 500
 
 # Saves of running sandboxes one host takes at once (see `HostSaves._turns`).
 SAVES_AT_ONCE = max(2, os.cpu_count() or 2)
@@ -326,6 +333,34 @@ class HostSaves:
                 if entry.name not in (manifest.save_id, keep) and not entry.name.startswith("."):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
+
+    def files_held(self, sandbox_id: str, save_id: str) -> bool:
+        """Whether nothing runs in the sandbox but its box and every file is as
+        the save `save_id` holds them, as this host last captured or restored
+        them (its local manifest; none here, or a tree over `LOOK_MAX_NAMES`:
+        not looked at). Blocking: a stat walk (`holds`), in a thread.
+
+        Asked as a command ends (decision 078). Quiet before the walk: no process
+        is left that could write behind it; quiet after: none began during it.
+        (A command launched and ended within the walk is the log's to see: its
+        queueing moved the sandbox's count after the one the end reports.)"""
+        local = self._spool(sandbox_id) / "manifests" / save_id
+        try:
+            manifest = decode_manifest(local.read_bytes())
+        except (OSError, msgspec.DecodeError, ValueError):
+            return False
+        if len(manifest.entries) > LOOK_MAX_NAMES or not self._driver.quiet(sandbox_id):
+            return False
+        try:
+            same = holds(
+                self._driver.save_root(sandbox_id),
+                manifest,
+                id_offset=self._driver.id_offset(sandbox_id),
+                layout=self._driver.save_layout,
+            )
+        except (OSError, SandholdError):
+            return False
+        return same and self._driver.quiet(sandbox_id)
 
     def forget(self, sandbox_id: str) -> None:
         """Drop what this host keeps for the sandbox's saves (its copy is gone)."""

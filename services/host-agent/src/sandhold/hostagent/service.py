@@ -900,6 +900,7 @@ class HostAgent:
         if generation is None:
             state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
+        files_of, files_at = await self._files_at_end(sid, cid, generation) if fresh else (None, -1)
         ended = ev.CommandEnded(
             command_id=cid,
             state=exit_record.reason,
@@ -910,6 +911,8 @@ class HostAgent:
             generation=generation,
             output_kept=kept,
             output_complete=complete,
+            files_of=files_of,
+            files_at=files_at,
         )
         pause, failures = 0.5, 0
         while True:  # until recorded or refused: an end unreported is a command left running
@@ -932,6 +935,26 @@ class HostAgent:
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
         await self.driver.mark_reported(sid, cid)
+
+    async def _files_at_end(
+        self, sandbox_id: str, command_id: str, generation: int
+    ) -> tuple[str | None, int]:
+        """The completed save whose files the sandbox has as this command ends, if
+        it was the only command and nothing is left running, with the count of
+        the state looked at (`CommandEnded.files_of`, decision 078): a command
+        that changed nothing then brings no save. (None, -1): not known."""
+        state, _ = self.sandboxes.get(sandbox_id)
+        if (
+            state is None
+            or state.phase != "running"
+            or state.generation != generation
+            or state.unended_ids != (command_id,)
+            or (latest := state.last_completed_save) is None
+        ):
+            return None, -1
+        if not await asyncio.to_thread(self.saving.files_held, sandbox_id, latest.id):
+            return None, -1
+        return latest.id, state.activity
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
         """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""

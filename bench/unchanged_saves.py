@@ -1,13 +1,16 @@
-"""(p) What a scheduled save costs when the command before it changed nothing.
+"""(p) What a command that changed nothing costs, with the save it may bring.
 
-Every command on a sandbox is followed by a scheduled save (decision 051 stops
-them only while nothing at all happens). This runs N sandboxes of one
-`sandhold up` and, round after round, one command on each, then waits for the
-save it brings: in "write" rounds the command changes a file (the save is
-stored: manifest, upload, verification — the baseline), in "no-op" rounds it
-runs `true` (the save finds nothing changed: `save.unchanged`, decision 067).
-It reports the CPU each process used per command-and-save, and how the saves
-ended. The command's own cost is in both.
+A command on a sandbox may change its files, so a scheduled save follows it
+(decision 051) unless its end found every file as the last save holds them
+(decision 078, in trees of up to `LOOK_MAX_NAMES` names). This runs N small
+sandboxes and N with a tree over that cap, on one `sandhold up`, and round
+after round one command on each sandbox of a set, then waits for the save it
+brings, if any: "write" changes a file (the save is stored: manifest, upload,
+verification — the baseline); "no-op" runs `true` in a small tree (its end
+holds the files: no save); "no-op, large tree" runs `true` where the end does
+not look (the save finds nothing changed: `save.unchanged`, decision 067).
+It reports the CPU each process used per command (and its save), and how each
+ended. The command's own cost is in all three.
 
     uv run python bench/unchanged_saves.py [--quick] [--write] [--sandboxes N]
 """
@@ -21,30 +24,39 @@ from _common import arguments, emit, sandhold_up, table
 from sandhold.bus.codec import decode_envelope
 from sandhold.client import Client, connect
 from sandhold.domain import events as ev
+from sandhold.hostagent.saving import LOOK_MAX_NAMES
 from scale import machine_busy_seconds, services_cpu_seconds
 
-COMMANDS = {"write": ["sh", "-c", "date +%s%N > stamp"], "no-op": ["true"]}
+WRITE, NOOP, NOOP_LARGE = "write", "no-op", "no-op, large tree"
+COMMANDS = {WRITE: ["sh", "-c", "date +%s%N > stamp"], NOOP: ["true"], NOOP_LARGE: ["true"]}
+# More names than a command's end looks at (decision 078).
+LARGE_TREE = (
+    f"mkdir many && cd many && i=0; while [ $i -lt {LOOK_MAX_NAMES + 100} ]; "
+    "do : > f$i; i=$((i+1)); done"
+)
 IN_FLIGHT_AT_ONCE = 8
 SAVE_INTERVAL_S = 2.0
 
 
-async def make(client: Client, count: int) -> list[str]:
+async def make(client: Client, count: int, *, large: bool) -> list[str]:
     gate = asyncio.Semaphore(IN_FLIGHT_AT_ONCE)
+    fill = f"echo first > stamp && {LARGE_TREE}" if large else "echo first > stamp"
 
     async def one() -> str:
         async with gate:
             view = await client.create_sandbox(save_interval_s=SAVE_INTERVAL_S)
             await client.wait_for_phase(view.id, {"running"}, timeout=300)
-            await client.exec(view.id, ["sh", "-c", "echo first > stamp"])
+            await client.exec(view.id, ["sh", "-c", fill])
             return view.id
 
     return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
 async def command_and_save(client: Client, sandbox_id: str, argv: list[str]) -> str:
-    """Run `argv`, then wait for the first save requested after it to end,
-    watching the sandbox's events as they are appended (reading its state back
-    from the log per change would cost the server more than the save does)."""
+    """Run `argv`, then wait for the first save requested after it to end (none
+    when its end held the files, decision 078), watching the sandbox's events as
+    they are appended (reading its state back from the log per change would cost
+    the server more than the save does)."""
     # (A quiet sandbox is not saved again until something happens: every save
     # requested from here on is the command's.)
     requested: set[str] = set()
@@ -52,7 +64,9 @@ async def command_and_save(client: Client, sandbox_id: str, argv: list[str]) -> 
 
     async def on_event(msg) -> None:
         event = decode_envelope(msg.data).event
-        if isinstance(event, ev.SaveRequested):
+        if isinstance(event, ev.CommandEnded) and event.files_of and not ended.done():
+            ended.set_result("held by its end")
+        elif isinstance(event, ev.SaveRequested):
             requested.add(event.save_id)
         elif isinstance(event, tuple(ENDS)) and event.save_id in requested and not ended.done():
             ended.set_result(ENDS[type(event)])
@@ -75,13 +89,15 @@ ENDS: dict[type, str] = {
 async def measure(url: str, runtime, count: int, rounds: int) -> list[dict]:
     client = await connect(url)
     try:
-        ids = await make(client, count)
+        small = await make(client, count, large=False)
+        large = await make(client, count, large=True)
         # Past the racy window of their first files: a capture then trusts their stat.
         await asyncio.sleep(2 * SAVE_INTERVAL_S + 1)
         gate = asyncio.Semaphore(IN_FLIGHT_AT_ONCE)
         results = []
         for n in range(rounds):
-            kind = "write" if n % 2 == 0 else "no-op"
+            kind = (WRITE, NOOP, NOOP_LARGE)[n % 3]
+            ids = large if kind == NOOP_LARGE else small
 
             async def one(sandbox_id: str, kind: str = kind) -> str:
                 async with gate:
@@ -111,8 +127,8 @@ def main() -> None:
         extra=lambda p: p.add_argument("--sandboxes", type=int, default=0),
     )
     count = args.sandboxes or (30 if args.quick else 100)
-    rounds = 4 if args.quick else 6
-    with sandhold_up("unchanged-saves", "--host-capacity", str(count + 10)) as up:
+    rounds = 6 if args.quick else 9
+    with sandhold_up("unchanged-saves", "--host-capacity", str(2 * count + 10)) as up:
         results = asyncio.run(measure(up.url, lambda: up.runtime, count, rounds))
 
     def mean(kind: str, key: str | None = None) -> float:
@@ -121,24 +137,28 @@ def main() -> None:
         return sum(values) / len(values)
 
     names = list(results[0]["by"])
-    rows = [["whole machine", f"{mean('write'):.1f}", f"{mean('no-op'):.1f}"]]
-    rows += [[name, f"{mean('write', name):.1f}", f"{mean('no-op', name):.1f}"] for name in names]
+    rows = [["whole machine", *(f"{mean(kind):.1f}" for kind in COMMANDS)]]
+    rows += [[name, *(f"{mean(kind, name):.1f}" for kind in COMMANDS)] for name in names]
     ended = {
         kind: sum((r["states"] for r in results if r["kind"] == kind), Counter())
         for kind in COMMANDS
     }
+    headers = ["where", "write (stored save)", "no-op (no save)", "no-op, large tree (unchanged)"]
     body = f"""
-{count} sandboxes of one `sandhold up` (saves every {SAVE_INTERVAL_S:.0f} s), {rounds} rounds
-alternating: one command on each sandbox ({IN_FLIGHT_AT_ONCE} at once), then the
-scheduled save it brings, waited for until it ends. "write" changes a file (the
-save is stored and verified: the baseline); "no-op" runs `true`. How the saves
-ended: write {dict(ended["write"])}, no-op {dict(ended["no-op"])}.
+{count} small sandboxes and {count} with {LOOK_MAX_NAMES + 100} more names in their tree, of
+one `sandhold up` (saves every {SAVE_INTERVAL_S:.0f} s); {rounds} rounds taking turns:
+one command on each sandbox of a set ({IN_FLIGHT_AT_ONCE} at once), then the scheduled save
+it brings, if any, waited for until it ends. "write" changes a file (the save
+is stored and verified: the baseline); "no-op" runs `true` in a small tree
+(its end holds the files, decision 078); "no-op, large tree" runs `true`
+where the end does not look (the save ends unchanged, decision 067). How each
+ended: {"; ".join(f"{kind} {dict(ended[kind])}" for kind in COMMANDS)}.
 
-CPU per command and its save (ms of CPU time, all cores, mean of the rounds):
+CPU per command and its save, if any (ms of CPU time, all cores, mean of the rounds):
 
-{table(["where", "write (stored save)", "no-op"], rows)}
+{table(headers, rows)}
 """
-    emit(args, "unchanged_saves", "(p) A save after a command that changed nothing", body)
+    emit(args, "unchanged_saves", "(p) A command that changed nothing, and its save", body)
 
 
 if __name__ == "__main__":

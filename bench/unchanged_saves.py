@@ -24,6 +24,7 @@ from _common import arguments, emit, sandhold_up, table
 from sandhold.bus.codec import decode_envelope
 from sandhold.client import Client, connect
 from sandhold.domain import events as ev
+from sandhold.domain import sandbox as sb
 from sandhold.hostagent.saving import LOOK_MAX_NAMES
 from scale import machine_busy_seconds, services_cpu_seconds
 
@@ -50,6 +51,11 @@ async def make(client: Client, count: int, *, large: bool) -> list[str]:
             return view.id
 
     return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+def quiet(state: sb.Sandbox) -> bool | None:
+    """Saved, with nothing since that could change a file, and no save under way."""
+    return True if sb.unchanged_since(state) and not state.saves_in_flight else None
 
 
 async def command_and_save(client: Client, sandbox_id: str, argv: list[str]) -> str:
@@ -93,6 +99,11 @@ async def measure(url: str, runtime, count: int, rounds: int) -> list[dict]:
         large = await make(client, count, large=True)
         # Past the racy window of their first files: a capture then trusts their stat.
         await asyncio.sleep(2 * SAVE_INTERVAL_S + 1)
+        # And every save their creation brought ended (a large tree's first ones
+        # take a while), so that a round's CPU is its commands' and saves' alone.
+        await asyncio.gather(
+            *(client.wait_for(i, quiet, timeout=300, what="a quiet save") for i in small + large)
+        )
         gate = asyncio.Semaphore(IN_FLIGHT_AT_ONCE)
         results = []
         for n in range(rounds):

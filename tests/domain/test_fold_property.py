@@ -172,7 +172,13 @@ def read_report(state: Sandbox, choice: Choice, *, host: str | None, generation:
                 command_id=command_id, host=str_host, generation=generation, pid=1000 + detail
             )
         case _:
+            # Now and then its host found the files as the last completed save
+            # holds them (decision 078), at the current count or a stale one.
+            latest = state.last_completed_save
+            held = latest is not None and detail % 3 == 0
             return ev.CommandEnded(
+                files_of=latest.id if held and latest is not None else None,
+                files_at=state.activity - detail % 2 if held else -1,
                 command_id=command_id,
                 state=pick(END_STATE_LIST, detail),
                 exit_code=pick([None, 0, 1, 137], detail // 2),

@@ -642,3 +642,27 @@ def test_an_end_holds_the_files_only_as_its_host_found_them_with_nothing_since(w
     state = _ran_and_looked(state, T0 + 200, "run-true", files_of=files_of, moved=moved)
     assert sandbox_view(state, now=T0 + 500).unchanged_since_save is None
     assert policy.due_save(state, now=T0 + 500, cause="x") != []
+
+
+def test_an_unchanged_capture_requested_before_an_end_that_held_the_files_undoes_nothing() -> None:
+    """A save requested while a command ran ends unchanged after the command's
+    end held the files: the end is the later word, so the save stays held."""
+    state, save_id = _saved(given_sandbox(*RUNNING), T0 + 100, quiet=True)
+    [queued] = decide(state, run("run-true"))
+    state = apply(state, [queued, dispatched("run-true")], time=T0 + 200)
+    state = apply(state, [command_started("run-true")], time=T0 + 200.5)
+    during = ev.SaveRequested(
+        save_id="sv-during", kind="scheduled", host=HOST_A, generation=1, parent_id=save_id
+    )
+    state = apply(state, [during], time=T0 + 200.6)
+    end = msgspec.structs.replace(
+        command_ended("run-true"), files_of=save_id, files_at=state.activity
+    )
+    state = apply(state, [end], time=T0 + 201)
+    assert sandbox_view(state, now=T0 + 300).unchanged_since_save == save_id
+    state = apply(state, [unchanged("sv-during")], time=T0 + 202)
+    assert state.saves["sv-during"].state == "unchanged"
+    assert sandbox_view(state, now=T0 + 300).unchanged_since_save == save_id
+    latest = state.last_completed_save
+    assert latest is not None and latest.confirmed_at == T0 + 201
+    assert policy.due_save(state, now=T0 + 10_000, cause="x") == []

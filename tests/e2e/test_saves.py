@@ -707,7 +707,10 @@ async def test_a_scheduled_save_that_finds_nothing_changed_stores_nothing(
         ran = await client.exec(sandbox_id, ["true"])
         ended_at = ran.command.ended_at or time.time()
         after = await client.sandbox_state(sandbox_id)
-        assert after is not None and sb_view(after).unchanged_since_save is None
+        assert after is not None
+        # Its end did not hold the files (decision 078): the save after it decides.
+        last = after.last_completed_save
+        assert last is None or last.confirmed_at != ran.command.ended_at
 
         def settled_after(s: sb.Sandbox, ended_at: float = ended_at) -> sv.SaveRecord | None:
             late = [r for r in s.saves.values() if r.requested_at > ended_at]
@@ -815,14 +818,18 @@ async def test_a_command_that_changed_nothing_brings_no_save(client: Client):
         if state.last_completed_save.confirmed_at == ran.command.ended_at:
             held_by_end = held
             break
-        assert sb_view(state).unchanged_since_save is None  # not held: a save is due
     assert held_by_end is not None, "no end of `true` found the files unchanged"
     assert state.last_completed_save.id == held_by_end
     assert sb_view(state).unchanged_since_save == held_by_end and sb_view(state).rpo_s == 0.0
+    # Proving that no save comes takes a span of time: three intervals here.
+    await asyncio.sleep(3)
+    later = await client.sandbox_state(sandbox_id)
+    assert later is not None and later.saves.keys() == state.saves.keys()
 
     wrote = await client.exec(sandbox_id, ["sh", "-c", "echo changed > new-file"])
     state = await client.sandbox_state(sandbox_id)
-    assert state is not None and sb_view(state).unchanged_since_save is None
+    assert state is not None and state.last_completed_save is not None
+    assert state.last_completed_save.confirmed_at != wrote.command.ended_at
     saved = await client.wait_for(
         sandbox_id,
         lambda s: s if sb_view(s).unchanged_since_save not in (None, held_by_end) else None,

@@ -78,7 +78,7 @@ def test_any_change_a_capture_would_see_is_not_held(
 ) -> None:
     _tree(workspace)
     saved = _save(workspace, spool, time.time() + RACY_WINDOW_S + 1)
-    time.sleep(0.01)  # past the file system's timestamp tick
+    time.sleep(0.05)  # past the file system's timestamp tick
     CHANGES[change](workspace)
     assert not holds(workspace, saved)
     assert not _captured_again_is_unchanged(workspace, spool, saved)

@@ -321,6 +321,10 @@ def _save_unchanged(state: Sandbox, event: ev.SaveUnchanged, at: float) -> Sandb
         return state
     if latest is None or latest.id != record.parent_id:
         return state  # another save completed meanwhile: this capture confirms nothing
+    if record.activity < latest.activity:
+        # Requested before what confirmed the parent last (a command's end that
+        # held the files, decision 078): that says more, and later.
+        return state
     state = _with_save(state, sv.confirmed(latest, record))
     if waited and _may_stay_quiet(state.saves[latest.id]):
         # The parent takes the place of this save: the next move of the count

@@ -71,10 +71,11 @@ class Progress(msgspec.Struct):
 
 
 # A command's end looks at the sandbox's files (`HostSaves.files_held`, decision
-# 078) only where its last save lists at most this many names: the walk is in
-# the command's own path, ~4 µs a name here. A larger tree is left to the
-# scheduled save, which finds the same (decision 067) off that path.
-LOOK_MAX_NAMES = 500
+# 078) only where its last save lists at most this many names: the look runs in
+# the agent's loop, in the command's own path, at ~4 µs a name to decode and
+# as much to walk here (~2 ms at the cap). A larger tree is left to the
+# scheduled save, which finds the same off that path (decision 067).
+LOOK_MAX_NAMES = 256
 
 # Saves of running sandboxes one host takes at once (see `HostSaves._turns`).
 SAVES_AT_ONCE = max(2, os.cpu_count() or 2)
@@ -337,8 +338,10 @@ class HostSaves:
     def files_held(self, sandbox_id: str, save_id: str) -> bool:
         """Whether nothing runs in the sandbox but its box and every file is as
         the save `save_id` holds them, as this host last captured or restored
-        them (its local manifest; none here, or a tree over `LOOK_MAX_NAMES`:
-        not looked at). Blocking: a stat walk (`holds`), in a thread.
+        them (its local manifest; none here, unreadable, or a tree of more than
+        `LOOK_MAX_NAMES` names: not looked at). A stat walk (`holds`), made in
+        the caller's thread: bounded by the cap, it is cheaper than a hop to a
+        worker thread, which waits for the GIL behind a busy loop.
 
         Asked as a command ends (decision 078). Quiet before the walk: no process
         is left that could write behind it; quiet after: none began during it.
@@ -347,20 +350,18 @@ class HostSaves:
         local = self._spool(sandbox_id) / "manifests" / save_id
         try:
             manifest = decode_manifest(local.read_bytes())
-        except (OSError, msgspec.DecodeError, ValueError):
-            return False
-        if len(manifest.entries) > LOOK_MAX_NAMES or not self._driver.quiet(sandbox_id):
-            return False
-        try:
+            if len(manifest.entries) > LOOK_MAX_NAMES or not self._driver.quiet(sandbox_id):
+                return False
             same = holds(
                 self._driver.save_root(sandbox_id),
                 manifest,
                 id_offset=self._driver.id_offset(sandbox_id),
                 layout=self._driver.save_layout,
             )
+            return same and self._driver.quiet(sandbox_id)
         except (OSError, SandholdError):
+            # (No manifest here, a torn one, a cgroup gone while read: not known.)
             return False
-        return same and self._driver.quiet(sandbox_id)
 
     def forget(self, sandbox_id: str) -> None:
         """Drop what this host keeps for the sandbox's saves (its copy is gone)."""

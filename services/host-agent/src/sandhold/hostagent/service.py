@@ -41,7 +41,7 @@ from sandhold.hostagent.driver import CommandExit, CommandHandle, OutputChunk, P
 from sandhold.hostagent.driver.boxes import IsolationUnavailable, SandboxSettings
 from sandhold.hostagent.driver.driver import DEFAULT_PIDS_LIMIT, Isolation, SandboxNotFound
 from sandhold.hostagent.driver.port import SandboxDriver
-from sandhold.hostagent.saving import HostSaves
+from sandhold.hostagent.saving import LOOK_MAX_NAMES, HostSaves
 from sandhold.saves import DEFAULT_CACHE_BYTES, ChunkCache, SaveStore
 from sandhold.telemetry import context, metrics
 
@@ -900,7 +900,7 @@ class HostAgent:
         if generation is None:
             state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
-        files_of, files_at = await self._files_at_end(sid, cid, generation) if fresh else (None, -1)
+        files_of, files_at = self._files_at_end(sid, cid, generation) if fresh else (None, -1)
         ended = ev.CommandEnded(
             command_id=cid,
             state=exit_record.reason,
@@ -936,7 +936,7 @@ class HostAgent:
                 pause = min(5.0, pause * 2)
         await self.driver.mark_reported(sid, cid)
 
-    async def _files_at_end(
+    def _files_at_end(
         self, sandbox_id: str, command_id: str, generation: int
     ) -> tuple[str | None, int]:
         """The completed save whose files the sandbox has as this command ends, if
@@ -950,11 +950,15 @@ class HostAgent:
             or state.generation != generation
             or state.unended_ids != (command_id,)
             or (latest := state.last_completed_save) is None
+            or latest.files > LOOK_MAX_NAMES  # (files only: names are as many or more)
         ):
             return None, -1
-        if not await asyncio.to_thread(self.saving.files_held, sandbox_id, latest.id):
-            return None, -1
-        return latest.id, state.activity
+        try:
+            held = self.saving.files_held(sandbox_id, latest.id)
+        except Exception:  # whatever it is, the end is reported all the same
+            log.exception("looking at the files of %s at the end of %s", sandbox_id, command_id)
+            held = False
+        return (latest.id, state.activity) if held else (None, -1)
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
         """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""

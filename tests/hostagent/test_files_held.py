@@ -1,0 +1,114 @@
+"""`HostSaves.files_held`: what a command's end looks at before it says the
+sandbox's files are still its last save's (decision 078). A real driver, real
+cgroups and processes, and a real manifest on the host; no services."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import nats
+import pytest
+from sandhold.bus.names import Names
+from sandhold.hostagent.driver import ProcessDriver
+from sandhold.hostagent.driver.boxes import BOX_CGROUP
+from sandhold.hostagent.saving import LOOK_MAX_NAMES, HostSaves
+from sandhold.saves import Manifest, SaveStore, capture
+from sandhold.saves.capture import RACY_WINDOW_S
+
+from tests.support.waiting import wait_until
+
+SB = "sb1"
+SAVE = "sv-held"
+
+
+def _saves(nc: nats.NATS, names: Names, driver: ProcessDriver, root: Path) -> HostSaves:
+    return HostSaves(nc, names, driver, SaveStore(nc, names), root, "local")
+
+
+def _remember_save(saves: HostSaves, driver: ProcessDriver) -> Manifest:
+    """The host's manifest of a save of the sandbox's files as they are now, as
+    a save leaves it (captured well after the files were written)."""
+    captured = capture(
+        driver.save_root(SB),
+        save_id=SAVE,
+        sandbox_id=SB,
+        previous=None,
+        spool=saves._spool(SB) / "capture",
+        now=time.time() + RACY_WINDOW_S + 1,
+        layout=driver.save_layout,
+        id_offset=driver.id_offset(SB),
+    )
+    saves._remember(SB, captured.manifest)
+    return captured.manifest
+
+
+@pytest.fixture
+async def held(nc: nats.NATS, names: Names, driver: ProcessDriver, root: Path) -> HostSaves:
+    if driver.cgroups.kind == "none":
+        pytest.skip(f"no cgroups on this host: {driver.cgroups.message}")
+    await driver.create_sandbox(SB, None)
+    # Written from inside, as a sandbox's files are: the first command also
+    # marks the box's layers (overlayfs sets attributes on its first lookups).
+    wrote = await driver.launch(SB, "c0", ["sh", "-c", "echo kept > notes.txt"])
+    assert (await wrote.wait()).reason == "exited"
+    await wait_until(lambda: driver.quiet(SB), what="the command is gone")
+    saves = _saves(nc, names, driver, root)
+    _remember_save(saves, driver)
+    return saves
+
+
+async def test_untouched_files_with_nothing_running_are_held(
+    held: HostSaves, driver: ProcessDriver
+) -> None:
+    assert held.files_held(SB, SAVE)
+    ran = await driver.launch(SB, "c1", ["true"])
+    assert (await ran.wait()).reason == "exited"
+    await wait_until(lambda: driver.quiet(SB), what="the command is gone")
+    assert held.files_held(SB, SAVE)
+
+
+async def test_a_written_file_is_not_held(held: HostSaves, driver: ProcessDriver) -> None:
+    ran = await driver.launch(SB, "c1", ["sh", "-c", "echo more >> notes.txt"])
+    assert (await ran.wait()).reason == "exited"
+    await wait_until(lambda: driver.quiet(SB), what="the command is gone")
+    assert not held.files_held(SB, SAVE)
+
+
+async def test_nothing_is_held_while_a_process_a_command_left_runs(
+    held: HostSaves, driver: ProcessDriver
+) -> None:
+    leaver = await driver.launch(
+        SB, "leaver", ["sh", "-c", "setsid sleep 100 > /dev/null 2>&1 < /dev/null &"]
+    )
+    assert (await leaver.wait()).reason == "exited"
+    assert not held.files_held(SB, SAVE)  # it writes nothing, but it could
+    left = set(driver.cgroups.pids(SB)) - set(driver.cgroups.pids(SB, BOX_CGROUP))
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    await wait_until(lambda: driver.quiet(SB), what="the job is gone")
+    assert held.files_held(SB, SAVE)
+
+
+async def test_without_a_readable_manifest_here_nothing_is_held(
+    held: HostSaves, driver: ProcessDriver
+) -> None:
+    assert not held.files_held(SB, "sv-never-here")
+    manifest = held._spool(SB) / "manifests" / SAVE
+    manifest.write_bytes(manifest.read_bytes()[:10])  # torn (a crash mid-write)
+    assert not held.files_held(SB, SAVE)  # and no error: the end is reported all the same
+
+
+async def test_a_tree_over_the_cap_is_not_looked_at(held: HostSaves, driver: ProcessDriver) -> None:
+    many = driver.save_root(SB) / "many"
+    many.mkdir()
+    names = len(_remember_save(held, driver).entries)
+    for i in range(LOOK_MAX_NAMES - names):
+        (many / f"f{i}").touch()
+    assert len(_remember_save(held, driver).entries) == LOOK_MAX_NAMES
+    assert held.files_held(SB, SAVE)
+    (many / "one-more").touch()
+    assert len(_remember_save(held, driver).entries) == LOOK_MAX_NAMES + 1
+    assert not held.files_held(SB, SAVE)

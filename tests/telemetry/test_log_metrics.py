@@ -268,6 +268,22 @@ def test_a_sandbox_unchanged_since_a_quiet_save_has_no_save_lag() -> None:
                                           request_digest="d"))  # fmt: skip
     gauges = log.folded().gauges(now=5000.0)
     assert gauges["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 1000.0}
+    # Its end found the files unchanged (decision 078): no lag again, and counted;
+    # a second end's word about a stale count is not taken, nor counted.
+    log.add(sid, 4001.0, ev.CommandStarted(command_id="c1", host="h1", generation=1, pid=7))
+    # (The count it looked at: moved by the start, the command's queueing and start.)
+    log.add(sid, 4002.0, ev.CommandEnded(command_id="c1", state="exited", generation=1,
+                                         files_of="s1", files_at=3))  # fmt: skip
+    metrics = log.folded()
+    assert metrics.gauges(now=5000.0)["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 0.0}
+    assert metrics.total("sandhold_commands_held_files_total") == 1
+    log.add(sid, 4100.0, ev.CommandQueued(command_id="c2", argv=["true"], request_key="r2",
+                                          request_digest="d"))  # fmt: skip
+    log.add(sid, 4101.0, ev.CommandEnded(command_id="c2", state="exited", generation=1,
+                                         files_of="s1", files_at=3))  # fmt: skip
+    metrics = log.folded()
+    assert metrics.gauges(now=5000.0)["sandhold_save_lag_seconds"] == {labels(sandbox=sid): 900.0}
+    assert metrics.total("sandhold_commands_held_files_total") == 1
 
 
 def test_the_fold_keeps_no_ended_command_and_counts_the_same() -> None:

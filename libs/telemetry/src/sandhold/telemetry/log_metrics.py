@@ -63,6 +63,11 @@ CATALOG: tuple[Metric, ...] = (
         "counter",
         "Scheduled saves that found nothing changed and stored nothing",
     ),
+    Metric(
+        "sandhold_commands_held_files_total",
+        "counter",
+        "Command ends that found every file as the last completed save holds them: no save due",
+    ),
     Metric("sandhold_save_failures_total", "counter", "Failed saves, by stage"),
     Metric(
         "sandhold_save_duration_seconds",
@@ -192,6 +197,11 @@ class LogMetrics:
         after = sb.evolve(before, envelope)
         if after is None:
             return
+        if isinstance(event, ev.CommandEnded) and event.files_of is not None:
+            held = after.last_completed_save
+            if held is not None and held.id == event.files_of and held.confirmed_at == at:
+                # (Taken by the fold, decision 078: not every end that says so is.)
+                self._count("sandhold_commands_held_files_total")
         if after.phase == "deleted":
             # Deleted is final: counted, not kept, or memory (and each scrape's
             # pass over the sandboxes) would grow with every sandbox ever made.

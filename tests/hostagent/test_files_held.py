@@ -112,3 +112,20 @@ async def test_a_tree_over_the_cap_is_not_looked_at(held: HostSaves, driver: Pro
     (many / "one-more").touch()
     assert len(_remember_save(held, driver).entries) == LOOK_MAX_NAMES + 1
     assert not held.files_held(SB, SAVE)
+
+
+async def test_a_fresh_box_saved_before_any_command_holds_through_a_first_look_around(
+    nc: nats.NATS, names: Names, driver: ProcessDriver, root: Path
+) -> None:
+    """overlayfs marks a directory its two layers hold on its first lookup; the
+    box's start makes those lookups, so the first save already holds the marks
+    and a first command that only looks around changes nothing (decision 078)."""
+    if driver.boxes is None or driver.cgroups.kind == "none":
+        pytest.skip("no box on this host, or no cgroups")
+    await driver.create_sandbox(SB, None)
+    saves = _saves(nc, names, driver, root)
+    _remember_save(saves, driver)
+    looked = await driver.launch(SB, "c1", ["sh", "-c", "ls -a / /home/sandbox . > /dev/null"])
+    assert (await looked.wait()).reason == "exited"
+    await wait_until(lambda: driver.quiet(SB), what="the command is gone")
+    assert saves.files_held(SB, SAVE)

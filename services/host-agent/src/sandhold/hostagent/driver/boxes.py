@@ -303,7 +303,10 @@ class Boxes:
             # Made before the box, which binds it; filled now or later (delivery).
             conn = await asyncio.to_thread(self.connections.prepare, sandbox_id, offset)
             spec = dataclasses.replace(spec, connections=str(conn))
-        return await self._start_box(spec, directory)
+        state = await self._start_box(spec, directory)
+        base = self._base_for(settings)
+        await asyncio.to_thread(_look_up_merged_dirs, state.init.pid, self.fs(sandbox_id), base)
+        return state
 
     def _spec(
         self,
@@ -385,3 +388,30 @@ def command_cwd(cwd: str | None) -> str:
 def _probe_offset() -> int:
     # Far above every sandbox's range, so a probe never shares ids with one.
     return 4_000_000_000
+
+
+def _look_up_merged_dirs(init_pid: int, fs: SandboxFs, base: Base) -> None:
+    """Look up, through the box's mounts, every directory that both a layer's
+    upper and its lower hold. overlayfs marks such a directory the first time it
+    is looked up (`user.overlay.origin` on it, `user.overlay.impure` on its
+    parent, written into the upper), so the first command to touch it would
+    change what a save holds though it wrote nothing, and bring a save (decision
+    078). Done as the box starts, the first save holds the marks. Only merged
+    directories are walked: a workspace's own tree is in the upper alone."""
+    for name, target, lower in base.layers():
+        inside = f"/proc/{init_pid}/root{target.rstrip('/')}"
+        upper = fs.upper / name
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            try:
+                os.stat(f"{inside}/{rel}")
+                with os.scandir(upper / rel) as entries:
+                    merged = [
+                        f"{rel}/{entry.name}" if rel else entry.name
+                        for entry in entries
+                        if entry.is_dir(follow_symlinks=False)
+                    ]
+            except OSError:
+                continue  # gone, or not ours to see: a save after a command catches it
+            stack.extend(d for d in merged if (lower / d).is_dir())

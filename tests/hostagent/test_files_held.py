@@ -12,12 +12,26 @@ from pathlib import Path
 import nats
 import pytest
 from sandhold.bus.names import Names
+from sandhold.domain import sandbox as sb
 from sandhold.hostagent.driver import ProcessDriver
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
 from sandhold.hostagent.saving import LOOK_MAX_NAMES, HostSaves
+from sandhold.hostagent.service import Look, files_at_end
 from sandhold.saves import Manifest, SaveStore, capture
 from sandhold.saves.capture import RACY_WINDOW_S
 
+from tests.domain.history import (
+    RUNNING,
+    T0,
+    apply,
+    cmd,
+    command_ended,
+    command_started,
+    dispatched,
+    given_sandbox,
+    run,
+)
+from tests.domain.test_saves import _saved
 from tests.support.waiting import wait_until
 
 SB = "sb1"
@@ -129,3 +143,39 @@ async def test_a_fresh_box_saved_before_any_command_holds_through_a_first_look_a
     assert (await looked.wait()).reason == "exited"
     await wait_until(lambda: driver.quiet(SB), what="the command is gone")
     assert saves.files_held(SB, SAVE)
+
+
+# --- what the end says, decided on the state once its start is recorded ---
+
+
+def _looked(state: sb.Sandbox, key: str) -> tuple[sb.Sandbox, Look]:
+    """A quiet save, then the command `key` queued and dispatched, and the look
+    at its end, taken before its start was recorded."""
+    state, save_id = _saved(state, T0 + 100, quiet=True)
+    [queued] = sb.decide(state, run(key))
+    state = apply(state, [queued, dispatched(key)], time=T0 + 200)
+    return state, Look(save_id, state.activity, running=False)
+
+
+def test_the_end_says_the_look_s_save_at_the_count_of_its_own_state() -> None:
+    state, look = _looked(given_sandbox(*RUNNING), "run-true")
+    started = apply(state, [command_started("run-true")], time=T0 + 201)
+    assert files_at_end(started, cmd("run-true"), look) == (look.save_id, started.activity)
+    # Looked once the start was recorded: the same.
+    after = Look(look.save_id, started.activity, running=True)
+    assert files_at_end(started, cmd("run-true"), after) == (look.save_id, started.activity)
+    assert files_at_end(started, cmd("run-true"), None) == (None, -1)
+
+
+def test_a_command_run_or_a_save_completed_since_the_look_leaves_the_end_silent() -> None:
+    state, look = _looked(given_sandbox(*RUNNING), "run-true")
+    state = apply(state, [command_started("run-true")], time=T0 + 201)
+    [other] = sb.decide(state, run("other"))
+    queued = apply(state, [other, dispatched("other")], time=T0 + 202)
+    assert files_at_end(queued, cmd("run-true"), look) == (None, -1)  # another unended
+    # Launched, run and ended while the end waited for its start: only the count says so.
+    ran = apply(queued, [command_started("other"), command_ended("other")], time=T0 + 203)
+    assert ran.unended_ids == (cmd("run-true"),)
+    assert files_at_end(ran, cmd("run-true"), look) == (None, -1)
+    newer, _ = _saved(state, T0 + 300, quiet=True)
+    assert files_at_end(newer, cmd("run-true"), look) == (None, -1)

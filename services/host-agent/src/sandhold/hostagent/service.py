@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import nats.errors
@@ -892,6 +893,8 @@ class HostAgent:
             else:
                 exit_record = item
         assert exit_record is not None
+        # Looked at while the start's append may still be on its way (decision 078).
+        look = self._look_at_files(sid, cid, generation) if fresh else None
         if start_told is not None:
             # A start whose report keeps failing does not hold the end for ever.
             with contextlib.suppress(TimeoutError):
@@ -900,7 +903,7 @@ class HostAgent:
         if generation is None:
             state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
-        files_of, files_at = self._files_at_end(sid, cid, generation) if fresh else (None, -1)
+        files_of, files_at = self._files_at_end(sid, cid, look)
         ended = ev.CommandEnded(
             command_id=cid,
             state=exit_record.reason,
@@ -936,13 +939,13 @@ class HostAgent:
                 pause = min(5.0, pause * 2)
         await self.driver.mark_reported(sid, cid)
 
-    def _files_at_end(
-        self, sandbox_id: str, command_id: str, generation: int
-    ) -> tuple[str | None, int]:
-        """The completed save whose files the sandbox has as this command ends, if
-        it was the only command and nothing is left running, with the count of
-        the state looked at (`CommandEnded.files_of`, decision 078): a command
-        that changed nothing then brings no save. (None, -1): not known."""
+    def _look_at_files(
+        self, sandbox_id: str, command_id: str, generation: int | None
+    ) -> Look | None:
+        """As a command ends: if it is the only unended command of its sandbox
+        and nothing is left running there, whether every file is as the last
+        completed save holds them (`HostSaves.files_held`, decision 078). None:
+        not so, or not known (a look that fails in any way holds nothing)."""
         state, _ = self.sandboxes.get(sandbox_id)
         if (
             state is None
@@ -952,13 +955,19 @@ class HostAgent:
             or (latest := state.last_completed_save) is None
             or latest.files > LOOK_MAX_NAMES  # (files only: names are as many or more)
         ):
-            return None, -1
+            return None
         try:
             held = self.saving.files_held(sandbox_id, latest.id)
         except Exception:  # whatever it is, the end is reported all the same
             log.exception("looking at the files of %s at the end of %s", sandbox_id, command_id)
-            held = False
-        return (latest.id, state.activity) if held else (None, -1)
+            return None
+        return Look(latest.id, state.activity, _runs(state, command_id)) if held else None
+
+    def _files_at_end(
+        self, sandbox_id: str, command_id: str, look: Look | None
+    ) -> tuple[str | None, int]:
+        state, _ = self.sandboxes.get(sandbox_id)
+        return files_at_end(state, command_id, look)
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
         """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""
@@ -1026,3 +1035,40 @@ def _report_key(report: HostReport) -> str:
         return f"{report.epoch}:{report.generation}"
     subject = getattr(report, "command_id", None) or getattr(report, "save_id", None)
     return f"{subject}:{report.generation}" if subject else str(report.generation)
+
+
+class Look(NamedTuple):
+    """What a command's end found of the files (`HostAgent._look_at_files`)."""
+
+    save_id: str  # the last completed save, whose files the sandbox still has
+    activity: int  # the sandbox's count in the state looked from
+    running: bool  # whether that state had the command's start already
+
+
+def _runs(state: sb.Sandbox, command_id: str) -> bool:
+    command = state.commands.get(command_id)
+    return command is not None and command.state == "running"
+
+
+def files_at_end(
+    state: sb.Sandbox | None, command_id: str, look: Look | None
+) -> tuple[str | None, int]:
+    """What `command.ended` says of the files (`files_of`, `files_at`), decided on
+    `state` once the command's start is recorded: the look's save, at this
+    state's count, if nothing but the command's own start moved the count since
+    the look (decision 078). Any other command launched meanwhile was read into
+    this state first, by its instruction's check, and its queueing moved the
+    count; one queued and not read here moves it in the log, and the fold then
+    refuses the word (`files_at`)."""
+    if look is None or state is None or state.phase != "running":
+        return None, -1
+    latest = state.last_completed_save
+    started_since = _runs(state, command_id) and not look.running
+    if (
+        state.unended_ids != (command_id,)
+        or latest is None
+        or latest.id != look.save_id
+        or state.activity != look.activity + started_since
+    ):
+        return None, -1
+    return look.save_id, state.activity

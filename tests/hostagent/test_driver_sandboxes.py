@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
+from sandhold.hostagent.driver import cgroups as cgroups_module
 from sandhold.hostagent.driver import driver as driver_module
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
 from sandhold.hostagent.driver.owners import others_of
@@ -329,6 +330,37 @@ async def test_a_commands_cgroups_go_once_its_end_is_reported(
     await wait_until(lambda: driver.cgroups.pids(SB, "bg") == [], what="the left process gone")
     await driver.mark_reported(SB, (await _ended(driver, "next")))
     assert _command_cgroups(host_id, "bg") == [] and _command_cgroups(host_id, "next") == []
+
+
+async def test_an_ended_commands_cgroups_serve_the_sandboxs_next_commands(
+    driver: ProcessDriver, host_id: str
+) -> None:
+    """On v1 an ended command's empty cgroups are renamed for the sandbox's next
+    command, not removed and made anew: removing a memory cgroup costs the
+    kernel a walk of every mount's object lists under the global cgroup lock
+    (decision 079). A sandbox keeps at most SPARES of them."""
+    if driver.cgroups.kind != "v1":
+        pytest.skip(f"renaming a cgroup is v1's ({driver.cgroups.message})")
+    await driver.create_sandbox(SB, None)
+    await driver.mark_reported(SB, await _ended(driver, "c0"))
+    assert _command_cgroups(host_id, "c0") == []
+    spares = _command_cgroups(host_id, f"{cgroups_module._SPARE}0")
+    assert len(spares) >= 2  # memory and freezer
+    nodes = sorted(spare.stat().st_ino for spare in spares)
+    await _ended(driver, "c1")
+    assert sorted(d.stat().st_ino for d in _command_cgroups(host_id, "c1")) == nodes
+    assert _command_cgroups(host_id, f"{cgroups_module._SPARE}0") == []
+    # Several at once: those beyond the spares kept go.
+    ids = [f"p{n}" for n in range(cgroups_module.SPARES + 2)]
+    handles = [await driver.launch(SB, cid, ["sleep", "0.2"]) for cid in ids]
+    for handle in handles:
+        assert (await handle.wait()).reason == "exited"
+    for cid in ["c1", *ids]:
+        await driver.mark_reported(SB, cid)
+    assert driver.cgroups.command_cgroups(SB) == []
+    kept = [d.name for d in _command_cgroups(host_id, "*") if d.is_dir()]
+    spare_names = [f"{cgroups_module._SPARE}{n}" for n in range(cgroups_module.SPARES)]
+    assert sorted(n for n in kept if n != BOX_CGROUP) == sorted(spare_names * len(spares))
 
 
 async def _ended(driver: ProcessDriver, command_id: str) -> str:

@@ -4,6 +4,9 @@ Tree: ``<parent>/<host_id>/<sandbox_id>/<command_id>``. The host id is part of
 the path so that several agents (and test runs) on one machine never share a
 cgroup. Each command has its own child cgroup so that an OOM kill is counted
 against the command that suffered it; the sandbox cgroup carries the limit.
+On v1 an ended command's empty cgroups are kept as spares for its sandbox's
+next commands, renamed (decision 079): removing a memory cgroup costs the
+kernel a walk of every mount's object lists under the global cgroup lock.
 
 Three backends behind one Protocol: cgroup v2 (unified, with the memory
 controller), cgroup v1 (``memory`` plus ``freezer`` hierarchies), and none.
@@ -45,6 +48,9 @@ class CommandCgroup:
     # The cgroup.procs files of cgroups that are the command's alone (its final
     # KILL reaches everyone listed there); None: all of ``procs`` are.
     own_procs: list[str] | None = None
+    # What ``oom_file`` counted before the command: a spare's count is that of
+    # the commands it served before (v1, decision 079).
+    oom_kills_before: int = 0
 
 
 class Cgroups(Protocol):
@@ -225,6 +231,55 @@ def _rmdir_if_empty(directory: Path) -> bool:
     return True
 
 
+# How many empty command cgroups a sandbox keeps for its next commands, on v1
+# (decision 079). Removing a memory cgroup makes the kernel reparent the
+# cgroup's share of every file system's dentry and inode lists, one pair per
+# mounted file system (a box has several), under the global cgroup lock: ~3 ms
+# of a kernel worker per command at 1,000 boxes, while launches wait for the
+# lock. v1 lets a cgroup be renamed within its parent, so an ended command's
+# cgroup becomes the next one's instead. v2 has no rename: there they go.
+SPARES = 2
+_SPARE = "_spare"  # `_`: never a command id (see _children)
+
+
+def _take_spare(directory: Path) -> bool:
+    """Make a command's cgroup by renaming one of its sandbox's spares; False if
+    there was none (or the command's own exists already: a relaunch)."""
+    for n in range(SPARES):
+        try:
+            os.rename(directory.parent / f"{_SPARE}{n}", directory)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        return True
+    return False
+
+
+def _retire(directory: Path) -> bool:
+    """Keep an ended command's empty cgroup as a spare, or remove it; False while
+    a process is in it. Nothing can join an empty one: only the command's own
+    processes were ever moved there, by themselves, before their exec."""
+    try:
+        if (directory / "cgroup.procs").read_text().strip():
+            return False
+    except FileNotFoundError:
+        return True  # gone already
+    except OSError as err:
+        raise CgroupError(err.errno, f"cannot read {directory}: {err.strerror}") from err
+    for n in range(SPARES):
+        try:
+            os.rename(directory, directory.parent / f"{_SPARE}{n}")
+        except FileExistsError:
+            continue  # that spare is there already
+        except FileNotFoundError:
+            return True
+        except OSError:
+            break
+        return True
+    return _rmdir_if_empty(directory)
+
+
 def _children(directory: Path) -> list[str]:
     """The child cgroups of a sandbox's that are commands' (not its box's, `_box`)."""
     try:
@@ -389,8 +444,12 @@ class V1Cgroups:
         # limits are) is enough: fewer directories and attaches per command.
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
         directories = [host / sandbox_id / command_id for host in hosts]
-        for directory in directories:
-            _mkdir(directory)
+        reused = [_take_spare(directory) for directory in directories]
+        for directory, spare in zip(directories, reused, strict=True):
+            if not spare:
+                _mkdir(directory)
+        oom_file = directories[0] / "memory.oom_control"
+        oom_before = parse_oom_kills(_read(oom_file)) if reused[0] else 0
         procs = [str(directory / "cgroup.procs") for directory in directories]
         pids_file = None
         if self._pids_host is not None:
@@ -400,9 +459,10 @@ class V1Cgroups:
             procs.append(str(self._cpu_host / sandbox_id / "cgroup.procs"))
         return CommandCgroup(
             procs=procs,
-            oom_file=str(directories[0] / "memory.oom_control"),
+            oom_file=str(oom_file),
             pids_file=pids_file,
             own_procs=[str(directory / "cgroup.procs") for directory in directories],
+            oom_kills_before=oom_before,
         )
 
     def _cpu_limited(self, sandbox_id: str) -> bool:
@@ -468,7 +528,7 @@ class V1Cgroups:
 
     def remove_command(self, sandbox_id: str, command_id: str) -> bool:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
-        return all([_rmdir_if_empty(host / sandbox_id / command_id) for host in hosts])
+        return all([_retire(host / sandbox_id / command_id) for host in hosts])
 
     def command_cgroups(self, sandbox_id: str) -> list[str]:
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])

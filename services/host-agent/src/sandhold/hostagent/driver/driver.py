@@ -570,6 +570,7 @@ class ProcessDriver:
             cgroup_procs=cgroup.procs,
             own_cgroup_procs=cgroup.own_procs if cgroup.own_procs is not None else cgroup.procs,
             oom_file=cgroup.oom_file,
+            oom_kills_before=cgroup.oom_kills_before,
             pids_file=cgroup.pids_file,
             isolate_tmp=self._isolate_tmp and placement.box is None,
             keep_visible=placement.keep_visible,

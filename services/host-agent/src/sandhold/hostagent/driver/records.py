@@ -79,8 +79,10 @@ class CommandSpec:
     # The cgroup.procs files of the command's own cgroups (the final KILL's
     # reach); empty: all of cgroup_procs (specs written before the split).
     own_cgroup_procs: list[str] = field(default_factory=list)
-    # memory.oom_control (v1) or memory.events (v2) of the command's cgroup.
+    # memory.oom_control (v1) or memory.events (v2) of the command's cgroup,
+    # and its OOM kill count before the command (a reused cgroup's, decision 079).
     oom_file: str | None = None
+    oom_kills_before: int = 0
     # pids.events whose "max" count rises when a fork is refused by the process limit.
     pids_file: str | None = None
     isolate_tmp: bool = True

@@ -358,7 +358,8 @@ class Supervisor:
         oom_kills = 0
         if self.spec.oom_file is not None:
             with contextlib.suppress(OSError, ValueError):
-                oom_kills = parse_oom_kills(Path(self.spec.oom_file).read_text())
+                counted = parse_oom_kills(Path(self.spec.oom_file).read_text())
+                oom_kills = max(0, counted - self.spec.oom_kills_before)
         refused = self.refused_forks() - self.refused_forks_before
         exit_code, sig = (code, None) if code >= 0 else (None, -code)
         if oom_kills:

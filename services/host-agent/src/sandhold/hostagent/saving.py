@@ -345,8 +345,9 @@ class HostSaves:
 
         Asked as a command ends (decision 078). Quiet before the walk: no process
         is left that could write behind it; quiet after: none began during it.
-        (A command launched and ended within the walk is the log's to see: its
-        queueing moved the sandbox's count after the one the end reports.)"""
+        A command launched and ended within the walk is not seen here: the
+        service's `files_at_end` refuses the claim then, for its queueing moved
+        the sandbox's count after the look."""
         local = self._spool(sandbox_id) / "manifests" / save_id
         try:
             manifest = decode_manifest(local.read_bytes())

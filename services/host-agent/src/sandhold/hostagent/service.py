@@ -903,7 +903,7 @@ class HostAgent:
         if generation is None:
             state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
-        files_of, files_at = self._files_at_end(sid, cid, look)
+        files_of, files_at = files_at_end(self.sandboxes.get(sid)[0], cid, look)
         ended = ev.CommandEnded(
             command_id=cid,
             state=exit_record.reason,
@@ -962,12 +962,6 @@ class HostAgent:
             log.exception("looking at the files of %s at the end of %s", sandbox_id, command_id)
             return None
         return Look(latest.id, state.activity, _runs(state, command_id)) if held else None
-
-    def _files_at_end(
-        self, sandbox_id: str, command_id: str, look: Look | None
-    ) -> tuple[str | None, int]:
-        state, _ = self.sandboxes.get(sandbox_id)
-        return files_at_end(state, command_id, look)
 
     async def _kept_offsets(self, sandbox_id: str, command_id: str) -> dict[str, int]:
         """Where each stream's kept output ends, read back from OUTPUT (after a restart)."""

@@ -70,7 +70,11 @@ class Cgroups(Protocol):
         cpu_limit: float | None = None,
     ) -> None: ...
     def create_command(self, sandbox_id: str, command_id: str) -> CommandCgroup: ...
-    def oom_kills(self, sandbox_id: str, command_id: str) -> int: ...
+    def oom_kills(self, sandbox_id: str, command_id: str) -> int:
+        """What the command's cgroup counts: on v1 also the kills of the commands
+        a spare served before (decision 079); a command's own are in its exit."""
+        ...
+
     def pids(self, sandbox_id: str, child: str | None = None) -> list[int]:
         """The processes in the sandbox's cgroups (or in one child cgroup of it)."""
         ...
@@ -81,8 +85,9 @@ class Cgroups(Protocol):
     def kill_all(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def remove(self, sandbox_id: str, timeout_s: float = 5.0) -> None: ...
     def remove_command(self, sandbox_id: str, command_id: str) -> bool:
-        """Remove the command's own cgroups once its end is reported; False (left
-        for the sandbox's removal) while a process it left behind is in one."""
+        """Remove the command's own cgroups once its end is reported (on v1 kept
+        as spares for the sandbox's next commands, decision 079); False (left for
+        the sandbox's removal) while a process it left behind is in one."""
         ...
 
     def command_cgroups(self, sandbox_id: str) -> list[str]:
@@ -258,10 +263,12 @@ def _take_spare(directory: Path) -> bool:
 
 def _retire(directory: Path) -> bool:
     """Keep an ended command's empty cgroup as a spare, or remove it; False while
-    a process is in it. Nothing can join an empty one: only the command's own
-    processes were ever moved there, by themselves, before their exec."""
+    a thread is in it (v1 counts threads: `tasks`, as rmdir does, not only the
+    processes of `cgroup.procs`). Nothing joins an empty one: a command's
+    processes join by its path, by themselves, before their exec, and the
+    command has ended."""
     try:
-        if (directory / "cgroup.procs").read_text().strip():
+        if (directory / "tasks").read_text().strip():
             return False
     except FileNotFoundError:
         return True  # gone already
@@ -448,8 +455,10 @@ class V1Cgroups:
         for directory, spare in zip(directories, reused, strict=True):
             if not spare:
                 _mkdir(directory)
+        # A spare (or any cgroup there already, such as a box's `_box` made
+        # again) counts the kills of those it served before; a new one reads 0.
         oom_file = directories[0] / "memory.oom_control"
-        oom_before = parse_oom_kills(_read(oom_file)) if reused[0] else 0
+        oom_before = parse_oom_kills(_read(oom_file))
         procs = [str(directory / "cgroup.procs") for directory in directories]
         pids_file = None
         if self._pids_host is not None:

@@ -688,7 +688,8 @@ class ProcessDriver:
         """Record that the command's end is durably in the log (it is not adopted
         again), and tidy up after it.
 
-        Its own cgroups go: kept, a long-lived sandbox had one per command it
+        Its own cgroups go (on v1 up to two stay as spares for the sandbox's next
+        commands, decision 079): kept, a long-lived sandbox had one per command it
         ever ran, in each hierarchy (the kernel allows 65,535 memory cgroups, and
         every look at a sandbox's processes walked them all). One that a process
         the command left behind still holds is tried again at the sandbox's next
@@ -725,7 +726,8 @@ class ProcessDriver:
             del self._left_cgroups[sandbox_id]
 
     def _tidy(self, sandbox_id: str, cgroups_of: list[str], directories_of: list[str]) -> list[str]:
-        """Remove those commands' cgroups and directories; the ids whose cgroups went."""
+        """Remove those commands' cgroups (or keep them as spares, decision 079) and
+        directories; the ids whose cgroups went."""
         for command_id in directories_of:
             shutil.rmtree(self.layout.command(sandbox_id, command_id).directory, ignore_errors=True)
         return self._remove_command_cgroups(sandbox_id, cgroups_of)

@@ -53,12 +53,38 @@ async def _run(groups: list[tuple[Iterator[T], int]], fn: Callable[[T], Awaitabl
 
 
 async def all_or_none(coros: Sequence[Coroutine[Any, Any, object]]) -> None:
-    """Run them together; the first failure cancels the others and is raised as itself."""
+    """Run them together; the first failure cancels the others and is raised as
+    itself. Cancelled, it cancels them and ends once they all have."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        await asyncio.gather(*tasks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         raise
+    for task in tasks:
+        if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+            await _cancel_all(tasks)
+            raise error
+    for task in tasks:
+        task.result()  # (one cancelled by someone else: as gather, raised here)
+
+
+# How long a cancelled task is given before it is cancelled again.
+_RECANCEL_S = 0.1
+
+
+async def _cancel_all(tasks: Sequence[asyncio.Future[object]]) -> None:
+    """Cancel every task, again and again until each has ended. Once is not
+    always enough: Python 3.11's `asyncio.wait_for` swallows the cancellation
+    when what it waited for finished at the same moment (nats-py's requests
+    wait so), and the task goes on to its next wait, which may be for a
+    sibling that was cancelled (a sender's queue whose feeder is gone). A
+    single cancel then waited for ever (a save's store, cancelled)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=_RECANCEL_S)
+    for task in tasks:  # retrieved: no "exception was never retrieved" at exit
+        if not task.cancelled():
+            task.exception()

@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import Header
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.names import Names
 from sandhold.domain.work import AnyWork, SaveSandboxWork
 from sandhold.telemetry import context, metrics
@@ -257,9 +258,7 @@ class _Lanes:
             del self._last[key]
 
     async def cancel(self) -> None:
-        for task in list(self._in_hand):
-            task.cancel()
-        await asyncio.gather(*self._in_hand, return_exceptions=True)
+        await cancel_and_wait(list(self._in_hand))
 
 
 async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> None:

@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 from sandhold.bus import checkpoint, deadletters
 from sandhold.bus import credentials as creds
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.connection import close_quickly, connect
 from sandhold.bus.electing import patiently
 from sandhold.bus.names import Names
@@ -251,11 +252,7 @@ class Shell:
         self._stopping.set()
 
     async def _end_tasks(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S)
+        await cancel_and_wait(list(self._tasks), timeout=STOP_TIMEOUT_S)
 
 
 async def announce_ready(nc: NATS, names: Names, service: str, **extra: object) -> None:

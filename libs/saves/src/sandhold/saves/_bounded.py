@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from sandhold.bus.cancelling import cancel_and_wait
+
 T = TypeVar("T")
 
 # Small chunks cost a round trip each, not memory: they get more in flight.
@@ -54,37 +56,17 @@ async def _run(groups: list[tuple[Iterator[T], int]], fn: Callable[[T], Awaitabl
 
 async def all_or_none(coros: Sequence[Coroutine[Any, Any, object]]) -> None:
     """Run them together; the first failure cancels the others and is raised as
-    itself. Cancelled, it cancels them and ends once they all have."""
+    itself. Cancelled, it cancels them and ends once they all have (cancelled
+    again and again where need be: `cancel_and_wait`)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:
-        await _cancel_all(tasks)
+        await cancel_and_wait(tasks)
         raise
     for task in tasks:
         if task.done() and not task.cancelled() and (error := task.exception()) is not None:
-            await _cancel_all(tasks)
+            await cancel_and_wait(tasks)
             raise error
     for task in tasks:
         task.result()  # (one cancelled by someone else: as gather, raised here)
-
-
-# How long a cancelled task is given before it is cancelled again.
-_RECANCEL_S = 0.1
-
-
-async def _cancel_all(tasks: Sequence[asyncio.Future[object]]) -> None:
-    """Cancel every task, again and again until each has ended. Once is not
-    always enough: Python 3.11's `asyncio.wait_for` swallows the cancellation
-    when what it waited for finished at the same moment (nats-py's requests
-    wait so), and the task goes on to its next wait, which may be for a
-    sibling that was cancelled (a sender's queue whose feeder is gone). A
-    single cancel then waited for ever (a save's store, cancelled)."""
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=_RECANCEL_S)
-    for task in tasks:  # retrieved: no "exception was never retrieved" at exit
-        if not task.cancelled():
-            task.exception()

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, Header
 from nats.js.errors import NotFoundError
 from sandhold.bus import leases
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, reflected
 from sandhold.bus.electing import ELECTING
 from sandhold.bus.names import Names
@@ -231,21 +232,16 @@ class HostAgent:
         """No new work, no job left half-done; with `interrupt_on_exit`, every
         command interrupted while the lease is still renewed (a slow command's
         grace must not look like a host failure)."""
-        for queue in working:
-            queue.cancel()
-        for queue in working:
-            with contextlib.suppress(asyncio.CancelledError):
-                await queue
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancel_and_wait(working)
         for job in list(self._jobs):
             job.cancel()
         if self._interrupt_on_exit:
             await self._interrupt_everything()
 
     async def _end_watchers(self) -> None:
-        for task in list(self._watchers.values()):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancel_and_wait(list(self._watchers.values()))
 
     async def shutdown(self) -> None:
         self._shell.stop()

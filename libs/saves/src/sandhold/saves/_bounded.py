@@ -59,6 +59,8 @@ async def all_or_none(coros: Sequence[Coroutine[Any, Any, object]]) -> None:
     itself. Cancelled, it cancels them and ends once they all have (cancelled
     again and again where need be: `cancel_and_wait`)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return  # (asyncio.wait refuses an empty set)
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     except BaseException:

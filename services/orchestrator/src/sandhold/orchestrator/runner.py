@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.ports import SYSTEM_CLOCK, Aggregates, Clock, OutputReader
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
@@ -246,7 +247,9 @@ class Runner:
                 return_when=asyncio.FIRST_COMPLETED,
             )
         except asyncio.CancelledError:
-            work.cancel()  # the runner is stopped (taken over, fenced): its work too
+            # The runner is stopped (taken over, fenced): its work too, and ended
+            # before the runner is, so none of it goes on beside a new holder's.
+            await cancel_and_wait([work])
             raise
         finally:
             cancelled.cancel()
@@ -254,12 +257,9 @@ class Runner:
             with contextlib.suppress(StageOver):
                 work.result()
             return
-        # A cancel request or a deadline: the loop decides what follows. On 3.11 a
-        # cancellation can be swallowed by a wait that completed at the same moment
-        # (asyncio.wait_for), so it is repeated until the work has really stopped.
-        while not work.done():
-            work.cancel()
-            await asyncio.wait({work}, timeout=1.0)
+        # A cancel request or a deadline: the loop decides what follows, once
+        # the work has really stopped (cancelled again where need be, decision 080).
+        await cancel_and_wait([work])
         with contextlib.suppress(asyncio.CancelledError, StageOver):
             work.result()
 

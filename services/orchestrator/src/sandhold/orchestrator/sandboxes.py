@@ -19,6 +19,7 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 from sandhold.bus import secret_store
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.names import Names
 from sandhold.bus.requesting import publish_request
 from sandhold.bus.store import AggregateStore
@@ -134,10 +135,8 @@ class Sandboxes:
                     raise Rejected(reply.error.code, reply.error.message)
                 if reply is not None and reply.ok:
                     return
-        finally:
-            for future in (waiting, sent.reply):
-                if future is not None and not future.done():
-                    future.cancel()
+        finally:  # ended, not only cancelled: a wait left polling for ever (decision 080)
+            await cancel_and_wait([f for f in (waiting, sent.reply) if f is not None])
 
     # --- waiting ----------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 from sandhold.bus.cancelling import AGAIN_S, cancel_and_wait
+from sandhold.bus.electing import patiently
 
 
 async def _swallows_one(started: asyncio.Event, never: asyncio.Event) -> None:
@@ -65,3 +66,19 @@ async def test_a_failed_task_is_waited_for_and_its_error_retrieved() -> None:
     await asyncio.sleep(0)
     assert await cancel_and_wait([task]) is True
     assert isinstance(task.exception(), KeyError)
+
+
+async def test_patiently_never_swallows_a_cancellation_that_comes_with_the_answer() -> None:
+    """The answer and the cancel in one loop iteration: `wait_for` (3.11) would
+    return the answer and drop the cancel; the attempt's timeout must not."""
+    answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def call() -> int:
+        return await answer
+
+    asking = asyncio.create_task(patiently(call, attempt_s=5.0))
+    await asyncio.sleep(0)  # it waits for the answer
+    answer.set_result(1)
+    asking.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asking, 10)

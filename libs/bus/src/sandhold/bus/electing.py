@@ -71,7 +71,10 @@ async def patiently(
         try:
             if timeouts is None:
                 return await call()
-            return await asyncio.wait_for(call(), next(timeouts))
+            # (Not `wait_for`: on 3.11 it swallows a cancellation that comes
+            # with the answer, decision 080; `timeout` never does.)
+            async with asyncio.timeout(next(timeouts)):
+                return await call()
         except ELECTING as err:
             if deadline is not None and loop.time() > deadline:
                 raise

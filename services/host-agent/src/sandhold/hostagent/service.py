@@ -737,7 +737,9 @@ class HostAgent:
             t for cid, t in self._watchers.items() if self._watcher_sandbox.get(cid) == sandbox_id
         ]
         if watchers:
-            await asyncio.gather(*watchers, return_exceptions=True)
+            # `wait`, not `gather`: cancelled, this must not cancel the watchers,
+            # which are the agent's (their ends would go unreported).
+            await asyncio.wait(watchers)
 
     async def _report(self, sandbox_id: str, report: HostReport, cause: str) -> None:
         if self._fenced or self._lease_expired():

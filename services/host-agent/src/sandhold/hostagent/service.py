@@ -898,10 +898,10 @@ class HostAgent:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_START_TOLD_WAIT_S):
                     await start_told.wait()
+        state, _ = self.sandboxes.get(sid)
         if generation is None:
-            state, _ = self.sandboxes.get(sid)
             generation = state.generation if state is not None else 0
-        files_of, files_at = files_at_end(self.sandboxes.get(sid)[0], cid, look)
+        files_of, files_at = files_at_end(state, cid, look)
         ended = ev.CommandEnded(
             command_id=cid,
             state=exit_record.reason,

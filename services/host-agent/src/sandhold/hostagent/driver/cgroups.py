@@ -451,9 +451,8 @@ class V1Cgroups:
         # limits are) is enough: fewer directories and attaches per command.
         hosts = [self._memory_host] + ([self._freezer_host] if self._freezer_host else [])
         directories = [host / sandbox_id / command_id for host in hosts]
-        reused = [_take_spare(directory) for directory in directories]
-        for directory, spare in zip(directories, reused, strict=True):
-            if not spare:
+        for directory in directories:
+            if not _take_spare(directory):
                 _mkdir(directory)
         # A spare (or any cgroup there already, such as a box's `_box` made
         # again) counts the kills of those it served before; a new one reads 0.

@@ -234,8 +234,7 @@ class HostAgent:
         grace must not look like a host failure)."""
         with contextlib.suppress(asyncio.CancelledError):
             await cancel_and_wait(working)
-        for job in list(self._jobs):
-            job.cancel()
+            await self._end_jobs(timeout=None)
         if self._interrupt_on_exit:
             await self._interrupt_everything()
 
@@ -370,8 +369,7 @@ class HostAgent:
         )
         # A save under way would freeze a box the fence is killing (a frozen process
         # cannot die): saves end first; they count as failed by the saver's timeout.
-        for job in list(self._jobs):
-            job.cancel()
+        await self._end_jobs(timeout=_FENCE_JOBS_S)
         for sandbox_id in self.driver.layout.sandbox_ids():
             with contextlib.suppress(Exception):
                 await self.driver.stop_sandbox(sandbox_id, grace=0.0)
@@ -703,6 +701,15 @@ class HostAgent:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
+    async def _end_jobs(self, timeout: float | None) -> None:
+        """End the saves under way, and wait until they have: a save's thaw runs
+        as it ends, so a fence's kill or a shutdown after this finds no save
+        freezing anything. (Cancelled once, a save could carry on to its next
+        wait, decision 080; within a fence, `timeout` bounds the wait.)"""
+        if not await cancel_and_wait(list(self._jobs), timeout=timeout):
+            log.warning("%d save(s) of %s had not ended after %ss", len(self._jobs),
+                        self.host_id, timeout)  # fmt: skip
+
     async def _final_save(self, work: wk.StopSandboxWork) -> None:
         """The save taken once processes are stopped, bounded by the stop deadline."""
         assert work.final_save_id is not None
@@ -1009,6 +1016,9 @@ class HostAgent:
 _RETRIED: tuple[type[Exception], ...] = (InfraError, nats.errors.Error, *ELECTING)
 # Failures of any other kind before a command's end report is given up on.
 _REPORT_BUG_ATTEMPTS = 10
+# How long a fence waits for the saves under way to end before it kills: a
+# small part of recovery's fence margin, which the kill must fit in.
+_FENCE_JOBS_S = 0.5
 # How long a command's end waits for its start to be reported (see `_launch`).
 _START_TOLD_WAIT_S = 30.0
 

@@ -165,3 +165,39 @@ async def test_a_stop_while_announcing_readiness_to_a_vanished_server_ends_quiet
     finally:
         server.stop()
     assert crashed == []
+
+
+async def test_a_service_freezes_what_its_start_up_left_before_it_serves(tmp_path: Path):
+    """Decision 081: a real service process moves what exists once it serves
+    out of the cyclic collector's full collections, and says how much."""
+    names = Names("frozen")
+    server = NatsServer(tmp_path / "nats", port=free_port(), names=names)
+    credential = credential_file(server, "recovery")
+    server.start()
+    process: subprocess.Popen[bytes] | None = None
+    try:
+        await make_streams(server, names)
+        nc = await nats.connect(server.admin_url)
+        ready = await nc.subscribe(names.ready)
+        process = _service("sandhold.recovery", server.url, names, tmp_path, credential)
+        async with asyncio.timeout(60):
+            while msgspec.json.decode((await ready.next_msg(timeout=60)).data)["pid"] != (
+                process.pid
+            ):
+                pass
+        await nc.close()
+        log = (tmp_path / "sandhold.recovery.log").read_text()
+        messages = [msgspec.json.decode(line)["message"] for line in log.splitlines()]
+        said = [m for m in messages if m.endswith("objects of its start-up frozen")]
+        assert len(said) == 1, log[-2000:]
+        frozen = int(said[0].removeprefix("recovery: ").split()[0])
+        assert frozen > 10_000  # the modules, functions and types of a service at least
+    finally:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(2 * STOP_TIMEOUT_S + 10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        server.stop()

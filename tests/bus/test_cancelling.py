@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
-from sandhold.bus.cancelling import AGAIN_S, cancel_and_wait
+from sandhold.bus.cancelling import AGAIN_S, cancel_and_wait, finish
 from sandhold.bus.electing import patiently
 
 
@@ -82,3 +82,43 @@ async def test_patiently_never_swallows_a_cancellation_that_comes_with_the_answe
     asking.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(asking, 10)
+
+
+async def test_what_is_finished_runs_to_its_end_through_repeated_cancels() -> None:
+    """`finish`: as a save's thaw under `cancel_and_wait`, which cancels every
+    AGAIN_S; the work ends, then the task's cancellation is raised."""
+    release = asyncio.Event()
+    done: list[str] = []
+
+    async def thaw() -> None:
+        await release.wait()
+        done.append("thawed")
+
+    async def save() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await finish(thaw())
+
+    task = asyncio.create_task(save())
+    await asyncio.sleep(0)
+    ending = asyncio.create_task(cancel_and_wait([task], timeout=10))
+    await asyncio.sleep(3 * AGAIN_S)  # cancelled again meanwhile, more than once
+    assert not task.done() and done == []
+    release.set()
+    assert await asyncio.wait_for(ending, 10) is True
+    assert done == ["thawed"] and task.cancelled()
+
+
+async def test_what_is_finished_returns_its_result_and_raises_its_own_error() -> None:
+    async def value() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def broken() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("its own")
+
+    assert await finish(value()) == 7
+    with pytest.raises(ValueError, match="its own"):
+        await finish(broken())

@@ -53,9 +53,51 @@ async def test_a_save_that_will_not_end_holds_a_fence_only_as_long_as_its_timeou
     await asyncio.sleep(0)
     try:
         with caplog.at_level(logging.WARNING):
-            await HostAgent._end_jobs(_agent(job), timeout=0.3)  # type: ignore[arg-type]
+            async with asyncio.timeout(10):  # (a failure, not a hang, if unbounded)
+                await HostAgent._end_jobs(_agent(job), timeout=0.3)  # type: ignore[arg-type]
         assert not job.done()
         assert "1 save(s) of h1 had not ended" in caplog.text
     finally:
         release.set()
         await asyncio.wait_for(job, 10)
+
+
+async def test_a_fence_kills_the_sandboxes_only_once_their_saves_have_thawed() -> None:
+    """`_fence_self`: a save under way (frozen box) ends, its thaw done, before
+    the fence stops any sandbox (a frozen process cannot even be killed)."""
+    frozen = True
+    stopped_while_frozen: list[bool] = []
+
+    async def save() -> None:
+        nonlocal frozen
+        try:
+            await asyncio.sleep(3600)  # capturing, the box frozen
+        finally:
+            await asyncio.sleep(0.05)  # the thaw's own write
+            frozen = False
+
+    async def stop_sandbox(sandbox_id: str, grace: float) -> None:
+        stopped_while_frozen.append(frozen)
+
+    async def remove_connections(sandbox_id: str) -> None:
+        return None
+
+    job = asyncio.create_task(save())
+    await asyncio.sleep(0)
+    agent = SimpleNamespace(
+        _fenced=False,
+        _jobs={job},
+        host_id="h1",
+        _lease_ttl=5.0,
+        driver=SimpleNamespace(
+            layout=SimpleNamespace(sandbox_ids=lambda: ["sb1"]),
+            stop_sandbox=stop_sandbox,
+            remove_connections=remove_connections,
+        ),
+        _local_generation=lambda sandbox_id: None,
+    )
+    agent._end_jobs = lambda timeout: HostAgent._end_jobs(agent, timeout=timeout)  # type: ignore[arg-type]
+    async with asyncio.timeout(10):
+        await HostAgent._fence_self(agent)  # type: ignore[arg-type]
+    assert stopped_while_frozen == [False]
+    assert job.done()

@@ -12,8 +12,10 @@ suite. Cancelling again until each task has ended is what ends them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # How long a cancelled task is given before it is cancelled again.
 AGAIN_S = 0.1
@@ -47,3 +49,23 @@ async def cancel_and_wait(
     if interrupted is not None:
         raise interrupted
     return not pending
+
+
+async def finish(work: Awaitable[T]) -> T:
+    """Run `work` to its end whatever cancellations come meanwhile, then raise
+    the first of them: for what must not be left half-done by a task being
+    ended, as `cancel_and_wait` cancels again and again (a frozen sandbox's
+    thaw: a frozen process cannot even be killed)."""
+    task = asyncio.ensure_future(work)
+    interrupted: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as err:
+            if task.done():
+                break  # (the work itself was cancelled: said below)
+            interrupted = interrupted or err
+    result = task.result()  # raises the work's own error, or its cancellation
+    if interrupted is not None:
+        raise interrupted
+    return result

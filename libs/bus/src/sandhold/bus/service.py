@@ -355,7 +355,6 @@ def run_service(
     holds its environment)."""
     global _freeze_when_serving
     args = parser.parse_args(argv)  # before the umask: `--help` leaves the caller's alone
-    _freeze_when_serving = True
     os.umask(0o077 if private_files else 0o022)
     if not args.nats:
         parser.error("--nats URL (or SANDHOLD_NATS_URL) is required")
@@ -368,6 +367,8 @@ def run_service(
     # Logs, traces and metrics, named after the service (`sandhold run <service>`).
     setup(parser.prog.rsplit(" ", 1)[-1], metrics_port=args.metrics_port)
     import uvloop
+
+    _freeze_when_serving = True  # (this process is the service from here on)
 
     async def main() -> None:
         service = make(args)

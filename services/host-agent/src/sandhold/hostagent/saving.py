@@ -22,6 +22,7 @@ from typing import TypedDict
 
 import msgspec
 from nats.aio.client import Client as NATS
+from sandhold.bus.cancelling import finish
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
 from sandhold.domain.errors import SandholdError
@@ -198,7 +199,9 @@ class HostSaves:
                 )
             finally:
                 if freeze:
-                    await self._driver.thaw(sandbox_id)
+                    # Whatever cancels the save (a fence, a shutdown, again and
+                    # again), the thaw is not what it interrupts.
+                    await finish(self._driver.thaw(sandbox_id))
             freeze_ms = (time.monotonic() - started) * 1000
         except (OSError, SandholdError) as err:
             await report(ev.SaveFailed(save_id=save_id, stage="capture", reason=str(err), **me))

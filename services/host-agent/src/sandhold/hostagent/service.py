@@ -234,7 +234,8 @@ class HostAgent:
         grace must not look like a host failure)."""
         with contextlib.suppress(asyncio.CancelledError):
             await cancel_and_wait(working)
-            await self._end_jobs(timeout=None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._end_jobs(timeout=_WIND_DOWN_JOBS_S)
         if self._interrupt_on_exit:
             await self._interrupt_everything()
 
@@ -1019,6 +1020,9 @@ _REPORT_BUG_ATTEMPTS = 10
 # How long a fence waits for the saves under way to end before it kills: a
 # small part of recovery's fence margin, which the kill must fit in.
 _FENCE_JOBS_S = 0.5
+# How long a shutdown waits for the saves under way to end: within the
+# service's own stop (STOP_TIMEOUT_S), with the commands' interrupts after it.
+_WIND_DOWN_JOBS_S = 5.0
 # How long a command's end waits for its start to be reported (see `_launch`).
 _START_TOLD_WAIT_S = 30.0
 

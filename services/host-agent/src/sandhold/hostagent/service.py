@@ -705,8 +705,9 @@ class HostAgent:
     async def _end_jobs(self, timeout: float | None) -> None:
         """End the saves under way, and wait until they have: a save's thaw runs
         as it ends, so a fence's kill or a shutdown after this finds no save
-        freezing anything. (Cancelled once, a save could carry on to its next
-        wait, decision 080; within a fence, `timeout` bounds the wait.)"""
+        freezing anything (cancelled once, a save could carry on to its next
+        wait: decision 080). `timeout` bounds the wait: a fence has its margin
+        to keep, a shutdown the service's stop."""
         if not await cancel_and_wait(list(self._jobs), timeout=timeout):
             log.warning("%d save(s) of %s had not ended after %ss", len(self._jobs),
                         self.host_id, timeout)  # fmt: skip

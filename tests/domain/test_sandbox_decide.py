@@ -150,6 +150,41 @@ def test_start_retried_with_its_key_is_nothing_new() -> None:
     assert when(given(*STOPPED, start()), start()) == []
 
 
+def _late_start(*superseded_by: str) -> rq.StartSandbox:
+    """A task's later attempt's start, to do nothing once the task's stops were decided."""
+    return rq.StartSandbox(
+        key="task-1:sandbox:start:2", sandbox_id=SID, superseded_by=superseded_by
+    )
+
+
+def test_a_start_decided_after_a_request_that_supersedes_it_starts_nothing() -> None:
+    """Decision 082: delivered late (a scheduler died deciding it), after the
+    task's end stopped the sandbox, the start only notes its key."""
+    late = _late_start("task-1:stop", "stop-1")  # STOPPED was stopped by "stop-1"
+    assert when(given(*STOPPED), late) == noted(late)
+    assert given_sandbox(*STOPPED, late).phase == "stopped"
+
+
+def test_a_start_whose_superseding_requests_were_not_decided_starts_as_any_start() -> None:
+    late = _late_start("task-1:stop", "task-1:release")
+    assert when(given(*STOPPED), late) == [
+        ev.SandboxStartRequested(request_key=late.key, request_digest=rq.request_digest(late))
+    ]
+
+
+def test_a_start_without_superseding_requests_keeps_the_digest_it_had_before_them() -> None:
+    """A start retried across the upgrade that added `superseded_by` is the same
+    request: its digest is the one the code before gave it (computed there)."""
+    start_before = rq.StartSandbox(key="k", sandbox_id="sb-0123456789abcdef")
+    assert rq.request_digest(start_before) == "d563ea88a815b2e444d7440ee853b421"
+
+
+def test_a_start_superseded_by_too_many_keys_is_malformed() -> None:
+    body = {"type": "sandbox.start", "key": "k", "sandbox_id": SID, "superseded_by": ["x"] * 9}
+    with pytest.raises(msgspec.ValidationError, match="superseded_by"):
+        rq.decode_request(msgspec.json.encode(body))
+
+
 def test_a_key_reused_for_another_kind_of_request_conflicts() -> None:
     then_rejected(when(given(*STOPPED), start(key=CREATE_KEY)), "idempotency_conflict")
 

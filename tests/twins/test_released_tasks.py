@@ -25,7 +25,7 @@ from sandhold.domain.errors import Rejected
 from sandhold.domain.task_manifest import load_manifest
 from sandhold.orchestrator import runner as runner_module
 from sandhold.orchestrator import service as service_module
-from sandhold.orchestrator.runner import sandbox_key, start_key
+from sandhold.orchestrator.runner import sandbox_key, start_key, start_request
 from sandhold.orchestrator.service import Orchestrator
 from sandhold.scheduler.service import Scheduler
 
@@ -252,6 +252,31 @@ async def test_a_later_attempts_start_still_undecided_keeps_the_task_until_it_is
         await _released(nc, names, orchestrator, task_id)
         sandbox = await _sandbox_in_log(nc, names, sandbox_id)
         assert sandbox is not None and sandbox.phase == "stopped", sandbox
+
+
+async def test_a_later_attempts_start_delivered_after_the_release_starts_nothing(
+    nc: nats.NATS, nats_url: str, names: Names, tmp_path: Path
+):
+    """Decision 082: a start the runner sent before the task ended reaches a
+    scheduler only after the release stopped the sandbox (the scheduler that
+    took it died deciding it; redelivered, it overtook nothing). Started now,
+    the sandbox would run with nothing left to stop it."""
+    task_id, sandbox_id = await _failed_while_running(nc, names, "late-start", "agent_failed")
+    async with _orchestrator(nc, nats_url, names, tmp_path) as orchestrator:
+        await _released(nc, names, orchestrator, task_id)
+        stopping = await _sandbox_in_log(nc, names, sandbox_id)
+        assert stopping is not None and stopping.phase == "stopping", stopping
+        await append(nc, names, "sandbox", sandbox_id, [ev.SandboxStopped(host="h1", generation=1)])
+
+        client = await connect(nats_url, prefix=names.prefix)
+        try:
+            reply = await client.send(start_request(task_id, 2, "default", sandbox_id))
+        finally:
+            await client.close()
+        assert reply.ok, reply
+        sandbox = await _sandbox_in_log(nc, names, sandbox_id)
+        assert sandbox is not None and sandbox.phase == "stopped", sandbox
+        assert start_key(task_id, 2) in sandbox.requests  # decided: noted, not started
 
 
 async def test_a_retry_due_after_the_end_was_never_sent_and_the_task_is_released(

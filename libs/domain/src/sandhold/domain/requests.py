@@ -90,6 +90,9 @@ class CreateSandbox(Request, tag="sandbox.create", frozen=True):
 
 class StartSandbox(Request, tag="sandbox.start", frozen=True):
     sandbox_id: SandboxId
+    # Keys of requests that end what this start is for (a task's stops): decided
+    # after any of them (a start redelivered late), it starts nothing (decision 082).
+    superseded_by: Annotated[tuple[IdempotencyKey, ...], msgspec.Meta(max_length=8)] = ()
 
 
 class StopSandbox(Request, tag="sandbox.stop", frozen=True):
@@ -232,6 +235,7 @@ _LATER_FIELDS: dict[str, object] = {
     "idle_timeout_s": None,
     "keep_stopped_s": None,
     "secrets": {},
+    "superseded_by": (),
 }
 
 

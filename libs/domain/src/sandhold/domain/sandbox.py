@@ -1141,6 +1141,8 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
             state = _require(state, request.sandbox_id, request.tenant)
             if seen_before(state.requests, request.key, digest):
                 return []
+            if any(key in state.requests for key in request.superseded_by):
+                return []  # (noted: what it was sent for has ended since)
             if deletion_asked(state):
                 raise Rejected("sandbox_deleted", f"sandbox {state.id} is deleted")
             if state.phase == "stopping":

@@ -66,6 +66,28 @@ def start_key(task_id: str, attempt: int) -> str:
     return f"{sandbox_key(task_id)}:start:{attempt}"
 
 
+def start_request(task_id: str, attempt: int, tenant: str, sandbox_id: str) -> rq.StartSandbox:
+    """A later provisioning attempt's start. Delivered late (a scheduler died
+    deciding it), after the task's end stopped the sandbox, it starts nothing
+    (decision 082): nothing would stop a task's sandbox again."""
+    return rq.StartSandbox(
+        key=start_key(task_id, attempt),
+        tenant=tenant,
+        sandbox_id=sandbox_id,
+        superseded_by=(stop_key(task_id), release_key(task_id)),
+    )
+
+
+def stop_key(task_id: str) -> str:
+    """The key of the StopSandbox that ends a task's sandbox when the task ends."""
+    return f"{task_id}:stop"
+
+
+def release_key(task_id: str) -> str:
+    """The key of the StopSandbox a release sends (decision 071)."""
+    return f"{task_id}:release"
+
+
 # Clocks of two orchestrator instances may differ: a retry due this close to
 # the task's end is taken as sent (a task kept is cheaper than a sandbox left).
 RETRY_SENT_MARGIN_S = 5.0
@@ -343,7 +365,7 @@ class Runner:
         with contextlib.suppress(Rejected):  # deleted meanwhile: nothing to stop
             await self.sandboxes.request(
                 rq.StopSandbox(
-                    key=f"{state.id}:release", tenant=state.tenant, sandbox_id=sandbox_id
+                    key=release_key(state.id), tenant=state.tenant, sandbox_id=sandbox_id
                 ),
                 lambda s: s.phase in ("stopping", *SETTLED_PHASES),
                 sandbox_id=sandbox_id,
@@ -473,11 +495,7 @@ class Runner:
                 )
             else:
                 await self.sandboxes.request(
-                    rq.StartSandbox(
-                        key=start_key(self.task_id, attempt),
-                        tenant=state.tenant,
-                        sandbox_id=sandbox_id,
-                    ),
+                    start_request(self.task_id, attempt, state.tenant, sandbox_id),
                     lambda s: s.phase not in ("failed", "lost", "stopped"),
                     sandbox_id=sandbox_id,
                 )
@@ -615,7 +633,7 @@ class Runner:
         try:
             await self.sandboxes.request(
                 rq.StopSandbox(
-                    key=f"{self.task_id}:stop", tenant=state.tenant, sandbox_id=sandbox_id
+                    key=stop_key(self.task_id), tenant=state.tenant, sandbox_id=sandbox_id
                 ),
                 lambda s: s.phase in ("stopping", "stopped"),
                 sandbox_id=sandbox_id,

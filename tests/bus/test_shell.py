@@ -90,6 +90,34 @@ def _service(
         )
 
 
+async def _ready_service(
+    module: str,
+    server: NatsServer,
+    names: Names,
+    tmp_path: Path,
+    credential: Path,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """`_service`, once it has announced that it serves (its pid's readiness)."""
+    nc = await nats.connect(server.admin_url)
+    try:
+        ready = await nc.subscribe(names.ready)
+        process = _service(module, server.url, names, tmp_path, credential, env)
+        try:
+            async with asyncio.timeout(60):
+                while msgspec.json.decode((await ready.next_msg(timeout=60)).data)["pid"] != (
+                    process.pid
+                ):
+                    pass
+        except BaseException:
+            process.kill()  # (not handed to the test: stopped here)
+            process.wait()
+            raise
+        return process
+    finally:
+        await nc.close()
+
+
 def _exits_within(process: subprocess.Popen[bytes], seconds: float) -> int:
     try:
         return process.wait(seconds)
@@ -106,15 +134,7 @@ async def test_sigterm_stops_a_service_whose_nats_server_is_gone(module: str, tm
     process: subprocess.Popen[bytes] | None = None
     try:
         await make_streams(server, names)
-        nc = await nats.connect(server.admin_url)
-        ready = await nc.subscribe(names.ready)
-        process = _service(module, server.url, names, tmp_path, credential)
-        async with asyncio.timeout(60):
-            while True:
-                said = msgspec.json.decode((await ready.next_msg(timeout=60)).data)
-                if said["pid"] == process.pid:
-                    break
-        await nc.close()
+        process = await _ready_service(module, server, names, tmp_path, credential)
         server.kill()
         process.send_signal(signal.SIGTERM)
         started = time.monotonic()
@@ -185,18 +205,10 @@ async def test_a_service_freezes_what_its_start_up_left_before_it_serves(tmp_pat
     process: subprocess.Popen[bytes] | None = None
     try:
         await make_streams(server, names)
-        nc = await nats.connect(server.admin_url)
-        ready = await nc.subscribe(names.ready)
-        process = _service(
-            "sandhold.recovery", server.url, names, tmp_path, credential,
+        process = await _ready_service(
+            "sandhold.recovery", server, names, tmp_path, credential,
             env={"SANDHOLD_LOG": "info", "SANDHOLD_LOG_FORMAT": "json"},
         )  # fmt: skip
-        async with asyncio.timeout(60):
-            while msgspec.json.decode((await ready.next_msg(timeout=60)).data)["pid"] != (
-                process.pid
-            ):
-                pass
-        await nc.close()
         log = (tmp_path / "sandhold.recovery.log").read_text()
         messages = [
             msgspec.json.decode(line).get("message", "")

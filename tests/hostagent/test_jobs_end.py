@@ -32,7 +32,7 @@ async def test_a_save_that_carries_on_after_its_first_cancel_has_ended_when_the_
 
     job = asyncio.create_task(save())
     await asyncio.sleep(0)
-    await HostAgent._end_jobs(_agent(job), timeout=None)  # type: ignore[arg-type]
+    await HostAgent._end_jobs(_agent(job), timeout=10.0)  # type: ignore[arg-type]
     assert job.done()
     assert thawed.is_set()
 

@@ -702,7 +702,7 @@ class HostAgent:
         self._jobs.add(task)
         task.add_done_callback(self._jobs.discard)
 
-    async def _end_jobs(self, timeout: float | None) -> None:
+    async def _end_jobs(self, timeout: float) -> None:
         """End the saves under way, and wait until they have: a save's thaw runs
         as it ends, so a fence's kill or a shutdown after this finds no save
         freezing anything (cancelled once, a save could carry on to its next

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from sandhold.hostagent.driver.pool import SupervisorPool
 
+from tests.support.waiting import wait_until
+
 
 def _zygotes(root: Path) -> list[int]:
     found = []
@@ -38,8 +40,8 @@ async def test_supervisors_come_from_the_zygote_and_outlive_it(tmp_path: Path) -
         [zygote] = _zygotes(tmp_path)
         supervisor = await pool.take()
         taken.append(supervisor)
-        # forked twice (zygote → child → supervisor), so not the agent's child
-        assert _parent(supervisor.pid) != os.getpid()
+        # forked once, by the zygote (which reaps it), so not the agent's child
+        assert _parent(supervisor.pid) == zygote
         assert os.getsid(supervisor.pid) != os.getsid(0)  # not in the agent's session
     finally:
         await pool.close()
@@ -47,3 +49,30 @@ async def test_supervisors_come_from_the_zygote_and_outlive_it(tmp_path: Path) -
     assert Path(f"/proc/{supervisor.pid}").exists()  # the supervisor does not
     for s in taken:
         s.dismiss()  # EOF on its stdin: an idle supervisor exits
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None  # gone: reaped
+
+
+async def test_the_zygote_reaps_the_supervisors_that_ended(tmp_path: Path) -> None:
+    pool = SupervisorPool(tmp_path, 3)
+    await pool.start()
+    try:
+        [zygote] = _zygotes(tmp_path)
+        taken = [await pool.take() for _ in range(3)]
+        assert {_parent(s.pid) for s in taken} == {zygote}
+        for s in taken:
+            s.dismiss()  # EOF on its stdin: an idle supervisor exits
+        # Not left as zombies (state Z) of a zygote that lives on: gone from /proc.
+        await wait_until(
+            lambda: all(_state(s.pid) is None for s in taken),
+            timeout=10,
+            what="the ended supervisors reaped",
+        )
+        assert _zygotes(tmp_path) == [zygote]
+    finally:
+        await pool.close()

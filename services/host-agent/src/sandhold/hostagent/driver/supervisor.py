@@ -402,10 +402,9 @@ class Supervisor:
 
 
 def _detach() -> None:
-    """Fork once more so that the agent never has to reap us, then announce our pid."""
+    """Fork once more so that the agent never has to reap us (started on our own)."""
     if os.fork() > 0:
         os._exit(0)
-    os.write(_DOORBELL, f"{os.getpid()}\n".encode())
 
 
 def _signals() -> int:
@@ -419,10 +418,14 @@ def _signals() -> int:
     return wakeup_r
 
 
-def serve() -> int:
+def serve(*, detach: bool = True) -> int:
+    """Wait for a command and supervise it; `detach=False` where the parent (the
+    zygote) reaps us itself."""
     # A handler rather than SIG_IGN: ignored signals would be inherited by the command.
     signal.signal(signal.SIGHUP, lambda *_: None)
-    _detach()
+    if detach:
+        _detach()
+    os.write(_DOORBELL, f"{os.getpid()}\n".encode())
     identity = ProcessIdentity.of(os.getpid())  # (while waiting: it needs no command)
     assert identity is not None
     line = sys.stdin.buffer.readline()

@@ -40,7 +40,7 @@ import struct
 READY_FD = 6
 PATH_INSIDE = "/run/box-init"
 
-_BASE = 0x400000
+BASE = 0x400000
 _EHDR, _PHDR = 64, 56
 
 # x86-64, Linux system call numbers. Each row: the bytes, the instruction.
@@ -85,10 +85,12 @@ _X86_64_CODE: list[tuple[str, str]] = [
 ]
 
 
-def _x86_64() -> bytes:
-    code = b"".join(bytes.fromhex(hexes) for hexes, _ in _X86_64_CODE)
-    phnum = 2
-    entry = _BASE + _EHDR + phnum * _PHDR
+def elf_x86_64(code: bytes, bss: tuple[int, int] | None = None) -> bytes:
+    """A static x86-64 executable: ``code`` loaded read-only and executable at
+    ``BASE`` + headers, entered at its first byte; ``bss`` (address, size) adds
+    zeroed read-write memory there (the launcher's). No library, no sections."""
+    phnum = 2 if bss is None else 3
+    entry = BASE + _EHDR + phnum * _PHDR
     size = _EHDR + phnum * _PHDR + len(code)
     ident = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8)  # 64-bit, little-endian, SysV
     header = ident + struct.pack(
@@ -107,12 +109,23 @@ def _x86_64() -> bytes:
         0,
         0,
     )
-    load = struct.pack("<IIQQQQQQ", 1, 5, 0, _BASE, _BASE, size, size, 0x1000)  # PT_LOAD, R+X
+    load = struct.pack("<IIQQQQQQ", 1, 5, 0, BASE, BASE, size, size, 0x1000)  # PT_LOAD, R+X
     stack = struct.pack("<IIQQQQQQ", 0x6474E551, 6, 0, 0, 0, 0, 0, 16)  # PT_GNU_STACK, RW
+    if bss is not None:
+        at, length = bss
+        load += struct.pack("<IIQQQQQQ", 1, 6, 0, at, at, 0, length, 0x1000)  # PT_LOAD, RW, zeroes
     return header + load + stack + code
+
+
+def _x86_64() -> bytes:
+    return elf_x86_64(b"".join(bytes.fromhex(hexes) for hexes, _ in _X86_64_CODE))
+
+
+def is_x86_64(machine: str | None = None) -> bool:
+    machine = platform.machine() if machine is None else machine
+    return machine in ("x86_64", "AMD64", "amd64")
 
 
 def program(machine: str | None = None) -> bytes | None:
     """The init's ELF image for this machine, or None where there is none."""
-    machine = platform.machine() if machine is None else machine
-    return _x86_64() if machine in ("x86_64", "AMD64", "amd64") else None
+    return _x86_64() if is_x86_64(machine) else None

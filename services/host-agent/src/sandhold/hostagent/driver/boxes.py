@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from sandhold.hostagent.driver import disk
+from sandhold.hostagent.driver import disk, launcher
 from sandhold.hostagent.driver.box import (
     BOX_MODULE,
     CONNECTIONS_INSIDE,
@@ -123,6 +123,7 @@ class Boxes:
         self._base: Base | None = None
         self._seccomp: Path | None = None
         self._seccomp_problem = ""
+        self._launcher: str | None = None
         self._bwrap = ""
         self._idmapped_base = False
         # Two sandboxes started side by side (in threads) must not both take a
@@ -141,6 +142,8 @@ class Boxes:
             self._seccomp = seccomp
         except SeccompUnavailable as err:
             self._seccomp_problem = str(err)
+        at = str(self.layout.root / "launcher")
+        self._launcher = await asyncio.to_thread(launcher.install, at)
         await self._probe()
 
     async def _probe(self) -> None:
@@ -363,6 +366,7 @@ class Boxes:
             gid=uid,
             groups=[uid],
             seccomp=None if self._seccomp is None else str(self._seccomp),
+            launcher=self._launcher,
         )
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from typing import Any
 
+from sandhold.hostagent.driver import launcher as steps
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.seccomp import LoadedFilter
 
@@ -33,6 +35,7 @@ _NAMESPACES = ("user", "mnt", "net", "ipc", "uts", "cgroup")
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 # What the sandbox's root keeps inside its user namespace (Docker's default
 # set, less NET_RAW): enough for a package manager; never CAP_SYS_ADMIN,
 # CAP_SYS_PTRACE, CAP_SYS_MODULE, CAP_NET_ADMIN or the like.
@@ -51,11 +54,13 @@ class BoxTarget:
     gid: int
     groups: list[int]
     seccomp: str | None  # the raw BPF program's path
+    # The host's launcher (launcher.py); None: joined in Python, in the child.
+    launcher: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "init": self.init, "uid": self.uid, "gid": self.gid,
-            "groups": self.groups, "seccomp": self.seccomp,
+            "groups": self.groups, "seccomp": self.seccomp, "launcher": self.launcher,
         }  # fmt: skip
 
     @classmethod
@@ -66,6 +71,7 @@ class BoxTarget:
             gid=int(raw["gid"]),
             groups=[int(g) for g in raw.get("groups", [])],
             seccomp=raw.get("seccomp"),
+            launcher=raw.get("launcher"),
         )
 
 
@@ -76,9 +82,12 @@ class Joiner:
         self.target = target
         self._init = ProcessIdentity.from_json(target.init)
         self._filter: LoadedFilter | None = None
+        self._filter_program = b""
         if target.seccomp is not None:
             with open(target.seccomp, "rb") as program:
-                self._filter = LoadedFilter(program.read())
+                self._filter_program = program.read()
+            if target.launcher is None:
+                self._filter = LoadedFilter(self._filter_program)
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
         self._libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong] + [ctypes.c_ulong] * 3
@@ -136,11 +145,117 @@ class Joiner:
             return self._errno("setting no_new_privs")
         return None
 
+    def namespace_fds(self) -> list[int]:
+        """The descriptors of the namespaces a command joins (open_box opened them)."""
+        return [self._fds[name] for name in _NAMESPACES]
+
+    def plan(
+        self,
+        argv: list[str],
+        cwd: str,
+        env: dict[str, str],
+        cgroup_procs: list[str],
+        report_fd: int,
+    ) -> steps.Plan:
+        """What `enter`, `launch_problem_inside` and `install_filter` do, in
+        this order, as the launcher's steps, then the exec; the child holds
+        0–2, `report_fd` and `namespace_fds()` (see launcher.py)."""
+        plan = steps.Plan(report_fd)
+        passed = {report_fd, *self.namespace_fds()}
+        free = min(fd for fd in range(3, 3 + len(passed) + 1) if fd not in passed)
+        plan.call(steps.SYS_OPEN, plan.string(os.devnull), os.O_RDONLY, what="opening stdin")
+        plan.call(steps.SYS_FCNTL, report_fd, 2, 1, what="setting up the launch")  # FD_CLOEXEC
+        plan.call(steps.SYS_PRCTL, _PR_SET_DUMPABLE, 0, 0, 0, 0, what="setting up the launch")
+        zero = plan.string("0")  # "0" is the writer itself, in either cgroup version
+        for procs in cgroup_procs:
+            tasks = os.path.join(os.path.dirname(procs), "tasks")  # v1: see `join_self`
+            target = tasks if os.path.exists(tasks) else procs
+            what = f"cannot join cgroup {procs}"
+            plan.call(steps.SYS_OPEN, plan.string(target), os.O_WRONLY | os.O_CLOEXEC, what=what)
+            plan.call(steps.SYS_WRITE, free, zero, 1, what=what)
+            plan.call(steps.SYS_CLOSE, free, what=what)
+        for name, fd in zip(_NAMESPACES, self.namespace_fds(), strict=True):
+            plan.call(steps.SYS_SETNS, fd, 0, what=f"joining the {name} namespace")
+        for fd in self.namespace_fds():
+            plan.call(steps.SYS_CLOSE, fd, what="closing the namespaces")
+        keep = ROOT_CAPABILITIES if self.target.uid == 0 else frozenset()
+        for cap in range(_last_capability() + 1):
+            if cap not in keep:
+                plan.call(
+                    steps.SYS_PRCTL, _PR_CAPBSET_DROP, cap, 0, 0, 0, what="dropping capabilities"
+                )
+        ids = "taking the sandbox user's ids"
+        groups = plan.put(struct.pack(f"<{len(self.target.groups)}I", *self.target.groups))
+        plan.call(steps.SYS_SETGROUPS, len(self.target.groups), groups, what=ids)
+        plan.call(steps.SYS_SETRESGID, *(self.target.gid,) * 3, what=ids)
+        plan.call(steps.SYS_SETRESUID, *(self.target.uid,) * 3, what=ids)
+        plan.call(steps.SYS_PRCTL, _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0, what="setting no_new_privs")
+        plan.call(steps.SYS_CHDIR, plan.string(cwd), what=_CWD)
+        if self._filter_program:
+            program = plan.put(self._filter_program)
+            fprog = struct.pack("<H6xQ", len(self._filter_program) // 8, program)
+            plan.call(
+                steps.SYS_PRCTL, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, plan.put(fprog),
+                what="installing the seccomp filter",
+            )  # fmt: skip
+        args = plan.strings(argv)
+        envp = plan.strings([f"{k}={v}" for k, v in env.items()])
+        candidates = _candidates(argv[0], env)
+        for n, candidate in enumerate(candidates):
+            last = n == len(candidates) - 1
+            plan.call(
+                steps.SYS_EXECVE, plan.string(candidate), args, envp,
+                what=_EXEC, flags=steps.FAIL | steps.LAST if last else 0,
+            )  # fmt: skip
+        return plan
+
     def install_filter(self) -> str | None:
         if self._filter is None:
             return None
         code = self._filter.install()
         return None if code == 0 else f"installing the seccomp filter: {os.strerror(code)}"
+
+
+_CWD, _EXEC = "chdir", "execve"
+_MAX_PATH_ENTRIES = 64
+
+
+def _last_capability() -> int:
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as last:
+            return int(last.read())
+    except (OSError, ValueError):
+        return _LAST_CAP
+
+
+def _candidates(program: str, env: dict[str, str]) -> list[str]:
+    """Where the exec looks for the program: itself if it names a path, else
+    each directory of the command's PATH in order (as `shutil.which` does)."""
+    if "/" in program:
+        return [program]
+    found: list[str] = []
+    for directory in env.get("PATH", os.defpath).split(os.pathsep)[:_MAX_PATH_ENTRIES]:
+        candidate = os.path.join(directory, program)
+        if candidate not in found:
+            found.append(candidate)
+    return found or [program]
+
+
+def launch_failure(what: str, errno: int, argv: list[str], cwd: str) -> str:
+    """A launcher's report (`Plan.failure`) in the words ``launch_failed`` uses,
+    the ones `launch_problem_inside` and `enter` give."""
+    if what == _CWD:
+        if errno in (2, 20):  # ENOENT, ENOTDIR
+            return f"working directory does not exist: {cwd}"
+        return f"working directory {cwd}: {os.strerror(errno)}"
+    if what == _EXEC:
+        program = argv[0]
+        if errno in (2, 20) or (errno == 13 and "/" not in program):  # ENOENT, ENOTDIR, EACCES
+            return f"executable not found: {program}"
+        if errno == 13:
+            return f"not an executable file: {program}"
+        return f"cannot start {program}: {os.strerror(errno)}"
+    return f"{what}: {os.strerror(errno)}" if errno else what
 
 
 def launch_problem_inside(argv: list[str], cwd: str, env: dict[str, str]) -> str | None:

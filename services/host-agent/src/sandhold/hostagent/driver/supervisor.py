@@ -32,7 +32,12 @@ from sandhold.hostagent.driver.cgroups import (
     parse_pids_max_events,
 )
 from sandhold.hostagent.driver.disk import exhausted
-from sandhold.hostagent.driver.joining import BoxTarget, Joiner, launch_problem_inside
+from sandhold.hostagent.driver.joining import (
+    BoxTarget,
+    Joiner,
+    launch_failure,
+    launch_problem_inside,
+)
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
@@ -186,6 +191,9 @@ class Supervisor:
         if (problem := joiner.open_box() or joiner.join_pid_namespace()) is not None:
             self.finish(CommandExit(reason="launch_failed", detail=problem))
             return
+        if joiner.target.launcher is not None:
+            self.run_launched(joiner, joiner.target.launcher)
+            return
         status_r, status_w = os.pipe()
         child: subprocess.Popen[bytes] | None = None
         problem = ""
@@ -210,6 +218,57 @@ class Supervisor:
         os.close(status_r)
         if child is None or status.startswith("F"):
             self.finish(CommandExit(reason="launch_failed", detail=status[1:] or problem))
+            return
+        self.tmp_isolated = True
+        self.started(child, child.pid)
+
+    def run_launched(self, joiner: Joiner, launcher: str) -> None:
+        """Start the command through the host's launcher (launcher.py), which
+        joins the box as `_enter_box` would, with no Python in the child."""
+        if not self.spec.argv:
+            joiner.close()
+            self.finish(CommandExit(reason="launch_failed", detail="empty command line"))
+            return
+        report_r, report_w = os.pipe()
+        plan_fd = os.memfd_create("launch-plan", os.MFD_CLOEXEC)
+        child: subprocess.Popen[bytes] | None = None
+        problem = ""
+        try:
+            plan = joiner.plan(
+                self.spec.argv, self.spec.cwd, self.spec.env, self.spec.cgroup_procs, report_w
+            )
+            os.write(plan_fd, plan.encode())
+            os.lseek(plan_fd, 0, os.SEEK_SET)
+            child = subprocess.Popen(
+                [launcher],
+                env={},
+                stdin=plan_fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(report_w, *joiner.namespace_fds()),
+            )
+        except ValueError as err:  # a NUL in the command, a plan too large
+            problem = f"cannot start {self.spec.argv[0]}: {err}"
+        except OSError as err:
+            problem = f"cannot start the launcher {launcher}: {err.strerror}"
+        finally:
+            os.close(report_w)
+            os.close(plan_fd)
+            joiner.close()
+        report = _read_all(report_r)
+        os.close(report_r)
+        failure = None if child is None else plan.failure(report)
+        if child is None or failure is not None:
+            if failure is not None:
+                what, errno = failure
+                problem = launch_failure(what, errno, self.spec.argv, self.spec.cwd)
+                assert child is not None
+                child.wait()
+                for pipe in (child.stdout, child.stderr):
+                    if pipe is not None:
+                        pipe.close()
+            self.finish(CommandExit(reason="launch_failed", detail=problem))
             return
         self.tmp_isolated = True
         self.started(child, child.pid)

@@ -371,8 +371,8 @@ async def main() -> None:
     attach = (
         "A forked child moved into a command's cgroups, alone (all of its cgroup "
         "files; the global lock and its RCU wait come with the first): by its pid "
-        "written into `cgroup.procs`, and by itself with `join_self` as the "
-        "supervisor's `preexec_fn` does it (decision 052):\n\n"
+        'written into `cgroup.procs`, and by itself writing "0" into `tasks`, as '
+        "`join_self` and the launcher do it (decisions 052, 084):\n\n"
         + table(
             ["how, backend, when", "moves", "files each", "p50 ms", "p90 ms"],
             attach_rows,
@@ -415,9 +415,10 @@ its `js.publish` and `send`; the supervisor's times read from the command's
 The host side alone — `ProcessDriver` driven in this process (no NATS, no
 services), {min(40, count // 2)} sequential `true` per row, p50 ms of `launch()` (cgroup
 dirs, spec file, hand-over to a warm supervisor), then until `started()` (the
-supervisor forks the command — `subprocess.Popen` with a `preexec_fn` that writes
-the pid into each cgroup's `cgroup.procs` and sets up the private /tmp — then
-writes the pid file and rings), then until `wait()` returns (exit record written
+supervisor starts the command — in a box through the launcher, which joins the
+command's cgroups, the box's namespaces and ids and execs it (decision 084); on
+the host with a `preexec_fn` that joins the cgroups and sets up the private /tmp —
+then writes the pid file and rings), then until `wait()` returns (exit record written
 with two fsyncs). Rows with a 0.3 s pause let the warm-supervisor pool refill
 first (one command on an idle host); the last row runs them back to back, so the
 refill (a new Python process, tens of ms of CPU) competes with the command:
@@ -448,7 +449,7 @@ rest (p50 deltas): work → supervisor has the command {ms(delta("work", "superv
 ms (the agent's pull fetch and `_current`, then `driver.launch`: cgroup dirs, spec
 file, and taking a warm supervisor, which waits when the pool is still refilling);
 supervisor → `command.started` seen {ms(delta("supervisor_took", "command.started"))} ms
-(fork with a `preexec_fn`, cgroup attach, namespaces, pid file, doorbell, then
+(the launcher's fork and exec, cgroup attach, namespaces, pid file, doorbell, then
 the agent's fenced append); exit recorded → `command.ended` seen
 {ms(delta("supervisor_done", "command.ended"))} ms (the agent's watcher sees the
 doorbell, reads the exit record, appends). The

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import CommandExit, ProcessDriver, launcher
-from sandhold.hostagent.driver.joining import launch_failure
+from sandhold.hostagent.driver.joining import (
+    ROOT_CAPABILITIES,
+    BoxTarget,
+    Joiner,
+    launch_failure,
+)
+from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 from tests.hostagent.conftest import collect
 
@@ -44,9 +50,7 @@ def _report(report_r: int, plan: launcher.Plan) -> tuple[str, int] | None:
 
 @pytest.fixture
 def path(tmp_path: Path) -> str:
-    installed = launcher.install(str(tmp_path / "launcher"))
-    assert installed is not None
-    return installed
+    return launcher.install(str(tmp_path / "launcher"))  # (and proved to run here)
 
 
 def _exec_plan(report_fd: int, candidates: list[str], argv: list[str]) -> launcher.Plan:
@@ -127,7 +131,44 @@ def test_its_reports_read_as_the_python_join_words_them() -> None:
     )
 
 
+def test_a_plan_joins_in_the_order_the_python_join_does() -> None:
+    me = ProcessIdentity.of(os.getpid())
+    assert me is not None
+    target = BoxTarget(init=me.to_json(), uid=1000, gid=1000, groups=[1000], seccomp=None)
+    joiner = Joiner(target)
+    joiner._fds = {name: 20 + n for n, name in enumerate(("pid", *joining_order))}
+    joiner._filter_program = bytes(8)  # one instruction: where the filter goes
+    plan = joiner.plan(["prog"], "/w", {"PATH": "/a:/b"}, ["/cg/memory/x/cgroup.procs"], 9)
+    numbers = [number for number, _, _ in plan.steps]
+    first = {number: numbers.index(number) for number in reversed(numbers)}
+    # stdin first, then the report closed on exec and dumpable off, before any join
+    assert plan.steps[0][0] == launcher.SYS_OPEN and plan.steps[1][1][:3] == (9, 2, 1)
+    assert plan.steps[2][1][:2] == (4, 0)  # PR_SET_DUMPABLE 0
+    # cgroups (as host root) before the user namespace, which is joined first
+    assert first[launcher.SYS_WRITE] < first[launcher.SYS_SETNS]
+    setns = [args[0] for number, args, _ in plan.steps if number == launcher.SYS_SETNS]
+    assert setns == [20 + n for n in range(1, 7)]  # user, mnt, net, ipc, uts, cgroup
+    prctls = [args[:2] for number, args, _ in plan.steps if number == launcher.SYS_PRCTL]
+    assert prctls.index((38, 1)) < prctls.index((22, 2))  # no_new_privs, then the filter
+    assert first[launcher.SYS_SETRESUID] < numbers.index(launcher.SYS_CHDIR)
+    # every step stops the launch on failure but the PATH candidates before the last
+    execs = [flags for number, _, flags in plan.steps if number == launcher.SYS_EXECVE]
+    assert execs == [0, launcher.FAIL | launcher.LAST]
+    rest = [flags for number, _, flags in plan.steps if number != launcher.SYS_EXECVE]
+    assert rest and all(flags == launcher.FAIL for flags in rest)
+
+
+joining_order = ("user", "mnt", "net", "ipc", "uts", "cgroup")
+
+
 # --- through the driver: the launcher and the Python join give the same command ---
+
+
+def _init_pid(driver: ProcessDriver) -> int:
+    assert driver.boxes is not None
+    state = driver.boxes.state(SB)
+    assert state is not None
+    return state.init.pid
 
 
 @pytest.fixture(params=["launcher", "python"])
@@ -160,12 +201,20 @@ async def test_a_boxed_command_is_the_same_process_either_way(boxed: ProcessDriv
             expected = offset if user == "root" else offset + 1000
             assert [int(v) for v in fields["Uid"].split()] == [expected] * 4
             assert [int(v) for v in fields["Gid"].split()] == [expected] * 4
+            assert [int(g) for g in fields["Groups"].split()] == [expected]
             assert fields["NoNewPrivs"].strip() == "1"
             assert fields["Seccomp"].strip() == "2"  # a filter
-            assert int(fields["CapBnd"], 16) & (1 << 21) == 0  # no CAP_SYS_ADMIN, even for root
-            assert (int(fields["CapEff"], 16) == 0) == (user == "user")
+            kept = ROOT_CAPABILITIES if user == "root" else frozenset()
+            assert int(fields["CapBnd"], 16) == sum(1 << cap for cap in kept)
+            assert int(fields["CapEff"], 16) == sum(1 << cap for cap in kept)
+            # None blocked; none of the standard ones ignored (SIGPIPE, SIGXFSZ: Python's)
+            assert int(fields["SigBlk"], 16) == 0
+            assert int(fields["SigIgn"], 16) & (1 << 31) - 1 == 0
             assert len(fields["NSpid"].split()) == 2  # born in the box's pid namespace
-            assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+            assert os.getsid(pid) == pid  # a session of its own
+            init = _init_pid(boxed)
+            for ns in ("pid", "user", "mnt", "net", "ipc", "uts", "cgroup"):
+                assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{init}/ns/{ns}")
             # In each of the command's own cgroups, as the spec names them.
             spec = json.loads(boxed.layout.command(SB, f"sleep-{user}").spec.read_text())
             assert (spec["box"]["launcher"] is None) == (boxed.join == "python")  # type: ignore[attr-defined]
@@ -206,3 +255,33 @@ async def test_a_launcher_gone_from_the_host_is_a_launch_failure_that_says_so(
         "launch_failed",
         f"cannot start the launcher {gone}: No such file or directory",
     )
+
+
+async def test_a_step_that_fails_midway_stops_the_command_before_it_runs(
+    boxed: ProcessDriver,
+) -> None:
+    # A filter the kernel refuses (one instruction, an unknown opcode): the
+    # launch stops at that step, after every join before it, and says so.
+    (boxed.layout.root / "seccomp.bpf").write_bytes(b"\xff\xff" + bytes(6))
+    marker = boxed.workspace(SB) / "ran"
+    end = await (await boxed.launch(SB, "c1", ["sh", "-c", f"touch {marker.name}"])).wait()
+    assert (end.reason, end.detail) == (
+        "launch_failed",
+        "installing the seccomp filter: Invalid argument",
+    )
+    assert not marker.exists()
+
+
+async def test_a_launcher_that_cannot_run_here_leaves_the_python_join(
+    make_driver: Callable[..., Awaitable[ProcessDriver]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Written, but the kernel will not exec it (as on a host root mounted noexec).
+    monkeypatch.setattr(launcher, "program", lambda machine=None: b"not an ELF image")
+    driver = await make_driver()
+    assert driver.capabilities()["launcher"] is False
+    await driver.create_sandbox(SB, None)
+    handle = await driver.launch(SB, "c1", ["sh", "-c", "echo ran"])
+    out, _, end = await collect(handle)
+    assert (end.reason, end.exit_code, out) == ("exited", 0, b"ran\n")
+    spec = json.loads(driver.layout.command(SB, "c1").spec.read_text())
+    assert spec["box"]["launcher"] is None

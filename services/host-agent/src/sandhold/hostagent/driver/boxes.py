@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import signal
@@ -53,6 +54,8 @@ from sandhold.hostagent.driver.rootfs import (
 from sandhold.hostagent.driver.seccomp import SeccompUnavailable, write_filter
 
 User = Literal["user", "root"]
+
+log = logging.getLogger(__name__)
 
 
 def network_modes() -> tuple[str, ...]:
@@ -124,6 +127,7 @@ class Boxes:
         self._seccomp: Path | None = None
         self._seccomp_problem = ""
         self._launcher: str | None = None
+        self._launcher_problem = ""
         self._bwrap = ""
         self._idmapped_base = False
         # Two sandboxes started side by side (in threads) must not both take a
@@ -142,8 +146,12 @@ class Boxes:
             self._seccomp = seccomp
         except SeccompUnavailable as err:
             self._seccomp_problem = str(err)
-        at = str(self.layout.root / "launcher")
-        self._launcher = await asyncio.to_thread(launcher.install, at)
+        try:
+            at = str(self.layout.root / "launcher")
+            self._launcher = await asyncio.to_thread(launcher.install, at)
+        except launcher.LauncherUnavailable as err:
+            self._launcher_problem = str(err)
+            log.warning("boxed commands are joined in Python: %s", err)
         await self._probe()
 
     async def _probe(self) -> None:
@@ -190,6 +198,8 @@ class Boxes:
             "network_modes": ",".join(network_modes()),
             "seccomp": self._seccomp is not None,
             "no_new_privs": True,
+            # Commands started by the launcher (decision 084), else joined in Python.
+            "launcher": self._launcher is not None,
             # The sandbox's root may change its base (copied up into its upper
             # layer): needs idmapped mounts; without them the base is read-only.
             "root_writes_base": self._idmapped_base,

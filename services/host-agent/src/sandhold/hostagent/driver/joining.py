@@ -163,7 +163,8 @@ class Joiner:
         plan = steps.Plan(report_fd)
         passed = {report_fd, *self.namespace_fds()}
         free = min(fd for fd in range(3, 3 + len(passed) + 1) if fd not in passed)
-        plan.call(steps.SYS_OPEN, plan.string(os.devnull), os.O_RDONLY, what="opening stdin")
+        # (read and write, as subprocess.DEVNULL is)
+        plan.call(steps.SYS_OPEN, plan.string(os.devnull), os.O_RDWR, what="opening stdin")
         plan.call(steps.SYS_FCNTL, report_fd, 2, 1, what="setting up the launch")  # FD_CLOEXEC
         plan.call(steps.SYS_PRCTL, _PR_SET_DUMPABLE, 0, 0, 0, 0, what="setting up the launch")
         zero = plan.string("0")  # "0" is the writer itself, in either cgroup version
@@ -179,11 +180,16 @@ class Joiner:
         for fd in self.namespace_fds():
             plan.call(steps.SYS_CLOSE, fd, what="closing the namespaces")
         keep = ROOT_CAPABILITIES if self.target.uid == 0 else frozenset()
-        for cap in range(_last_capability() + 1):
+        last = _last_capability()
+        for cap in range(_LAST_CAP + 1 if last is None else last + 1):
             if cap not in keep:
+                # Unknown to the kernel (EINVAL) past its last: passed over
+                # only where the kernel did not say which is its last.
+                known = last is not None or cap <= _LAST_KNOWN_CAP
                 plan.call(
-                    steps.SYS_PRCTL, _PR_CAPBSET_DROP, cap, 0, 0, 0, what="dropping capabilities"
-                )
+                    steps.SYS_PRCTL, _PR_CAPBSET_DROP, cap, 0, 0, 0,
+                    what="dropping capabilities", flags=steps.FAIL if known else 0,
+                )  # fmt: skip
         ids = "taking the sandbox user's ids"
         groups = plan.put(struct.pack(f"<{len(self.target.groups)}I", *self.target.groups))
         plan.call(steps.SYS_SETGROUPS, len(self.target.groups), groups, what=ids)
@@ -220,12 +226,15 @@ _CWD, _EXEC = "chdir", "execve"
 _MAX_PATH_ENTRIES = 64
 
 
-def _last_capability() -> int:
+_LAST_KNOWN_CAP = 40  # CAP_CHECKPOINT_RESTORE, Linux 5.9
+
+
+def _last_capability() -> int | None:
     try:
         with open("/proc/sys/kernel/cap_last_cap") as last:
             return int(last.read())
     except (OSError, ValueError):
-        return _LAST_CAP
+        return None
 
 
 def _candidates(program: str, env: dict[str, str]) -> list[str]:

@@ -26,14 +26,17 @@ PATH search. The plan names descriptors by number: after the spawn the
 child holds exactly 0–2 and the ones passed, so the one a step opens is the
 lowest other number, known in advance.
 
-The code is x86-64 only; elsewhere ``program()`` is None and the supervisor
+The code is x86-64 only; elsewhere ``program()`` is None, and where it will
+not run (``install`` proves it does) the host says so and the supervisor
 joins the box in Python as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import subprocess
 from dataclasses import dataclass, field
 
 from sandhold.hostagent.driver.box_init import elf_x86_64, is_x86_64
@@ -133,20 +136,64 @@ def program(machine: str | None = None) -> bytes | None:
     return elf_x86_64(_assemble(), (BUFFER, BUFFER_SIZE)) if is_x86_64(machine) else None
 
 
-def install(path: str) -> str | None:
-    """Write the launcher to ``path`` (root's, read and execute only); the path,
-    or None where this machine has no launcher."""
+def install(path: str) -> str:
+    """Write the launcher to ``path`` (root's, read and execute only) and prove
+    it runs here: a host root mounted ``noexec``, or a security module that
+    refuses the exec, would fail every boxed command. Raises
+    `LauncherUnavailable` saying why (or where this machine has none)."""
     image = program()
     if image is None:
-        return None
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o500)
+        raise LauncherUnavailable("no launcher for this CPU")
+    tmp = f"{path}.tmp"
     try:
-        os.write(fd, image)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o500)
+        try:
+            write_all(fd, image)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise LauncherUnavailable(f"cannot write {path}: {err.strerror}") from err
+    _prove(path)
     return path
+
+
+class LauncherUnavailable(RuntimeError):
+    """The launcher cannot run on this host: boxed commands are joined in Python."""
+
+
+def _prove(path: str) -> None:
+    """Run a plan of one step that reports itself: the launcher starts, reads
+    its plan and reports as it should."""
+    report_r, report_w = os.pipe()
+    plan = Plan(report_w)
+    plan.call(SYS_CHDIR, plan.string("/"), what="proof", flags=LAST)
+    plan_fd = os.memfd_create("launcher-proof", os.MFD_CLOEXEC)
+    child: subprocess.Popen[bytes] | None = None
+    try:
+        write_all(plan_fd, plan.encode())
+        os.lseek(plan_fd, 0, os.SEEK_SET)
+        child = subprocess.Popen([path], env={}, stdin=plan_fd, pass_fds=(report_w,))
+    except OSError as err:
+        raise LauncherUnavailable(f"cannot run {path}: {err.strerror}") from err
+    finally:
+        os.close(plan_fd)
+        os.close(report_w)
+        with os.fdopen(report_r, "rb") as report:
+            said = report.read()
+        if child is not None:
+            child.wait()
+    if plan.failure(said) != ("proof", 0) or child.returncode != 127:
+        raise LauncherUnavailable(f"{path} did not run its plan (exit status {child.returncode})")
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 @dataclass

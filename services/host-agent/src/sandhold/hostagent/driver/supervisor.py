@@ -20,6 +20,7 @@ import os
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from sandhold.hostagent.driver.joining import (
     launch_failure,
     launch_problem_inside,
 )
+from sandhold.hostagent.driver.launcher import write_all
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
@@ -225,53 +227,60 @@ class Supervisor:
     def run_launched(self, joiner: Joiner, launcher: str) -> None:
         """Start the command through the host's launcher (launcher.py), which
         joins the box as `_enter_box` would, with no Python in the child."""
-        if not self.spec.argv:
-            joiner.close()
-            self.finish(CommandExit(reason="launch_failed", detail="empty command line"))
-            return
-        report_r, report_w = os.pipe()
-        plan_fd = os.memfd_create("launch-plan", os.MFD_CLOEXEC)
         child: subprocess.Popen[bytes] | None = None
+        failure: tuple[str, int] | None = None
         problem = ""
         try:
+            report_r, report_w = os.pipe()
+        except OSError as err:
+            joiner.close()
+            self.finish(CommandExit(reason="launch_failed", detail=f"a pipe: {err.strerror}"))
+            return
+        try:
+            if not self.spec.argv:
+                raise ValueError("empty command line")
             plan = joiner.plan(
                 self.spec.argv, self.spec.cwd, self.spec.env, self.spec.cgroup_procs, report_w
             )
-            os.write(plan_fd, plan.encode())
-            os.lseek(plan_fd, 0, os.SEEK_SET)
-            child = subprocess.Popen(
-                [launcher],
-                env={},
-                stdin=plan_fd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(report_w, *joiner.namespace_fds()),
-            )
-        except ValueError as err:  # a NUL in the command, a plan too large
-            problem = f"cannot start {self.spec.argv[0]}: {err}"
-        except OSError as err:
-            problem = f"cannot start the launcher {launcher}: {err.strerror}"
+            encoded = plan.encode()
+        except (ValueError, struct.error) as err:  # a NUL in the command, a plan too large
+            problem = str(err) if not self.spec.argv else f"cannot start {self.spec.argv[0]}: {err}"
+        else:
+            try:
+                plan_fd = os.memfd_create("launch-plan", os.MFD_CLOEXEC)
+                try:
+                    write_all(plan_fd, encoded)
+                    os.lseek(plan_fd, 0, os.SEEK_SET)
+                    child = subprocess.Popen(
+                        [launcher],
+                        env={},
+                        stdin=plan_fd,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                        pass_fds=(report_w, *joiner.namespace_fds()),
+                    )
+                finally:
+                    os.close(plan_fd)
+            except OSError as err:
+                problem = f"cannot start the launcher {launcher}: {err.strerror}"
         finally:
             os.close(report_w)
-            os.close(plan_fd)
             joiner.close()
         report = _read_all(report_r)
         os.close(report_r)
-        failure = None if child is None else plan.failure(report)
-        if child is None or failure is not None:
-            if failure is not None:
-                what, errno = failure
-                problem = launch_failure(what, errno, self.spec.argv, self.spec.cwd)
-                assert child is not None
-                child.wait()
-                for pipe in (child.stdout, child.stderr):
-                    if pipe is not None:
-                        pipe.close()
-            self.finish(CommandExit(reason="launch_failed", detail=problem))
-            return
-        self.tmp_isolated = True
-        self.started(child, child.pid)
+        if child is not None:
+            failure = plan.failure(report)
+            if failure is None:
+                self.tmp_isolated = True
+                self.started(child, child.pid)
+                return
+            problem = launch_failure(*failure, self.spec.argv, self.spec.cwd)
+            child.wait()
+            for pipe in (child.stdout, child.stderr):
+                if pipe is not None:
+                    pipe.close()
+        self.finish(CommandExit(reason="launch_failed", detail=problem))
 
     def _enter_box(self, joiner: Joiner, status_w: int) -> None:
         """Runs in the child between fork and exec (in the box's pid namespace already)."""

@@ -208,10 +208,10 @@ class Joiner:
         envp = plan.strings([f"{k}={v}" for k, v in env.items()])
         candidates = _candidates(argv[0], env)
         for n, candidate in enumerate(candidates):
-            last = n == len(candidates) - 1
+            final = n == len(candidates) - 1
             plan.call(
                 steps.SYS_EXECVE, plan.string(candidate), args, envp,
-                what=_EXEC, flags=steps.FAIL | steps.LAST if last else 0,
+                what=_EXEC, flags=steps.FAIL | steps.LAST if final else 0,
             )  # fmt: skip
         return plan
 
@@ -222,10 +222,8 @@ class Joiner:
         return None if code == 0 else f"installing the seccomp filter: {os.strerror(code)}"
 
 
-_CWD, _EXEC = "chdir", "execve"
+_CWD, _EXEC = "chdir", "execve"  # steps whose failures `launch_failure` words itself
 _MAX_PATH_ENTRIES = 64
-
-
 _LAST_KNOWN_CAP = 40  # CAP_CHECKPOINT_RESTORE, Linux 5.9
 
 

@@ -2,8 +2,9 @@
 
 Starting Python costs 20-40 ms, more than the whole exec round trip may take,
 so supervisors are started ahead of need and wait for a command on stdin.
-They are spawned detached (own session, then a second fork), so they are not
-the agent's children: nothing to reap, nothing killed when the agent exits.
+They are not the agent's children (forked by the zygote, which reaps them, or
+detached by a second fork), each in its own session: nothing for the agent to
+reap, nothing killed when the agent exits.
 """
 
 from __future__ import annotations

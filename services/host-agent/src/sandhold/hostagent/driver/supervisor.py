@@ -228,7 +228,6 @@ class Supervisor:
         """Start the command through the host's launcher (launcher.py), which
         joins the box as `_enter_box` would, with no Python in the child."""
         child: subprocess.Popen[bytes] | None = None
-        failure: tuple[str, int] | None = None
         problem = ""
         try:
             report_r, report_w = os.pipe()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from sandhold.hostagent.driver import ProcessDriver
 from sandhold.hostagent.driver.pool import SupervisorPool
 
 from tests.support.waiting import wait_until
@@ -76,3 +79,25 @@ async def test_the_zygote_reaps_the_supervisors_that_ended(tmp_path: Path) -> No
         assert _zygotes(tmp_path) == [zygote]
     finally:
         await pool.close()
+
+
+async def test_supervisors_that_ran_their_commands_are_reaped_too(
+    make_driver: Callable[..., Awaitable[ProcessDriver]], root: Path
+) -> None:
+    driver = await make_driver()
+    await driver.create_sandbox("sb-00000000000a0c02", None)
+    [zygote] = _zygotes(root)
+    supervisors = []
+    for n in range(3):
+        handle = await driver.launch("sb-00000000000a0c02", f"c{n}", ["true"])
+        end = await handle.wait()
+        assert (end.reason, end.exit_code) == ("exited", 0)
+        paths = driver.layout.command("sb-00000000000a0c02", f"c{n}")
+        supervisors.append(int(json.loads(paths.supervisor.read_text())["pid"]))
+    # None stays a zombie: the zygote, their parent, reaps each as it ends.
+    await wait_until(
+        lambda: all(_state(pid) is None for pid in supervisors),
+        timeout=10,
+        what="the supervisors of ended commands reaped",
+    )
+    assert _zygotes(root) == [zygote]

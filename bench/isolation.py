@@ -190,8 +190,9 @@ process, no NATS), then the floors — all in this one run.
 {goals}
 
 A namespaced exec pays for opening seven namespace files and joining the pid
-namespace (in the supervisor, for its child), and in the child for `setns` into
-the rest, the ids, dropping capabilities and loading the seccomp program; the
+namespace (in the supervisor, for its child), and in the child (the launcher,
+decision 084) for `setns` into the rest, the ids, dropping capabilities and
+loading the seccomp program; the
 mount tree is built once per sandbox. Starting every command with bubblewrap
 instead (the one-shot row) would pay for namespaces and mounts each time.
 Create pays for the box: a starter forked by the host-agent's zygote (staging

@@ -147,3 +147,17 @@ async def collect(
             else:
                 return out["stdout"], out["stderr"], item
     raise AssertionError("watch ended without an exit")
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    """The fields of `/proc/<pid>/status` by name (raises OSError once it is gone)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+
+
+def init_pid(driver: ProcessDriver, sandbox_id: str) -> int:
+    """The host pid of the sandbox's box init."""
+    assert driver.boxes is not None
+    state = driver.boxes.state(sandbox_id)
+    assert state is not None
+    return state.init.pid

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import CommandExit, ProcessDriver
 from sandhold.hostagent.driver.handle import CHUNK_BYTES
 
-from .conftest import collect
+from .conftest import collect, proc_status
 
 PY = "python3"  # the sandbox's own, from its base (the host's /usr)
 SB = "sb1"
@@ -131,10 +130,9 @@ def inside_pids(driver: ProcessDriver, sandbox_id: str) -> dict[int, str]:
     found = {}
     for pid in driver.cgroups.pids(sandbox_id):
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
+            fields = proc_status(pid)
         except OSError:
             continue
-        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
         found[int(fields["NSpid"].split()[-1])] = fields["State"][0]
     return found
 

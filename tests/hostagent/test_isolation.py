@@ -20,7 +20,7 @@ from sandhold.hostagent.driver import CommandExit, ProcessDriver, box_init
 from tests.support.net import host_address
 from tests.support.waiting import wait_until
 
-from .conftest import collect
+from .conftest import collect, init_pid, proc_status
 
 A, B = "sb-a", "sb-b"
 
@@ -123,20 +123,13 @@ async def test_host_processes_are_invisible(two: ProcessDriver) -> None:
     assert "pytest" not in out
 
 
-def _init_pid(driver: ProcessDriver, sandbox: str) -> int:
-    assert driver.boxes is not None
-    state = driver.boxes.state(sandbox)
-    assert state is not None
-    return state.init.pid
-
-
 @pytest.mark.skipif(box_init.program() is None, reason="box_init has no program for this CPU")
 async def test_the_boxs_pid_1_maps_no_shared_file(two: ProcessDriver) -> None:
     # Every process mapping libc lengthens the kernel's reverse-map walks that
     # forks and execs on the whole host wait for (box_init says why).
     out, _, end = await run(two, A, "true")
     assert end.exit_code == 0
-    maps = Path(f"/proc/{_init_pid(two, A)}/maps").read_text().splitlines()
+    maps = Path(f"/proc/{init_pid(two, A)}/maps").read_text().splitlines()
     files = {line.split(None, 5)[5] for line in maps if len(line.split(None, 5)) == 6}
     assert {f for f in files if not f.startswith("[")} == {box_init.PATH_INSIDE}, maps
 
@@ -160,12 +153,12 @@ async def test_orphans_inside_are_reaped(two: ProcessDriver) -> None:
 async def test_the_sandboxs_root_cannot_end_its_box(two: ProcessDriver, signal_name: str) -> None:
     # `kill -1` reaches every process in the box but pid 1 and the caller; the
     # shell holder used elsewhere dies of it, and its box with it.
-    init = _init_pid(two, A)
+    init = init_pid(two, A)
     _, err, end = await run(two, A, f"kill -{signal_name} 1; kill -{signal_name} -1", user="root")
     assert end.reason == "exited", err
     out, _, end = await run(two, A, "echo still")
     assert (out, end.exit_code) == ("still\n", 0)
-    assert _init_pid(two, A) == init  # the same box, not a new one
+    assert init_pid(two, A) == init  # the same box, not a new one
 
 
 @pytest.mark.skipif(box_init.program() is None, reason="box_init has no program for this CPU")
@@ -245,8 +238,7 @@ async def test_from_the_host_a_command_is_never_host_root(two: ProcessDriver, us
     pid = await handle.started()
     assert isinstance(pid, int)
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        fields = proc_status(pid)
         uids = [int(v) for v in fields["Uid"].split()]
         offset = two.id_offset(A)
         expected = offset if user == "root" else offset + 1000

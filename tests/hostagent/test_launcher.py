@@ -20,7 +20,7 @@ from sandhold.hostagent.driver.joining import (
 )
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
-from tests.hostagent.conftest import collect
+from tests.hostagent.conftest import collect, init_pid, proc_status
 
 pytestmark = pytest.mark.skipif(launcher.program() is None, reason="no launcher for this CPU")
 
@@ -28,18 +28,11 @@ SB = "sb-00000000000a0c01"
 
 
 def _spawn(plan: launcher.Plan, path: str, report_w: int) -> subprocess.Popen[bytes]:
-    """As the supervisor starts it: the plan on stdin, the report's descriptor
-    passed (same number in the child); returns once the report's write end is
-    the child's alone."""
-    plan_fd = os.memfd_create("plan", os.MFD_CLOEXEC)
+    """As the supervisor starts it; returns once the report's write end is the
+    child's alone."""
     try:
-        os.write(plan_fd, plan.encode())
-        os.lseek(plan_fd, 0, os.SEEK_SET)
-        return subprocess.Popen(
-            [path], env={}, stdin=plan_fd, stdout=subprocess.PIPE, pass_fds=(report_w,)
-        )
+        return launcher.start(path, plan.encode(), (report_w,), stdout=subprocess.PIPE)
     finally:
-        os.close(plan_fd)
         os.close(report_w)
 
 
@@ -164,13 +157,6 @@ joining_order = ("user", "mnt", "net", "ipc", "uts", "cgroup")
 # --- through the driver: the launcher and the Python join give the same command ---
 
 
-def _init_pid(driver: ProcessDriver) -> int:
-    assert driver.boxes is not None
-    state = driver.boxes.state(SB)
-    assert state is not None
-    return state.init.pid
-
-
 @pytest.fixture(params=["launcher", "python"])
 async def boxed(
     request: pytest.FixtureRequest,
@@ -195,8 +181,7 @@ async def test_a_boxed_command_is_the_same_process_either_way(boxed: ProcessDriv
         pid = await handle.started()
         assert isinstance(pid, int)
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+            fields = proc_status(pid)
             offset = boxed.id_offset(SB)
             expected = offset if user == "root" else offset + 1000
             assert [int(v) for v in fields["Uid"].split()] == [expected] * 4
@@ -212,7 +197,7 @@ async def test_a_boxed_command_is_the_same_process_either_way(boxed: ProcessDriv
             assert int(fields["SigIgn"], 16) & (1 << 31) - 1 == 0
             assert len(fields["NSpid"].split()) == 2  # born in the box's pid namespace
             assert os.getsid(pid) == pid  # a session of its own
-            init = _init_pid(boxed)
+            init = init_pid(boxed, SB)
             for ns in ("pid", "user", "mnt", "net", "ipc", "uts", "cgroup"):
                 assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{init}/ns/{ns}")
             # In each of the command's own cgroups, as the spec names them.

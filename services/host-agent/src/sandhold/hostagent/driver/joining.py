@@ -180,7 +180,7 @@ class Joiner:
         for fd in self.namespace_fds():
             plan.call(steps.SYS_CLOSE, fd, what="closing the namespaces")
         keep = ROOT_CAPABILITIES if self.target.uid == 0 else frozenset()
-        last = _last_capability()
+        last = _LAST_CAPABILITY
         for cap in range(_LAST_CAP + 1 if last is None else last + 1):
             if cap not in keep:
                 # Unknown to the kernel (EINVAL) past its last: passed over
@@ -233,6 +233,10 @@ def _last_capability() -> int | None:
             return int(last.read())
     except (OSError, ValueError):
         return None
+
+
+# Read once, as the zygote imports this, not by every supervisor per command.
+_LAST_CAPABILITY = _last_capability()
 
 
 def _candidates(program: str, env: dict[str, str]) -> list[str]:

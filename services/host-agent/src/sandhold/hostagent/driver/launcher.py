@@ -38,6 +38,7 @@ import os
 import struct
 import subprocess
 from dataclasses import dataclass, field
+from typing import Any
 
 from sandhold.hostagent.driver.box_init import elf_x86_64, is_x86_64
 
@@ -165,22 +166,32 @@ class LauncherUnavailable(RuntimeError):
     """The launcher cannot run on this host: boxed commands are joined in Python."""
 
 
+def start(
+    path: str, plan: bytes, pass_fds: tuple[int, ...], **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Start the launcher at ``path`` on an encoded plan (on its stdin, a memory
+    file), passing ``pass_fds`` at their own numbers; the plan names them so."""
+    plan_fd = os.memfd_create("launch-plan", os.MFD_CLOEXEC)
+    try:
+        write_all(plan_fd, plan)
+        os.lseek(plan_fd, 0, os.SEEK_SET)
+        return subprocess.Popen([path], env={}, stdin=plan_fd, pass_fds=pass_fds, **popen)
+    finally:
+        os.close(plan_fd)
+
+
 def _prove(path: str) -> None:
     """Run a plan of one step that reports itself: the launcher starts, reads
     its plan and reports as it should."""
     report_r, report_w = os.pipe()
     plan = Plan(report_w)
     plan.call(SYS_CHDIR, plan.string("/"), what="proof", flags=LAST)
-    plan_fd = os.memfd_create("launcher-proof", os.MFD_CLOEXEC)
     child: subprocess.Popen[bytes] | None = None
     try:
-        write_all(plan_fd, plan.encode())
-        os.lseek(plan_fd, 0, os.SEEK_SET)
-        child = subprocess.Popen([path], env={}, stdin=plan_fd, pass_fds=(report_w,))
+        child = start(path, plan.encode(), (report_w,))
     except OSError as err:
         raise LauncherUnavailable(f"cannot run {path}: {err.strerror}") from err
     finally:
-        os.close(plan_fd)
         os.close(report_w)
         with os.fdopen(report_r, "rb") as report:
             said = report.read()

@@ -39,7 +39,7 @@ from sandhold.hostagent.driver.joining import (
     launch_failure,
     launch_problem_inside,
 )
-from sandhold.hostagent.driver.launcher import write_all
+from sandhold.hostagent.driver.launcher import start as launcher_start
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
@@ -246,21 +246,14 @@ class Supervisor:
             problem = str(err) if not self.spec.argv else f"cannot start {self.spec.argv[0]}: {err}"
         else:
             try:
-                plan_fd = os.memfd_create("launch-plan", os.MFD_CLOEXEC)
-                try:
-                    write_all(plan_fd, encoded)
-                    os.lseek(plan_fd, 0, os.SEEK_SET)
-                    child = subprocess.Popen(
-                        [launcher],
-                        env={},
-                        stdin=plan_fd,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        start_new_session=True,
-                        pass_fds=(report_w, *joiner.namespace_fds()),
-                    )
-                finally:
-                    os.close(plan_fd)
+                child = launcher_start(
+                    launcher,
+                    encoded,
+                    (report_w, *joiner.namespace_fds()),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
             except OSError as err:
                 problem = f"cannot start the launcher {launcher}: {err.strerror}"
         finally:

@@ -234,6 +234,37 @@ async def test_a_node_cut_off_while_writes_go_on_rejoins_holding_every_acknowled
         await nc.close()
 
 
+@pytest.mark.timeout(120)
+async def test_replicated_streams_asked_of_a_cluster_still_forming_are_made_once_it_has_formed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """`sandhold up --nodes 3` (or `sandhold streams`) asks for R3 streams as soon
+    as a node answers; until three nodes joined they cannot be placed ("no
+    suitable peers", 10005): the admin waits for the third, and does not die."""
+    forming = NatsCluster(tmp_path / "cluster")
+    first, second, third = forming.nodes
+    try:
+        for node in (first, second):
+            node.start()
+        nc = await nats.connect(first.admin_url)
+        try:
+            making = asyncio.create_task(ensure_streams(nc.jetstream(), NAMES, replicas=3))
+            await wait_until(
+                lambda: "(too few peers)" in caplog.text or making.done(),
+                timeout=60,
+                what="streams refused for want of peers",
+            )
+            assert not making.done(), "made (or given up) with two nodes of three"
+            third.start()
+            await asyncio.wait_for(making, 90)  # raises if it gave up
+            info = await nc.jetstream().stream_info(STREAM)
+            assert info.config.num_replicas == 3
+        finally:
+            await nc.close()
+    finally:
+        forming.stop()
+
+
 @pytest.mark.timeout(180)
 async def test_a_service_started_while_the_cluster_has_no_quorum_waits_for_its_streams(
     cluster: NatsCluster, caplog: pytest.LogCaptureFixture

@@ -49,11 +49,13 @@ async def patiently(
     pause_s: float = 0.1,
     attempt_s: float | None = None,
     on_first_wait: Callable[[Exception], None] | None = None,
+    also: Callable[[Exception], bool] | None = None,
 ) -> T:
     """`await call()`, asked again after `pause_s` while it fails as an election
     does, for up to `wait_s` seconds (None: for as long as it takes); then the
     last error is raised. `on_first_wait` hears the first such failure (to say
-    what is being waited for, once).
+    what is being waited for, once). `also` names other failures that pass
+    the same way (a cluster still forming: a peer not yet joined).
 
     `attempt_s` cuts the first attempt short (nats-py's own timeout is five
     seconds), each next one a quarter longer up to those five: a request lost
@@ -75,7 +77,9 @@ async def patiently(
             # with the answer, decision 080; `timeout` never does.)
             async with asyncio.timeout(next(timeouts)):
                 return await call()
-        except ELECTING as err:
+        except Exception as err:
+            if not isinstance(err, ELECTING) and not (also is not None and also(err)):
+                raise
             if deadline is not None and loop.time() > deadline:
                 raise
             if on_first_wait is not None:

@@ -21,6 +21,9 @@ from sandhold.bus.names import Names
 log = logging.getLogger(__name__)
 
 _STREAM_EXISTS_DIFFERENT = 10058
+# "no suitable peers for placement": a replicated stream asked of a cluster whose
+# nodes have not all joined yet (just started, or one restarting).
+_NO_SUITABLE_PEERS = 10005
 SECRETS_MAX_AGE_S = 7 * 86400  # a command not launched within a week loses its secrets
 
 
@@ -117,8 +120,28 @@ async def ensure_streams(
     """Create every stream and bucket; update one whose settings changed.
 
     A cluster that has just started answers only once its nodes elected a meta
-    leader, and a replicated stream is made once its peers agreed: until the
-    deadline, a request that times out or finds JetStream not ready is asked again."""
+    leader, and a replicated stream is made once its peers agreed, and placed
+    once as many nodes joined as it has replicas: until the deadline, a request
+    that times out, finds JetStream not ready or finds too few peers is asked
+    again (the first such wait is logged, to say what it waits for)."""
+    said: set[str] = set()
+
+    def waiting(err: Exception) -> None:
+        """Each reason to wait is logged once: what it waits for, and when that changed."""
+        reason = "too few peers" if _unplaced(err) else "an answer"
+        if reason not in said:
+            said.add(reason)
+            log.warning("waiting for the cluster to place its streams (%s): %s", reason, err)
+
+    def unplaced(err: Exception) -> bool:
+        if _unplaced(err):
+            waiting(err)
+            return True
+        return False
+
+    wait = functools.partial(
+        patiently, wait_s=timeout_s, pause_s=0.2, on_first_wait=waiting, also=unplaced
+    )
     for config in stream_configs(names, replicas=replicas):
 
         async def add(config: StreamConfig = config) -> None:
@@ -129,11 +152,15 @@ async def ensure_streams(
                     raise
                 await js.update_stream(config)
 
-        await patiently(add, wait_s=timeout_s, pause_s=0.2)
+        await wait(add)
     # Hosts' leases, and service instances' (decision 036).
     for bucket in (names.lease_bucket, names.instance_bucket):
         kv = KeyValueConfig(bucket=bucket, history=1, replicas=replicas, storage=StorageType.FILE)
-        await patiently(functools.partial(js.create_key_value, kv), wait_s=timeout_s, pause_s=0.2)
+        await wait(functools.partial(js.create_key_value, kv))
+
+
+def _unplaced(err: Exception) -> bool:
+    return isinstance(err, BadRequestError) and err.err_code == _NO_SUITABLE_PEERS
 
 
 async def await_streams(js: JetStreamContext, names: Names, *, poll_s: float = 0.5) -> None:

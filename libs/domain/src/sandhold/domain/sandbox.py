@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable
+from itertools import islice
 from typing import Literal, assert_never
 
 import msgspec
 from sandhold.domain import events as ev
+from sandhold.domain import keyfilter as kf
 from sandhold.domain import requests as rq
 from sandhold.domain import saves as sv
 from sandhold.domain.commands import END_STATES, CommandState
@@ -156,8 +158,11 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     # The ids of its queued commands, in order: what `plan` looks at on every
     # change, without going through every command the sandbox ever ran.
     queued: tuple[str, ...] = ()
-    # idempotency key -> digest of the request body that used it
+    # idempotency key -> digest of the request body that used it (compacted: the
+    # newest; the older ones in `forgotten_keys`, decision 085)
     requests: PMap[str, str] = EMPTY
+    # Compacted away from `requests`, `keyfilter.BLOCK` keys a filter, oldest first.
+    forgotten_keys: tuple[bytes, ...] = ()
     connections: dict[str, Connection] = {}  # name -> where its value is kept
     connections_revision: int = 0  # every set or removal counts one
     # The revision the current placement's host wrote (None: nothing yet).
@@ -467,7 +472,9 @@ def _with_command(state: Sandbox, command: Command) -> Sandbox:
 def compact(state: Sandbox) -> Sandbox:
     """What a service keeps of a sandbox to decide on (decision 057): its ended
     commands go (an end state is final, and no periodic decision reads them);
-    their request keys stay, so a retry is still known as one. A deleted
+    their request keys stay, so a retry is still known as one: the newest
+    exactly, older ones `keyfilter.BLOCK` at a time as a filter (decision 085;
+    a key it may hold is decided on the whole state, `whole_needed`). A deleted
     sandbox forgets its request keys too: every request to it is refused or
     changes nothing, and `whole_needed` has it decided on the whole state.
     Its saves that nothing names go as well (decision 068): expired, failed
@@ -484,7 +491,8 @@ def compact(state: Sandbox) -> Sandbox:
         kept_saves = None
     if (
         len(state.commands) == len(state.unended_ids)
-        and not (deleted and state.requests)
+        and not (deleted and (state.requests or state.forgotten_keys))
+        and len(state.requests) < 2 * kf.BLOCK
         and kept_saves is None
     ):
         return state
@@ -497,11 +505,23 @@ def compact(state: Sandbox) -> Sandbox:
     if kept_saves is not None:
         kept = set(kept_saves)
         saves = PMap((i, record) for i, record in state.saves.items() if i in kept)
+    requests, forgotten = state.requests, state.forgotten_keys
+    if deleted:
+        requests, forgotten = EMPTY, ()
+    else:
+        # Whole blocks of the oldest, while two blocks' worth are held: the same
+        # blocks whether compacted after every event or once after many (the
+        # keys are in the order they came), so a checkpoint's states equal a
+        # fold from zero compacted (`audit --checkpoints`).
+        while len(requests) >= 2 * kf.BLOCK:
+            forgotten = (*forgotten, kf.block_of(islice(requests, kf.BLOCK)))
+            requests = PMap(islice(requests.items(), kf.BLOCK, None))
     return msgspec.structs.replace(
         state,
         commands=commands,
         saves=saves,
-        requests=EMPTY if deleted else state.requests,
+        requests=requests,
+        forgotten_keys=forgotten,
         compacted=True,
     )
 
@@ -539,6 +559,8 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
         return False
     if state.phase == "deleted":
         return True
+    if remembers(state, request.key) is None:
+        return True  # a key compacted into a filter, or one the filter mistakes for it
     match request:
         case rq.RunCommand():  # a retry: known by its key, its command gone
             return (
@@ -556,20 +578,33 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
             return False
 
 
-def queued_by(state: Sandbox, key: str) -> bool:
+def remembers(state: Sandbox, key: str) -> bool | None:
+    """Whether the sandbox was sent a request with `key`: None when only its
+    whole state can say (a compacted key may be in a filter, decision 085).
+    Not told of a deleted sandbox's compacted state."""
+    if key in state.requests:
+        return True
+    return None if kf.may_hold(state.forgotten_keys, key) else False
+
+
+def queued_by(state: Sandbox, key: str) -> bool | None:
     """Whether the run request with `key` made its command here: kept, or
     ended and compacted away (its key stays; a run is never a request that
-    changes nothing). Not told of a deleted sandbox's compacted state."""
-    return rq.command_id_for(state.id, key) in state.commands or key in state.requests
+    changes nothing). None: only the whole state can say (`remembers`)."""
+    if rq.command_id_for(state.id, key) in state.commands:
+        return True
+    return remembers(state, key)
 
 
 def ended_away(state: Sandbox, command_id: str, key: str) -> bool:
     """Whether the command, queued, may have ended and been dropped by
     `compact`: its end record is then in the log only (`AggregateStore.read_whole`).
-    Of a deleted sandbox, whose request keys went too: any command not kept."""
+    Of a deleted sandbox, whose request keys went too: any command not kept.
+    Asked of a command known to have been queued, a key that may be in a
+    filter was put there (decision 085)."""
     if not state.compacted or command_id in state.commands:
         return False
-    return key in state.requests or state.phase == "deleted"
+    return remembers(state, key) is not False or state.phase == "deleted"
 
 
 def _indexed(ids: tuple[str, ...], member_id: str, member: bool) -> tuple[str, ...]:

@@ -489,7 +489,7 @@ def kept_in_cache(s: sb.Sandbox) -> sb.Sandbox:
     """What the cache keeps of a sandbox once its rows are written (decision
     072): compacted, and without its request keys (no row holds them and
     `evolve` reads none; a state read back from the rows has none either)."""
-    return msgspec.structs.replace(sb.compact(s), requests=pmap.EMPTY)
+    return msgspec.structs.replace(sb.compact(s), requests=pmap.EMPTY, forgotten_keys=())
 
 
 def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
@@ -515,6 +515,7 @@ def sandbox_row(s: sb.Sandbox, seq: int) -> tuple:
                 commands=pmap.EMPTY,
                 saves=s.named_saves(),
                 requests=pmap.EMPTY,
+                forgotten_keys=(),
                 compacted=False,
             )
         ),

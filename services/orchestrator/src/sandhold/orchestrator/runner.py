@@ -117,8 +117,8 @@ def provision_undecided(state: tk.Task, sandbox: sb.Sandbox | None) -> bool:
         return False  # no attempt after the last failure was (or will be) sent
     if sandbox is None:
         return True
-    if start_key(state.id, len(failures) + 1) in sandbox.requests:
-        return False
+    if sb.remembers(sandbox, start_key(state.id, len(failures) + 1)) is not False:
+        return False  # (None: a key in a filter, decision 085, was sent)
     return sandbox.phase in ("stopped", "failed", "lost")
 
 
@@ -134,7 +134,9 @@ def _ended_save(state: sb.Sandbox, save_id: str, key: str) -> sv.SaveRecord | No
     record = state.saves.get(save_id)
     if record is None:
         # (A deleted sandbox's kept state has no request keys: read it back.)
-        return _DROPPED if key in state.requests or state.phase == "deleted" else None
+        # (A key in a filter was put there: this request was sent, decision 085.)
+        dropped = sb.remembers(state, key) is not False or state.phase == "deleted"
+        return _DROPPED if dropped else None
     return None if record.state in sv.IN_FLIGHT else record
 
 

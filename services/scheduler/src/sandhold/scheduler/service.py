@@ -228,8 +228,10 @@ class Scheduler:
             return None
         command_id = rq.command_id_for(sandbox_id, request.key)
         state, _ = self.sandboxes.get(sandbox_id)
-        if state is not None and (command_id in state.commands or request.key in state.requests):
+        if state is not None and sb.queued_by(state, request.key):
             return None  # a retry of a command already queued: its secrets are kept (or used)
+        # (Not known here, `queued_by` None: its key is in a filter, decision 085. Kept
+        # again, and forgotten again if the retry appends nothing.)
         await secret_store.keep(
             self._js, self._names, self._names.secret(command_id), request.secrets
         )
@@ -243,7 +245,11 @@ class Scheduler:
         if not isinstance(request, rq.SetConnection):
             return None
         state, _ = self.sandboxes.get(sandbox_id)
-        if state is not None and request.key in state.requests:
+        known = state is not None and sb.remembers(state, request.key)
+        if known is None:  # compacted into a filter (decision 085): the log says
+            state, _ = await self.sandboxes.read_whole(sandbox_id)
+            known = state is not None and sb.remembers(state, request.key)
+        if known:
             return None  # a retry: the first one's value is the one referred to
         value_id = rq.connection_value_id(sandbox_id, request.key)
         await secret_store.keep(

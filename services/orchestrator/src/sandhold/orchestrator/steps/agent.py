@@ -94,7 +94,7 @@ class AgentStep:
         key = record.idempotency_key
         try:
             await runner.sandboxes.settle(
-                sent, lambda s: sb.queued_by(s, key), sandbox_id=record.sandbox_id
+                sent, lambda s: sb.queued_by(s, key) is True, sandbox_id=record.sandbox_id
             )
         except Rejected as err:
             await runner.record_step_failure(record, f"rejected_{err.code}", err.message)
@@ -109,7 +109,11 @@ class AgentStep:
         assert record.sandbox_id and record.command_id
         # (As waited for: the store may hold it no more, decision 061.)
         sandbox = await runner.sandboxes.wait(record.sandbox_id, lambda s: s, timeout=None)
-        if sb.queued_by(sandbox, record.idempotency_key):
+        queued = sb.queued_by(sandbox, record.idempotency_key)
+        if queued is None:  # its key compacted into a filter (decision 085): the log says
+            whole = await runner.sandboxes.whole(record.sandbox_id)
+            queued = whole is not None and sb.queued_by(whole, record.idempotency_key)
+        if queued:
             log.info("%s: re-attaching to %s (%s)", runner.task_id, record.command_id, record.id)
             return True
         # No command in the sandbox's log. Whether its request left can be learnt

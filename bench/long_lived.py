@@ -29,6 +29,7 @@ from _common import arguments, emit, envelopes_for, sandbox_id, table, verdict
 from sandhold.bus.codec import encode_envelope
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
+from sandhold.domain import keyfilter as kf
 from sandhold.domain import pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope, wrap
@@ -104,9 +105,16 @@ def measure(commands: int, rounds: int) -> dict[str, float]:
         "baseline": lambda _old, new: [c for c in new.commands.values() if not c.ended],
     }
     calls = max(3, 3000 // max(1, commands // 10))
-    return {
+    timed = {
         name: best_per_call(each(step), calls, rounds) / len(pairs) for name, step in steps.items()
     }
+    whole, kept = kept_kib(before)
+    # As decision 085 found it: compacted, but every request key held exactly.
+    exact = msgspec.structs.replace(sb.compact(before), requests=before.requests, forgotten_keys=())
+    return {
+        **timed, "whole KiB": whole, "kept KiB": kept,
+        "exact KiB": len(_ENCODER.encode(exact)) / 1024,
+    }  # fmt: skip
 
 
 def _save_events(save_id: str) -> list[ev.AnyEvent]:
@@ -190,7 +198,9 @@ def main() -> None:
     names = ["evolve", "plan", "view", "read model", "baseline"]
     rows = [
         [f"{n:,}", *(f"{results[n][name]:.1f}" for name in names),
-         f"{sum(results[n][k] for k in names[:4]):.1f}"]
+         f"{sum(results[n][k] for k in names[:4]):.1f}",
+         f"{results[n]['whole KiB']:,.1f}", f"{results[n]['kept KiB']:,.1f}",
+         f"{results[n]['exact KiB']:,.1f}"]
         for n in SIZES
     ]  # fmt: skip
     small, large = results[SIZES[0]], results[SIZES[-1]]
@@ -198,7 +208,8 @@ def main() -> None:
     growth = sum(large[k] for k in ours) / sum(small[k] for k in ours)
     headers = [
         "commands in its history", "evolve µs/event", "plan", "view", "read model",
-        "baseline: a pass over all", "sandhold total",
+        "baseline: a pass over all", "sandhold total", "whole KiB", "kept KiB",
+        "kept, every key exact",
     ]  # fmt: skip
     intro = __doc__.split("    uv run")[0].split("\n", 2)[2].strip()
     body = f"""
@@ -208,7 +219,13 @@ def main() -> None:
 
 Goal: per event at {SIZES[-1]:,} commands within {GOAL_FLAT:.0f}× of that at {SIZES[0]}
 → {growth:.2f}× {verdict(growth <= GOAL_FLAT)}; a pass over every command grows
-{large["baseline"] / small["baseline"]:.0f}× over the same range.
+{large["baseline"] / small["baseline"]:.0f}× over the same range. The last three columns
+are the state's size as a checkpoint stores it (msgpack): whole; as every service keeps it
+(`sandbox.compact`: no ended command, decision 057; the newest
+{2 * kf.BLOCK - 1:,} request keys at most, older ones as Bloom filters of
+{kf.BLOCK:,} keys, {kf.BITS_PER_KEY / 8} B a key, decision 085); and as it was kept
+before decision 085, every key exact. At {SIZES[-1]:,} commands a service keeps
+{large["kept KiB"]:,.1f} KiB against {large["exact KiB"]:,.1f} with every key exact.
 """
     saved = {n: measure_saves(n, rounds) for n in SIZES}
     save_names = ["evolve", "tick", "reacts", "plan", "view", "read model"]

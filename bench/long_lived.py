@@ -29,8 +29,7 @@ from _common import arguments, emit, envelopes_for, sandbox_id, table, verdict
 from sandhold.bus.codec import encode_envelope
 from sandhold.bus.names import Names
 from sandhold.domain import events as ev
-from sandhold.domain import keyfilter as kf
-from sandhold.domain import pmap
+from sandhold.domain import fingerprints, pmap
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope, wrap
 from sandhold.domain.fold import fold
@@ -222,8 +221,8 @@ Goal: per event at {SIZES[-1]:,} commands within {GOAL_FLAT:.0f}× of that at {S
 {large["baseline"] / small["baseline"]:.0f}× over the same range. The last three columns
 are the state's size as a checkpoint stores it (msgpack): whole; as every service keeps it
 (`sandbox.compact`: no ended command, decision 057; the newest
-{2 * kf.BLOCK - 1:,} request keys at most, older ones as Bloom filters of
-{kf.BLOCK:,} keys, {kf.BITS_PER_KEY / 8} B a key, decision 085); and as it was kept
+{2 * fingerprints.BLOCK - 1:,} request keys at most, older ones as 8-byte
+fingerprints, decision 085); and as it was kept
 before decision 085, every key exact. At {SIZES[-1]:,} commands a service keeps
 {large["kept KiB"]:,.1f} KiB against {large["exact KiB"]:,.1f} with every key exact.
 """

@@ -116,7 +116,9 @@ def read_request(state: Sandbox, choice: Choice) -> rq.AnyRequest:
         case "create":
             return rq.CreateSandbox(key=CREATE_KEY, memory_limit_bytes=pick(MEMORY, detail))
         case "start":
-            return rq.StartSandbox(key=key, tenant=tenant, sandbox_id=SID)
+            # Now and then a late start superseded by another request (decision 082).
+            later = (pick(KEYS, detail),) if detail >= 12 else ()
+            return rq.StartSandbox(key=key, tenant=tenant, sandbox_id=SID, superseded_by=later)
         case "stop":
             return rq.StopSandbox(key=key, tenant=tenant, sandbox_id=SID)
         case "delete" if detail < 4:  # otherwise it reads as a run

@@ -1,6 +1,6 @@
 """A retry is known as one however late it comes (decision 085): after thousands
 of later requests, a compacted sandbox holds the first request's key only in a
-filter, and the scheduler decides the retry on the sandbox read back whole."""
+fingerprint, and the scheduler decides the retry on the sandbox read back whole."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import msgspec
 from nats.js.errors import NotFoundError
 from sandhold.bus.names import Names
 from sandhold.client import Client, connect
-from sandhold.domain import keyfilter as kf
+from sandhold.domain import fingerprints
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 
@@ -22,14 +22,14 @@ from tests.e2e.test_connections import _read
 
 async def _two_blocks_later(client: Client, sandbox_id: str, key: str) -> None:
     """Two blocks of later requests, each with a key of its own: as every
-    service compacts the sandbox, `key` is then in a filter only."""
+    service compacts the sandbox, `key` is then kept as a fingerprint only."""
     room = asyncio.Semaphore(32)
 
     async def touch(i: int) -> None:
         async with room:
             await client.touch_sandbox(sandbox_id, key=f"touch-{i}")
 
-    await asyncio.gather(*(touch(i) for i in range(2 * kf.BLOCK)))
+    await asyncio.gather(*(touch(i) for i in range(2 * fingerprints.BLOCK)))
     state = None
     for record in await client.sandbox_records(sandbox_id):
         state = sb.compact(sb.evolve(state, record.envelope))

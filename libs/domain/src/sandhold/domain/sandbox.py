@@ -14,7 +14,7 @@ from typing import Literal, assert_never
 
 import msgspec
 from sandhold.domain import events as ev
-from sandhold.domain import keyfilter as kf
+from sandhold.domain import fingerprints
 from sandhold.domain import requests as rq
 from sandhold.domain import saves as sv
 from sandhold.domain.commands import END_STATES, CommandState
@@ -161,7 +161,7 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True):
     # idempotency key -> digest of the request body that used it (compacted: the
     # newest; the older ones in `forgotten_keys`, decision 085)
     requests: PMap[str, str] = EMPTY
-    # Compacted away from `requests`, `keyfilter.BLOCK` keys a filter, oldest first.
+    # Compacted away from `requests`: sorted runs of their fingerprints (`fingerprints`).
     forgotten_keys: tuple[bytes, ...] = ()
     connections: dict[str, Connection] = {}  # name -> where its value is kept
     connections_revision: int = 0  # every set or removal counts one
@@ -473,8 +473,9 @@ def compact(state: Sandbox) -> Sandbox:
     """What a service keeps of a sandbox to decide on (decision 057): its ended
     commands go (an end state is final, and no periodic decision reads them);
     their request keys stay, so a retry is still known as one: the newest
-    exactly, older ones `keyfilter.BLOCK` at a time as a filter (decision 085;
-    a key it may hold is decided on the whole state, `whole_needed`). A deleted
+    exactly, older ones `fingerprints.BLOCK` at a time as 8-byte fingerprints
+    (decision 085; a request with such a key is decided on the whole state,
+    `whole_needed`). A deleted
     sandbox forgets its request keys too: every request to it is refused or
     changes nothing, and `whole_needed` has it decided on the whole state.
     Its saves that nothing names go as well (decision 068): expired, failed
@@ -492,7 +493,7 @@ def compact(state: Sandbox) -> Sandbox:
     if (
         len(state.commands) == len(state.unended_ids)
         and not (deleted and (state.requests or state.forgotten_keys))
-        and len(state.requests) < 2 * kf.BLOCK
+        and len(state.requests) < 2 * fingerprints.BLOCK
         and kept_saves is None
     ):
         return state
@@ -513,9 +514,9 @@ def compact(state: Sandbox) -> Sandbox:
         # blocks whether compacted after every event or once after many (the
         # keys are in the order they came), so a checkpoint's states equal a
         # fold from zero compacted (`audit --checkpoints`).
-        while len(requests) >= 2 * kf.BLOCK:
-            forgotten = (*forgotten, kf.block_of(islice(requests, kf.BLOCK)))
-            requests = PMap(islice(requests.items(), kf.BLOCK, None))
+        while len(requests) >= 2 * fingerprints.BLOCK:
+            forgotten = fingerprints.with_block(forgotten, islice(requests, fingerprints.BLOCK))
+            requests = PMap(islice(requests.items(), fingerprints.BLOCK, None))
     return msgspec.structs.replace(
         state,
         commands=commands,
@@ -560,7 +561,11 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
     if state.phase == "deleted":
         return True
     if remembers(state, request.key) is None:
-        return True  # a key compacted into a filter, or one the filter mistakes for it
+        return True  # a key compacted into a fingerprint: only the log is exact
+    if isinstance(request, rq.StartSandbox) and any(
+        remembers(state, key) is None for key in request.superseded_by
+    ):
+        return True  # (a stop that supersedes a late start, decision 082, likewise)
     match request:
         case rq.RunCommand():  # a retry: known by its key, its command gone
             return (
@@ -580,11 +585,12 @@ def whole_needed(state: Sandbox | None, request: rq.AnyRequest) -> bool:
 
 def remembers(state: Sandbox, key: str) -> bool | None:
     """Whether the sandbox was sent a request with `key`: None when only its
-    whole state can say (a compacted key may be in a filter, decision 085).
+    whole state is exact (its fingerprint is kept: sent before, but for a chance
+    of one in ~10^13, decision 085).
     Not told of a deleted sandbox's compacted state."""
     if key in state.requests:
         return True
-    return None if kf.may_hold(state.forgotten_keys, key) else False
+    return None if fingerprints.may_hold(state.forgotten_keys, key) else False
 
 
 def queued_by(state: Sandbox, key: str) -> bool | None:
@@ -600,8 +606,7 @@ def ended_away(state: Sandbox, command_id: str, key: str) -> bool:
     """Whether the command, queued, may have ended and been dropped by
     `compact`: its end record is then in the log only (`AggregateStore.read_whole`).
     Of a deleted sandbox, whose request keys went too: any command not kept.
-    Asked of a command known to have been queued, a key that may be in a
-    filter was put there (decision 085)."""
+    A key kept only as a fingerprint counts as known (decision 085)."""
     if not state.compacted or command_id in state.commands:
         return False
     return remembers(state, key) is not False or state.phase == "deleted"
@@ -616,6 +621,11 @@ def _indexed(ids: tuple[str, ...], member_id: str, member: bool) -> tuple[str, .
 
 
 def _remember(state: Sandbox, key: str, digest: str) -> PMap[str, str]:
+    # Each key is remembered by one event, once: a retry appends nothing, and the
+    # keys sandhold makes itself (`wake:`, `idle:`, `kept-stopped:`) are unique.
+    # `compact` counts on it (decision 085): a key remembered again after it was
+    # moved to a fingerprint would be held twice, and a fold compacted after
+    # every event would then differ from one compacted at the end.
     return state.requests.set(key, digest)
 
 

@@ -107,10 +107,10 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
 # A read model of another version is dropped and rebuilt from the log on open.
-SCHEMA_VERSION = "7"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start;
+SCHEMA_VERSION = "8"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start;
 # 5: its unended command ids and ended counts, without its idempotency keys; 6: its
 # saves' indexes (decision 055); 7: save records in their rows, the sandbox's row
-# holds only the saves its view reads
+# holds only the saves its view reads; 8: its (empty) key fingerprints (decision 085)
 
 _json = msgspec.json.Encoder(order="deterministic", enc_hook=pmap.enc_hook)
 _command = msgspec.json.Decoder(sb.Command)

@@ -118,7 +118,7 @@ def provision_undecided(state: tk.Task, sandbox: sb.Sandbox | None) -> bool:
     if sandbox is None:
         return True
     if sb.remembers(sandbox, start_key(state.id, len(failures) + 1)) is not False:
-        return False  # (None: a key in a filter, decision 085, was sent)
+        return False  # (None: kept as a fingerprint, decision 085: it was sent)
     return sandbox.phase in ("stopped", "failed", "lost")
 
 
@@ -134,7 +134,7 @@ def _ended_save(state: sb.Sandbox, save_id: str, key: str) -> sv.SaveRecord | No
     record = state.saves.get(save_id)
     if record is None:
         # (A deleted sandbox's kept state has no request keys: read it back.)
-        # (A key in a filter was put there: this request was sent, decision 085.)
+        # (A key kept as a fingerprint was sent, decision 085.)
         dropped = sb.remembers(state, key) is not False or state.phase == "deleted"
         return _DROPPED if dropped else None
     return None if record.state in sv.IN_FLIGHT else record
@@ -602,7 +602,7 @@ class Runner:
                     rq.SnapshotSandbox(
                         key=key, tenant=state.tenant, sandbox_id=sandbox_id, name=f"task-{state.id}"
                     ),
-                    lambda s: save_id in s.saves or key in s.requests,
+                    lambda s: save_id in s.saves or sb.remembers(s, key) is not False,
                     sandbox_id=sandbox_id,
                 )
             except Rejected as err:

@@ -230,8 +230,8 @@ class Scheduler:
         state, _ = self.sandboxes.get(sandbox_id)
         if state is not None and sb.queued_by(state, request.key):
             return None  # a retry of a command already queued: its secrets are kept (or used)
-        # (Not known here, `queued_by` None: its key is in a filter, decision 085. Kept
-        # again, and forgotten again if the retry appends nothing.)
+        # (`queued_by` None: its key kept as a fingerprint, decision 085. Kept again,
+        # and forgotten again if the retry appends nothing, as for a deleted sandbox.)
         await secret_store.keep(
             self._js, self._names, self._names.secret(command_id), request.secrets
         )
@@ -246,7 +246,7 @@ class Scheduler:
             return None
         state, _ = self.sandboxes.get(sandbox_id)
         known = state is not None and sb.remembers(state, request.key)
-        if known is None:  # compacted into a filter (decision 085): the log says
+        if known is None:  # kept as a fingerprint (decision 085): the log is exact
             state, _ = await self.sandboxes.read_whole(sandbox_id)
             known = state is not None and sb.remembers(state, request.key)
         if known:

@@ -94,7 +94,7 @@ class AgentStep:
         key = record.idempotency_key
         try:
             await runner.sandboxes.settle(
-                sent, lambda s: sb.queued_by(s, key) is True, sandbox_id=record.sandbox_id
+                sent, lambda s: sb.queued_by(s, key) is not False, sandbox_id=record.sandbox_id
             )
         except Rejected as err:
             await runner.record_step_failure(record, f"rejected_{err.code}", err.message)
@@ -110,7 +110,7 @@ class AgentStep:
         # (As waited for: the store may hold it no more, decision 061.)
         sandbox = await runner.sandboxes.wait(record.sandbox_id, lambda s: s, timeout=None)
         queued = sb.queued_by(sandbox, record.idempotency_key)
-        if queued is None:  # its key compacted into a filter (decision 085): the log says
+        if queued is None:  # its key kept as a fingerprint (decision 085): the log is exact
             whole = await runner.sandboxes.whole(record.sandbox_id)
             queued = whole is not None and sb.queued_by(whole, record.idempotency_key)
         if queued:
@@ -148,7 +148,7 @@ class AgentStep:
         try:
             await runner.sandboxes.wait(
                 record.sandbox_id,
-                lambda s: True if sb.queued_by(s, key) else None,
+                lambda s: True if sb.queued_by(s, key) is not False else None,
                 timeout=runner.decision_wait_s,
             )
         except TimeoutError:

@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import sqlite3
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -235,18 +236,25 @@ class ReadModel:
             return await self._apply_locked(messages)
 
     async def _apply_locked(self, messages: Iterable[tuple[int, str, bytes]]) -> int:
-        assert self._writer is not None
-        await self._writer.execute("BEGIN IMMEDIATE")
         try:
-            applied, position = await self._apply_in_transaction(messages, self.position)
-            await self._writer.execute("COMMIT")
+            applied, position, writes = await self._apply_in_transaction(messages, self.position)
+            await self._in_writer(_committed, writes)
         except BaseException:
-            with contextlib.suppress(Exception):
-                await self._writer.execute("ROLLBACK")
             self._cache.clear()  # it may hold states the rollback undid
             raise
         await self._advance(position)
         return applied
+
+    async def _in_writer(
+        self, fn: Callable[[sqlite3.Connection, Writes], None], writes: Writes
+    ) -> None:
+        """`fn(connection, writes)` on the writer's own thread, in one call: a
+        batch's rows cost one hand-over to that thread, not one per statement
+        (per event on the live path, where a batch is mostly one event)."""
+        assert self._writer is not None
+        writer = self._writer
+        # (aiosqlite runs every call of a connection on its thread through `_execute`.)
+        await writer._execute(lambda: fn(writer._conn, writes))
 
     def _trim_cache(self) -> None:
         # Only once a batch's states are written (`_write` needs each of them); an
@@ -256,8 +264,10 @@ class ReadModel:
 
     async def _apply_in_transaction(
         self, messages: Iterable[tuple[int, str, bytes]], position: int
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, Writes]:
+        """Fold `messages`; the rows they change, as statements to run (`_in_writer`)."""
         assert self._writer is not None
+        writes: Writes = []
         before: dict[tuple[str, str], Any] = {}
         touched: dict[tuple[str, str], set[str]] = {}  # the commands and saves its events named
         applied = 0
@@ -290,17 +300,21 @@ class ReadModel:
             self._cache.move_to_end(key)
             applied += 1
         for key, old in before.items():
-            await self._write(key, old, touched.get(key, set()))
+            self._write(writes, key, old, touched.get(key, set()))
             state, seq = self._cache[key]
             if key[0] == "sandbox" and state is not None:
                 self._cache[key] = (kept_in_cache(state), seq)
+        # (An evicted state is read back from its rows: this batch's are written
+        # before the next batch is folded. Within a batch no state is evicted.)
         self._trim_cache()
-        await self._writer.execute(
-            "INSERT INTO meta VALUES ('position', ?) "
-            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            (str(position),),
+        writes.append(
+            (
+                "INSERT INTO meta VALUES ('position', ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (str(position),),
+            )
         )
-        return applied, position
+        return applied, position, writes
 
     async def _load(self, key: tuple[str, str]) -> tuple[Any, int]:
         if key in self._cache:
@@ -342,43 +356,26 @@ class ReadModel:
             rows = sorted(await cur.fetchall())
         return pmap.PMap((r[1], _command.decode(r[2])) for r in rows)
 
-    async def _write(self, key: tuple[str, str], old: Any, touched: set[str]) -> None:
+    def _write(self, writes: Writes, key: tuple[str, str], old: Any, touched: set[str]) -> None:
         state, seq = self._cache[key]
         if state is None:
             return
-        assert self._writer is not None
         kind = key[0]
         if kind == "sandbox":
-            await self._write_sandbox(state, seq, old, touched)
+            _write_sandbox(writes, state, seq, old, touched)
         elif kind == "host":
-            await self._writer.execute(
-                "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
-                (state.host, state.status, state.epoch, seq, _json.encode(state)),
+            writes.append(
+                (
+                    "INSERT OR REPLACE INTO hosts VALUES (?, ?, ?, ?, ?)",
+                    (state.host, state.status, state.epoch, seq, _json.encode(state)),
+                )
             )
         else:
-            await self._writer.execute(
-                "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                task_row(state, seq),
-            )
-
-    async def _write_sandbox(
-        self, s: sb.Sandbox, seq: int, old: sb.Sandbox | None, touched: set[str]
-    ) -> None:
-        db = self._writer
-        assert db is not None
-        await db.execute(
-            "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            sandbox_row(s, seq),
-        )
-        for command in changed_commands(old, s, touched):
-            await db.execute(
-                "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                command_row(s, command),
-            )
-        for record in changed_saves(old, s, touched):
-            await db.execute(
-                "INSERT OR REPLACE INTO saves VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                save_row(s, record),
+            writes.append(
+                (
+                    "INSERT OR REPLACE INTO tasks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    task_row(state, seq),
+                )
             )
 
     async def _advance(self, position: int) -> None:
@@ -445,13 +442,17 @@ class ReadModel:
                         async for msgs in batches:
                             if not msgs:
                                 raise TimeoutError(f"rebuild: the log stopped short of {target}")
-                            _, position = await self._apply_in_transaction(_triples(msgs), position)
+                            _, position, writes = await self._apply_in_transaction(
+                                _triples(msgs), position
+                            )
+                            await self._in_writer(_written, writes)
                             if position >= target:
                                 break
                     finally:
                         await batches.aclose()
                 else:
-                    await self._apply_in_transaction([], 0)
+                    _, _, writes = await self._apply_in_transaction([], 0)
+                    await self._in_writer(_written, writes)
                 await self._writer.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -475,6 +476,47 @@ class ReadModel:
         async with self._reader.execute(sql, params) as cur:
             # aiosqlite says sqlite3.Row; without a row_factory sqlite3 gives plain tuples.
             return list(await cur.fetchall())  # type: ignore[arg-type]
+
+
+# A batch's rows: (SQL, parameters), run in order on the writer's thread.
+Writes = list[tuple[str, tuple]]
+
+
+def _written(db: sqlite3.Connection, writes: Writes) -> None:
+    """Inside a transaction already open (a rebuild's)."""
+    for sql, params in writes:
+        db.execute(sql, params)
+
+
+def _committed(db: sqlite3.Connection, writes: Writes) -> None:
+    """In a transaction of their own: all of them, or none."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        _written(db, writes)
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            db.execute("ROLLBACK")
+        raise
+
+
+def _write_sandbox(
+    writes: Writes, s: sb.Sandbox, seq: int, old: sb.Sandbox | None, touched: set[str]
+) -> None:
+    writes.append(
+        ("INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", sandbox_row(s, seq))
+    )
+    for command in changed_commands(old, s, touched):
+        writes.append(
+            (
+                "INSERT OR REPLACE INTO commands VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                command_row(s, command),
+            )
+        )
+    for record in changed_saves(old, s, touched):
+        writes.append(
+            ("INSERT OR REPLACE INTO saves VALUES (?, ?, ?, ?, ?, ?, ?, ?)", save_row(s, record))
+        )
 
 
 def _triples(msgs: list[tuple[int, Msg]]) -> list[tuple[int, str, bytes]]:

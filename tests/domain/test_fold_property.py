@@ -116,9 +116,15 @@ def read_request(state: Sandbox, choice: Choice) -> rq.AnyRequest:
         case "create":
             return rq.CreateSandbox(key=CREATE_KEY, memory_limit_bytes=pick(MEMORY, detail))
         case "start":
-            # Now and then a late start superseded by another request (decision 082).
-            later = (pick(KEYS, detail),) if detail >= 12 else ()
-            return rq.StartSandbox(key=key, tenant=tenant, sandbox_id=SID, superseded_by=later)
+            if detail >= 12 and len(state.requests) > 1:
+                # A late start superseded by an early request (decision 082): a key
+                # of its own, and one of the oldest the sandbox was sent (the first
+                # moved to fingerprints, decision 085).
+                early = list(state.requests)[1 + detail % 2 if len(state.requests) > 2 else 1]
+                return rq.StartSandbox(
+                    key=f"late-{key}", tenant=tenant, sandbox_id=SID, superseded_by=(early,)
+                )
+            return rq.StartSandbox(key=key, tenant=tenant, sandbox_id=SID)
         case "stop":
             return rq.StopSandbox(key=key, tenant=tenant, sandbox_id=SID)
         case "delete" if detail < 4:  # otherwise it reads as a run

@@ -70,18 +70,22 @@ def test_runs_hold_every_key_moved_into_them_and_no_other() -> None:
     assert not fingerprints.may_hold((), "key-0-0")
 
 
-def test_runs_are_the_same_however_the_blocks_were_grouped() -> None:
-    """Compacting after every event or once after many moves the same blocks in
-    the same order: the runs must come out the same (checkpoints are audited so)."""
-    blocks = [[f"k{b}-{i}" for i in range(7)] for b in range(11)]
-    runs: tuple[bytes, ...] = ()
-    for block in blocks:
-        runs = fingerprints.with_block(runs, block)
-    again: tuple[bytes, ...] = ()
-    for block in blocks:
-        again = fingerprints.with_block(again, iter(block))
-    assert runs == again
-    assert len(runs) == 3, "11 = 8 + 2 + 1 blocks"
+def test_what_is_kept_is_the_same_however_often_it_was_compacted() -> None:
+    """After every event, now and then, or once at the end: the same exact keys
+    and the same runs (checkpoints are audited against a fold compacted once)."""
+    touches = [rq.TouchSandbox(key=f"touch-{i}", tenant=TENANT, sandbox_id=SID) for i in range(40)]
+    envelopes = envelopes_for([*RUNNING, *touches])
+    with blocks_of(3):
+        kept = []
+        for every in (1, 7, 13, len(envelopes)):
+            state = None
+            for n, envelope in enumerate(envelopes, 1):
+                state = evolve(state, envelope)
+                if n % every == 0 or n == len(envelopes):
+                    state = compact(state)
+            kept.append(state)
+    assert kept[0] is not None and len(kept[0].forgotten_keys) >= 2, "merged runs"
+    assert all(state == kept[0] for state in kept[1:])
 
 
 # --- compaction --------------------------------------------------------------------

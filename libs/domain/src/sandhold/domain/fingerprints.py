@@ -27,7 +27,8 @@ BLOCK = 1024  # keys moved at a time: the smallest run
 
 # Runs are the machine's uint64 arrays as bytes; checkpoints move between machines
 # of one byte order only (every platform sandhold runs on is little-endian).
-assert sys.byteorder == "little", "fingerprint runs are stored little-endian"
+if sys.byteorder != "little":
+    raise ImportError("fingerprint runs are stored little-endian; this machine is not")
 
 
 def fingerprint(key: str) -> int:

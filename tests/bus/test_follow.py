@@ -9,6 +9,7 @@ import asyncio
 
 import nats
 import nats.errors
+import pytest
 from nats.aio.msg import Msg
 from sandhold.bus.codec import FENCE_HEADER
 from sandhold.bus.follow import Follower, pull_batches
@@ -24,7 +25,14 @@ def _number(data: bytes) -> int:
     return int(data)  # ValueError is not a decode error: numbers only in these tests
 
 
-async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS, names: Names):
+# Every message as it is stored, and what came at most every 0.2 s (decision 087).
+PACES = pytest.mark.parametrize("pace_s", [None, 0.2], ids=["live", "paced"])
+
+
+@PACES
+async def test_it_replays_then_signals_caught_up_then_follows_live(
+    nc: nats.NATS, names: Names, pace_s: float | None
+):
     js = nc.jetstream()
     subject = names.output("sb-1", "c")
     for n in range(50):
@@ -35,7 +43,9 @@ async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS
     def handle(seq: int, _msg: Msg, value: int) -> None:
         seen.append((seq, value))
 
-    follower = Follower(js, names.output_stream, f"{names.prefix}.out.>", int, handle)
+    follower = Follower(
+        js, names.output_stream, f"{names.prefix}.out.>", int, handle, pace_s=pace_s
+    )
     try:
         await follower.start(timeout=10)
         at_catch_up.append(len(seen))
@@ -50,7 +60,8 @@ async def test_it_replays_then_signals_caught_up_then_follows_live(nc: nats.NATS
     assert follower.position == seen[-1][0]
 
 
-async def test_it_starts_from_a_sequence(nc: nats.NATS, names: Names):
+@PACES
+async def test_it_starts_from_a_sequence(nc: nats.NATS, names: Names, pace_s: float | None):
     js = nc.jetstream()
     acks = [await js.publish(names.output("t-1", "c"), str(n).encode()) for n in range(5)]
     seen: list[int] = []
@@ -61,14 +72,36 @@ async def test_it_starts_from_a_sequence(nc: nats.NATS, names: Names):
         int,
         lambda _seq, _msg, value: seen.append(value),
         start_seq=acks[3].seq,
+        pace_s=pace_s,
     )
     await follower.start(timeout=10)
     await follower.stop()
     assert seen == [3, 4]
 
 
+async def test_a_paced_follower_reached_for_does_not_wait_for_its_pace(nc: nats.NATS, names: Names):
+    """A minute's pace; `reach` for what was just stored is answered by fetching
+    it now (the deadline is far below the pace, far above a fetch)."""
+    js = nc.jetstream()
+    subject = names.output("sb-9", "c")
+    await js.publish(subject, b"0")
+    seen: list[int] = []
+    follower = Follower(
+        js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v), pace_s=60.0
+    )
+    try:
+        await follower.start(timeout=10)
+        assert seen == [0]
+        ack = await js.publish(subject, b"1")
+        await follower.reach(ack.seq, timeout=20)
+        assert seen == [0, 1]
+    finally:
+        await follower.stop()
+
+
+@PACES
 async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted(
-    nc: nats.NATS, names: Names
+    nc: nats.NATS, names: Names, pace_s: float | None
 ):
     js = nc.jetstream()
     subject = names.output("sb-2", "c")
@@ -88,14 +121,15 @@ async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted
 
     for payload in (b"1", b"junk", b"13", b"2", b"junk"):
         await js.publish(subject, payload)
-    follower = Follower(js, names.output_stream, subject, decode, handle)
+    follower = Follower(js, names.output_stream, subject, decode, handle, pace_s=pace_s)
     await follower.start(timeout=10)  # the last message is undecodable: catching up still ends
     await follower.stop()
     assert handled == [1, 2]
     assert (follower.undecodable, follower.failed) == (2, 1)
 
 
-async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
+@PACES
+async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path, pace_s: float | None):
     port = free_port()
     server = NatsServer(tmp_path / "nats", port=port)
     server.start()
@@ -108,7 +142,9 @@ async def test_it_resumes_where_it_was_after_the_server_restarts(tmp_path):
         subject = names.output("sb-3", "c")
         for n in range(3):
             await js.publish(subject, str(n).encode())
-        follower = Follower(js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v))
+        follower = Follower(
+            js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v), pace_s=pace_s
+        )
         await follower.start(timeout=10)
         server.kill()
         server.start()
@@ -211,8 +247,9 @@ async def _consumers(js, stream: str):
 # --- the event log: only what was appended behind the fence is an event --------------------
 
 
+@PACES
 async def test_a_message_on_the_event_log_without_the_fence_header_is_never_an_event(
-    nc: nats.NATS, names: Names
+    nc: nats.NATS, names: Names, pace_s: float | None
 ):
     js = nc.jetstream()
     subject = names.events("sandbox", "sb-0000000000000009")
@@ -221,8 +258,9 @@ async def test_a_message_on_the_event_log_without_the_fence_header_is_never_an_e
     last = await js.publish(subject, b"3", headers={FENCE_HEADER: "2"})
     seen: list[int] = []
     follower = Follower(
-        js, names.events_stream, subject, int, lambda _s, _m, value: seen.append(value)
-    )
+        js, names.events_stream, subject, int, lambda _s, _m, value: seen.append(value),
+        pace_s=pace_s,
+    )  # fmt: skip
     await follower.start(timeout=10)
     await follower.stop()
     assert seen == [1, 3]

@@ -128,11 +128,12 @@ class Shell:
         follow: bool = True,
         compact: Compact[S] | None = None,
         forget: Forget[S] | None = None,
+        pace_s: float | None = None,
     ) -> AggregateStore[S]:
         """An aggregate store of `kind`, stopped with the shell (`start_stores` folds
         it; one made with `follow=False` reads aggregates on demand instead), its
         states kept as `compact` leaves them, none kept that `forget` says of
-        (`AggregateStore`)."""
+        (`AggregateStore`), its live events folded at most every `pace_s`."""
         kept = os.environ.get(checkpoint.ENV)  # `--checkpoint-dir`
         store = AggregateStore(
             self.js,
@@ -144,6 +145,7 @@ class Shell:
             checkpoint_dir=Path(kept) if kept else None,
             compact=compact,
             forget=forget,
+            pace_s=pace_s,
         )
         self._stores.append(store)
         return store

@@ -80,6 +80,7 @@ class AggregateStore(Generic[S]):
         checkpoint_dir: Path | None = None,
         compact: Compact[S] | None = None,
         forget: Forget[S] | None = None,
+        pace_s: float | None = None,
     ) -> None:
         """`follow=False`: no consumer at all; an aggregate is read (direct gets)
         when asked for (`sync`), and when a decision on what was last read is
@@ -99,8 +100,13 @@ class AggregateStore(Generic[S]):
         deleted sandbox nothing is left of, decision 061): it is dropped from
         memory and checkpoints as that state is folded, its later events fold
         onto nothing, and a decision on an aggregate not held is made on it read
-        back whole (`read_whole`). Only where a follower keeps the rest current."""
+        back whole (`read_whole`). Only where a follower keeps the rest current.
+
+        `pace_s`: live events folded at most this often, in one batch
+        (`Follower`, decision 087): for a service that looks at its states on
+        a tick of its own, not at each event."""
         self._js = js
+        self._pace_s = pace_s
         self._follow = follow
         self._stream = names.events_stream
         self._names = names
@@ -154,6 +160,7 @@ class AggregateStore(Generic[S]):
             self._on_event,
             start_seq=position + 1,
             what=f"{self._kind} event",
+            pace_s=self._pace_s,
         )
         await self._follower.start(timeout=timeout)
         if self._checkpoints is not None:

@@ -60,9 +60,12 @@ class Recovery:
             settings = leases.RecoverySettings(lease_ttl_s=self._ttl, fence_margin_s=self._margin)
             await kv.put(leases.SETTINGS_KEY, msgspec.json.encode(settings))
             self.hosts = shell.store("host", host_domain.evolve)
+            # Looked at on every tick: what came since the last one, folded at once
+            # (decision 087), not each event as the exec path appends it.
             self.sandboxes = shell.store(
-                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
-            )
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable,
+                pace_s=self._tick_s,
+            )  # fmt: skip
             # What a tick looks at, kept in step with the log (decision 056): the
             # places held on each host, and the sandboxes whose loss still has
             # something to say; not every sandbox ever made.

@@ -4,6 +4,7 @@ nothing, a rebuild from scratch equals the incremental one, and `replay
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 from pathlib import Path
@@ -159,3 +160,33 @@ async def test_replay_verify_catches_a_corrupted_row(gw: Gw):
     assert gw.up.cli("admin", "rebuild-read-model").returncode == 0
     assert gw.up.cli("replay", "sandbox", sandbox_id, "--verify").returncode == 0
     assert gw.up.cli("replay", "task", task_id, "--verify").returncode == 0
+
+
+async def test_a_list_waits_for_the_log_not_for_the_read_models_pace(gw: Gw, tmp_path: Path):
+    """Once caught up, the read model takes what came in batches, at most every
+    pace (decision 087); a reader asking for the log's end has it fetched now.
+    With a minute's pace, each wait below is far shorter."""
+    async with gw.http("default") as http:
+        sandbox_id = await running_sandbox(http)
+    model = ReadModel(tmp_path / "paced.sqlite", Names("sh"), pace_s=60.0)
+    await model.open()
+    try:
+        async with nats_client(gw, "default") as client:
+            following = asyncio.create_task(model.follow(client.js))
+            try:
+                assert await model.wait_for(await model.log_end(client.js), 20), "caught up"
+                async with gw.http("default") as http:
+                    done = await http.post(
+                        f"/api/v1/sandboxes/{sandbox_id}/commands", json={"argv": ["true"]}
+                    )
+                assert done.status_code == 202, done.text  # queued: appended to the log
+                end = await model.log_end(client.js)
+                assert await model.wait_for(end, 20), "it waited for its pace"
+            finally:
+                following.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await following
+    finally:
+        await model.close()
+    rows = dump(tmp_path / "paced.sqlite")
+    assert int(rows["position"][0][0]) >= end

@@ -107,6 +107,9 @@ CREATE INDEX IF NOT EXISTS tasks_by_tenant ON tasks (tenant, submitted_at, id);
 """
 
 TABLES = ("sandboxes", "commands", "saves", "hosts", "tasks")
+# Once caught up, what came at most this often, in one batch (decision 087): a
+# list asks `wait_for` the log's end first, which fetches at once.
+PACE_S = 0.25
 # A read model of another version is dropped and rebuilt from the log on open.
 SCHEMA_VERSION = "8"  # 3: a sandbox keeps its queued command ids; 4: a cold command its start;
 # 5: its unended command ids and ended counts, without its idempotency keys; 6: its
@@ -170,7 +173,9 @@ class ReadModel:
     WAL mode gives readers the last committed batch while a new one is written.
     """
 
-    def __init__(self, path: Path, names: Names, *, cache_size: int = 2048) -> None:
+    def __init__(
+        self, path: Path, names: Names, *, cache_size: int = 2048, pace_s: float = PACE_S
+    ) -> None:
         self.path = path
         self.names = names
         self.position = 0
@@ -188,6 +193,8 @@ class ReadModel:
         self._write_lock = asyncio.Lock()
         self._advanced = asyncio.Condition()
         self._lock_fd: int | None = None
+        self._pace_s = pace_s
+        self._hurry = asyncio.Event()  # a reader waits in `wait_for`: fetch now
 
     async def open(self) -> ReadModel:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -384,7 +391,10 @@ class ReadModel:
             self._advanced.notify_all()
 
     async def wait_for(self, seq: int, timeout: float) -> bool:
-        """Wait until every event up to `seq` is in the rows (False on timeout)."""
+        """Wait until every event up to `seq` is in the rows (False on timeout),
+        without waiting for the pace."""
+        if self.position < seq:
+            self._hurry.set()
         async with self._advanced:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -412,6 +422,11 @@ class ReadModel:
             async for msgs in batches:
                 if msgs:
                     await self.apply(_triples(msgs))
+                if msgs and len(msgs) < batch:  # all there was: let the next ones gather
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._pace_s):
+                            await self._hurry.wait()
+                    self._hurry.clear()
         finally:
             await batches.aclose()
 

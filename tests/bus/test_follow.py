@@ -99,27 +99,6 @@ async def test_a_paced_follower_reached_for_does_not_wait_for_its_pace(nc: nats.
         await follower.stop()
 
 
-async def test_a_paced_follower_watched_takes_each_message_as_it_comes(nc: nats.NATS, names: Names):
-    """While someone waits on what the next events say (`watching`), a minute's
-    pace does not hold the next message back; the deadline is far below it."""
-    js = nc.jetstream()
-    subject = names.output("sb-8", "c")
-    await js.publish(subject, b"0")
-    seen: list[int] = []
-    follower = Follower(
-        js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v), pace_s=60.0
-    )
-    try:
-        await follower.start(timeout=10)
-        with follower.watching():
-            for n in (1, 2):
-                await js.publish(subject, str(n).encode())
-                await wait_until(lambda n=n: seen[-1] == n, timeout=20, what=f"message {n}")
-    finally:
-        await follower.stop()
-    assert seen == [0, 1, 2]
-
-
 @PACES
 async def test_undecodable_messages_and_failing_handlers_are_skipped_and_counted(
     nc: nats.NATS, names: Names, pace_s: float | None

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Generic, TypeVar
 
 import msgspec
@@ -113,7 +113,6 @@ class Follower(Generic[T]):
         self._pace_s = pace_s
         self._paced: asyncio.Task[None] | None = None
         self._hurry = asyncio.Event()  # someone waits in `reach`: fetch now
-        self._watched = 0  # `watching()` blocks open: no pace meanwhile
 
     async def start(self, *, timeout: float | None = 60.0, target: int | None = None) -> None:
         """Subscribe, then wait (up to `timeout`; None: not at all) until every
@@ -175,7 +174,7 @@ class Follower(Generic[T]):
             async for msgs in batches:
                 for _, msg in msgs:
                     await self._on_msg(msg)
-                if len(msgs) < batch and not self._watched:  # let the next ones gather
+                if len(msgs) < batch:  # all there was: let the next ones gather
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(pace_s):
                             await self._hurry.wait()
@@ -210,17 +209,6 @@ class Follower(Generic[T]):
         if seq >= self._target:
             self.caught_up.set()
         self._moved.set()
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """While open, a paced follower takes each message as it comes: someone
-        is waiting on what the next events say."""
-        self._watched += 1
-        self._hurry.set()
-        try:
-            yield
-        finally:
-            self._watched -= 1
 
     async def reach(self, seq: int, *, timeout: float) -> None:
         """Wait until every message up to sequence `seq` is handled (or passed

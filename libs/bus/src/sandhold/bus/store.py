@@ -261,11 +261,6 @@ class AggregateStore(Generic[S]):
         )
         await self._follower.reach(last, timeout=timeout)
 
-    def watching(self) -> contextlib.AbstractContextManager[None]:
-        """While open, a paced store (`pace_s`) folds each event as it comes:
-        someone waits on what the next events say (decision 087)."""
-        return self._follower.watching() if self._follower is not None else contextlib.nullcontext()
-
     def listen(self, callback: Callable[[str], None]) -> None:
         """`callback(aggregate_id)` after every change to an aggregate."""
         self._listeners.append(callback)

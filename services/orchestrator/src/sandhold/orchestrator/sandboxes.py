@@ -155,8 +155,7 @@ class Sandboxes:
         changed, waiting = self._changed.get(sandbox_id, (asyncio.Event(), 0))
         self._changed[sandbox_id] = (changed, waiting + 1)
         try:
-            with self._store.watching():  # (paced while no one waits, decision 087)
-                return await self._wait(sandbox_id, changed, check, timeout, poll_s)
+            return await self._wait(sandbox_id, changed, check, timeout, poll_s)
         finally:
             changed, waiting = self._changed[sandbox_id]
             if waiting == 1:

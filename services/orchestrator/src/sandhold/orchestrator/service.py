@@ -92,10 +92,8 @@ class Orchestrator:
             shell.on_close(self._end_runners)
             shell.on_close(self._close_http)
             self._output = OutputLog(shell.js, self._names)
-            # Live while a task waits on a sandbox (`Sandboxes.wait`), else what came
-            # at most every quarter second: no task, no wakeup per event (087).
             sandbox_store = shell.store(
-                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable, pace_s=0.25
+                "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable
             )
             # Each instance appends as itself: the log says which one drove what.
             self.tasks = shell.store(

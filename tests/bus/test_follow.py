@@ -272,3 +272,22 @@ async def test_a_message_on_the_event_log_without_the_fence_header_is_never_an_e
     finally:
         await batches.aclose()
     assert [int(m.data) for _, m in got] == [1, 3]
+
+
+async def test_a_paced_follower_goes_on_past_a_message_it_cannot_read(nc: nats.NATS, names: Names):
+    """A decoder that raises what no decoder should (here `int`'s ValueError):
+    logged and counted, and the fold goes on, as a push callback's error does."""
+    js = nc.jetstream()
+    subject = names.output("sb-7", "c")
+    for payload in (b"1", b"junk", b"2"):
+        await js.publish(subject, payload)
+    seen: list[int] = []
+    follower = Follower(
+        js, names.output_stream, subject, int, lambda _s, _m, v: seen.append(v), pace_s=0.2
+    )
+    try:
+        await follower.start(timeout=10)
+    finally:
+        await follower.stop()
+    assert seen == [1, 2]
+    assert follower.failed == 1

@@ -20,6 +20,10 @@ the handler once, in stream order, with its sequence and its decoded value.
   skipped, logged and counted (`unfenced`), never read as an event. The stream
   keeps whatever a publisher sent; what the readers take for history does not.
 
+* Paced (`pace_s`, decision 087): once caught up, what came at most that often,
+  in one pull batch (`pull_batches`), for a reader no one waits on event by
+  event; `reach` fetches at once.
+
 `pull_batches` is the same log read for a reader that sets the pace (an SSE
 client behind a slow socket, a read model committing to SQLite): the next
 batch is fetched only when the reader asks for it, so a reader that falls
@@ -161,7 +165,7 @@ class Follower(Generic[T]):
         paced, self._paced = self._paced, None
         if paced is not None:
             paced.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await paced
 
     async def _follow_paced(self, pace_s: float) -> None:
@@ -172,8 +176,15 @@ class Follower(Generic[T]):
         )  # fmt: skip
         try:
             async for msgs in batches:
-                for _, msg in msgs:
-                    await self._on_msg(msg)
+                for seq, msg in msgs:
+                    try:
+                        await self._on_msg(msg)
+                    except Exception:  # as nats-py does for a push callback: on to the next
+                        self.failed += 1
+                        log.exception(
+                            "%s at %s seq %d could not be read", self.what, msg.subject, seq
+                        )
+                        self._passed(seq)
                 if len(msgs) < batch:  # all there was: let the next ones gather
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(pace_s):

@@ -487,6 +487,7 @@ def output_response(
     The caller has checked that the command is the tenant's."""
 
     async def ended() -> b.CommandView | None:
+        await fresh(ctx)  # (the read model takes the log in batches: decision 087)
         rows = await ctx.read_model.query(
             "SELECT view FROM commands WHERE sandbox_id = ? AND id = ?", (sandbox_id, command_id)
         )

@@ -249,14 +249,9 @@ async def test_replicated_streams_asked_of_a_cluster_still_forming_are_made_once
         nc = await nats.connect(first.admin_url)
         try:
             making = asyncio.create_task(ensure_streams(nc.jetstream(), NAMES, replicas=3))
-            await wait_until(
-                lambda: "(too few peers)" in caplog.text or making.done(),
-                timeout=60,
-                what="streams refused for want of peers",
+            await _waits_for_nodes(
+                making, caplog, "(too few peers)", "streams refused for want of peers", [third]
             )
-            assert not making.done(), "made (or given up) with two nodes of three"
-            third.start()
-            await asyncio.wait_for(making, 90)  # raises if it gave up
             info = await nc.jetstream().stream_info(STREAM)
             assert info.config.num_replicas == 3
         finally:
@@ -282,14 +277,20 @@ async def test_a_service_started_while_the_cluster_has_no_quorum_waits_for_its_s
     nc = await nats.connect(first.url, user=cluster.admin.user, password=cluster.admin.password)
     try:
         waiting = asyncio.create_task(await_streams(nc.jetstream(), NAMES, poll_s=0.1))
-        await wait_until(
-            lambda: "waiting for JetStream to answer" in caplog.text or waiting.done(),
-            timeout=60,
-            what="a stream lookup unanswered",
+        await _waits_for_nodes(
+            waiting, caplog, "waiting for JetStream to answer", "a stream lookup unanswered", others
         )
-        assert not waiting.done(), "it gave up (or was answered) with no quorum"
-        for node in others:
-            node.start()
-        await asyncio.wait_for(waiting, 90)  # raises if it died of the timeouts
     finally:
         await nc.close()
+
+
+async def _waits_for_nodes(
+    task: asyncio.Task, caplog: pytest.LogCaptureFixture, said: str, what: str, nodes: list
+) -> None:
+    """`task` logs `said` and neither ends nor gives up while `nodes` are down;
+    once they start, it ends (raising what ended it, if it gave up)."""
+    await wait_until(lambda: said in caplog.text or task.done(), timeout=60, what=what)
+    assert not task.done(), f"ended (or gave up) before the nodes came: {what}"
+    for node in nodes:
+        node.start()
+    await asyncio.wait_for(task, 90)

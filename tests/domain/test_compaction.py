@@ -62,6 +62,17 @@ def assert_compacted_as_the_whole_fold(trace: fp.Trace) -> None:
         assert kept == (None if whole is None else compact(whole)), f"after {n} envelopes"
 
 
+def assert_decided_as_on_the_whole(trace: fp.Trace, request_choice: fp.Choice) -> None:
+    """A request drawn against the whole state (retries of ended commands
+    included), decided as a store decides on what it kept, is decided as on
+    the whole."""
+    whole = trace.state
+    kept = compacted_fold(trace)[-1]
+    assert whole is not None and kept is not None
+    request = fp.read_request(whole, request_choice)
+    assert as_a_store_decides(kept, whole, request) == as_the_whole_decides(whole, request)
+
+
 def as_a_store_decides(kept: Sandbox, whole: Sandbox, request: rq.AnyRequest) -> Outcome:
     """`AggregateStore.execute` with `whole=`: on the whole state where
     `whole_needed` says so, else on the kept one; the reply is then made from
@@ -101,13 +112,7 @@ def test_compacting_after_every_event_is_compacting_the_whole_fold(
 def test_any_request_decided_on_the_kept_state_is_decided_as_on_the_whole(
     memory_n: int, steps: list[fp.Choice], request_choice: fp.Choice
 ) -> None:
-    trace = fp.drive(memory_n, steps)
-    whole = trace.state
-    kept = compacted_fold(trace)[-1]
-    assert whole is not None and kept is not None
-    # Requests drawn against the whole state: retries of ended commands included.
-    request = fp.read_request(whole, request_choice)
-    assert as_a_store_decides(kept, whole, request) == as_the_whole_decides(whole, request)
+    assert_decided_as_on_the_whole(fp.drive(memory_n, steps), request_choice)
 
 
 @fp.SETTINGS

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import uuid
@@ -161,3 +162,17 @@ def init_pid(driver: ProcessDriver, sandbox_id: str) -> int:
     state = driver.boxes.state(sandbox_id)
     assert state is not None
     return state.init.pid
+
+
+@contextlib.contextmanager
+def open_files_limit(soft: int) -> Iterator[int]:
+    """This process's soft limit of open files at `soft` (the usual default),
+    the hard one kept; restored after. Yields the hard limit."""
+    was, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= soft:
+        pytest.fail(f"this test needs a hard limit of open files above {soft}, not {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        yield hard
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (was, hard))

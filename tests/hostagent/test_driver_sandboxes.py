@@ -20,7 +20,7 @@ from sandhold.hostagent.driver.owners import others_of
 
 from tests.support.waiting import wait_until
 
-from .conftest import collect, unified_mounts
+from .conftest import collect, open_files_limit, unified_mounts
 
 PY = "python3"  # the sandbox's own, from its base (the host's /usr)
 SB = "sb1"
@@ -44,6 +44,17 @@ def _counter(workspace: Path) -> int:
 
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def test_a_box_starts_under_the_usual_limit_of_1024_open_files(
+    make_driver: MakeDriver,
+) -> None:
+    # (The box's starter once moved descriptors to 4,096 and up: refused there.)
+    with open_files_limit(1024):
+        driver = await make_driver()  # it proves a box starts
+        await driver.create_sandbox("sb-00000000000a0d03", None)
+    handle = await driver.launch("sb-00000000000a0d03", "c1", ["true"])
+    assert (await handle.wait()).reason == "exited"
 
 
 async def test_stop_interrupts_commands_and_ends_background_jobs(driver: ProcessDriver) -> None:

@@ -327,8 +327,10 @@ def _child(
     os.setgroups([])
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
-    # Moved out of the way first, so that no dup2 below overwrites a source.
-    moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 1 << 12) for target, fd in sources.items()}
+    # Moved out of the way first, above every target, so that no dup2 below
+    # overwrites a source (and under the usual limit of 1,024 open files).
+    above = max(sources) + 1
+    moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, above) for target, fd in sources.items()}
     for target, fd in moved.items():
         os.dup2(fd, target)  # dup2 leaves the target inheritable
     last = max(moved)

@@ -158,8 +158,9 @@ DRIVER_VARIANTS = [
 async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[dict[str, float]]]:
     """The host side alone: `ProcessDriver` in this process, no NATS, `true` run
     `count` times in sequence per variant; p50 ms of launch → started → exit.
-    A 0.3 s pause lets the warm-supervisor pool refill between commands (the cost
-    of one command on an idle host); 10 ms shows the refill competing."""
+    A 0.3 s pause is one command on an idle host; 10 ms runs them back to back.
+    Each command's supervisor is given back as its end is reported, and runs
+    the next one (decision 088): no refill once the pool is warm."""
     from sandhold.hostagent.driver import NoCgroups, ProcessDriver
 
     rows = []
@@ -207,8 +208,8 @@ async def driver_split(root: Path, count: int) -> tuple[list[list[str]], list[di
 
 
 def supervisor_spawn_probe(root: Path, count: int = 10) -> tuple[list[float], list[float]]:
-    """Seconds to start one warm supervisor (the pool's refill after every
-    launch): forked by the zygote, as the pool does it, and as a new Python
+    """Seconds to start one warm supervisor (a refill of the pool, once none is
+    idle): forked by the zygote, as the pool does it, and as a new Python
     process (where there is no zygote) that imports the supervisor module."""
     from sandhold.hostagent.driver.pool import Zygote, spawn_supervisor
 
@@ -351,15 +352,6 @@ async def main() -> None:
     def delta(a: str, b: str) -> float:
         return at(b) - at(a)
 
-    refill = percentile(spawn, 50)
-    pool_note = (
-        f"Here one exec every {ms(percentile(totals, 50))} ms (p50) takes supervisors "
-        f"faster than one refill takes ({ms(refill)} ms), so the pool of two runs "
-        "dry and `launch` waits for a refill in flight: part of the work → "
-        "supervisor step."
-        if percentile(totals, 50) < refill
-        else "The pool keeps up with one exec at a time here (refill faster than an exec)."
-    )
     attach_gap = (
         f"a pid written into `cgroup.procs`: {attach_rows[1][3]} ms p50 after a 50 ms "
         f"pause vs {attach_rows[0][3]} ms back to back; the child moving itself as it "
@@ -419,9 +411,9 @@ supervisor starts the command — in a box through the launcher, which joins the
 command's cgroups, the box's namespaces and ids and execs it (decision 084); on
 the host with a `preexec_fn` that joins the cgroups and sets up the private /tmp —
 then writes the pid file and rings), then until `wait()` returns (exit record written
-with two fsyncs). Rows with a 0.3 s pause let the warm-supervisor pool refill
-first (one command on an idle host); the last row runs them back to back, so the
-refill (a new Python process, tens of ms of CPU) competes with the command:
+with two fsyncs). Rows with a 0.3 s pause are one command on an idle host; the
+last row runs them back to back. Each command is run by the supervisor the one
+before gave back as its end was reported (decision 088), so no row forks one:
 
 {
         table(
@@ -432,7 +424,7 @@ refill (a new Python process, tens of ms of CPU) competes with the command:
 
 {attach}
 
-Starting one warm supervisor (the pool's refill after every launch) takes
+Starting one warm supervisor (a refill, once no supervisor is idle) takes
 {ms(percentile(spawn, 50))} ms p50, {ms(max(spawn))} ms max, forked by the zygote as the
 pool does; {ms(percentile(spawn_cold, 50))} ms p50 as a new Python process where
 there is no zygote ({len(spawn)} starts of each, with no sandhold service running).
@@ -447,7 +439,7 @@ goal: the work message is out {ms(at("work"))} ms after the call, against a bus-
 floor of {ms(percentile(floor, 50))} ms for all six writes. The host side takes the
 rest (p50 deltas): work → supervisor has the command {ms(delta("work", "supervisor_took"))}
 ms (the agent's pull fetch and `_current`, then `driver.launch`: cgroup dirs, spec
-file, and taking a warm supervisor, which waits when the pool is still refilling);
+file, and handing the command to the idle supervisor the command before gave back);
 supervisor → `command.started` seen {ms(delta("supervisor_took", "command.started"))} ms
 (the launcher's fork and exec, cgroup attach, namespaces, pid file, doorbell, then
 the agent's fenced append); exit recorded → `command.ended` seen
@@ -456,9 +448,11 @@ doorbell, reads the exit record, appends). The
 driver tables say where the host side goes: on an idle host the driver alone
 needs {ms(idle["all"])} ms for `true`, {ms(cg_cost)} ms of it the cgroup attach (with vs
 without cgroups); the first move into a cgroup after a pause can be slow on this
-kernel ({attach_gap}); back to back it needs {ms(busy["all"])} ms, because every launch
-also starts a replacement supervisor ({ms(percentile(spawn, 50))} ms through the zygote,
-competing for the same cores). {pool_note}
+kernel ({attach_gap}); back to back it needs {ms(busy["all"])} ms. A supervisor serves
+the next command once its own ended (decision 088): one exec after another
+forks none, where each used to cost a new one ({ms(percentile(spawn, 50))} ms through the
+zygote, on the same cores, and ~10 ms of CPU in all with its copy-on-write faults
+and its exit).
 """
     emit(args, "exec_roundtrip", "(c) exec round trip", body)
 

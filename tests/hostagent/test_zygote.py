@@ -94,6 +94,9 @@ async def test_supervisors_that_ran_their_commands_are_reaped_too(
         assert (end.reason, end.exit_code) == ("exited", 0)
         paths = driver.layout.command("sb-00000000000a0c02", f"c{n}")
         supervisors.append(int(json.loads(paths.supervisor.read_text())["pid"]))
+        # Not given back (decision 088): no command after this one, so it exits.
+        handle.detach()
+    assert len(set(supervisors)) == 3
     # None stays a zombie: the zygote, their parent, reaps each as it ends.
     await wait_until(
         lambda: all(_state(pid) is None for pid in supervisors),

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -160,9 +161,10 @@ class ProcessDriver:
             await self._pool.start()  # first: its zygote starts the boxes
             await self.boxes.start()
             self._tmp_probe = (True, "")
-            return
-        probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
-        self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())
+        else:
+            probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
+            self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())
+        _more_open_files()  # (after the zygote started: commands keep the usual limit)
 
     async def close(self) -> None:
         """Dismiss idle supervisors; running ones keep going for the next agent."""
@@ -590,7 +592,7 @@ class ProcessDriver:
             except SupervisorStartError as err:
                 self._record_launch_failure(handle, str(err))
                 break
-            handle.attach(Doorbell(supervisor.doorbell_fd))
+            handle.attach(Doorbell(supervisor.doorbell_fd), supervisor)
             try:
                 supervisor.hand_over(paths.directory, raw_spec, secrets)
                 break
@@ -703,8 +705,8 @@ class ProcessDriver:
         reported; the time floor keeps the directory too while a read of the log
         from before the report may still be acted on."""
         handle = self._handles.pop((sandbox_id, command_id), None)
-        if handle is not None:
-            handle.detach()
+        if handle is not None and (supervisor := handle.give_back()) is not None:
+            self._pool.give_back(supervisor)
         marker = self.layout.command(sandbox_id, command_id).reported
         try:
             marker.touch(exist_ok=False)
@@ -759,6 +761,21 @@ class ProcessDriver:
             left = set(reported) - set(self._remove_command_cgroups(sandbox_id, reported))
             if left:
                 self._left_cgroups[sandbox_id] = left
+
+
+def _more_open_files() -> None:
+    """Raise this process's soft limit of open files to its hard one: it holds two
+    descriptors per running command (its supervisor's doorbell and stdin,
+    decision 088), and a soft limit of 1,024 would refuse a launch at ~500."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # (Unlimited is not a number of files: the kernel's own cap, nr_open, is.)
+    wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as err:
+        log.warning("open files limit left at %d (hard %d): %s", soft, hard, err)
 
 
 def _evicted(kept: collections.deque[tuple[str, float]], *, now: float) -> list[str]:

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from sandhold.hostagent.driver.layout import CommandPaths
-from sandhold.hostagent.driver.pool import Doorbell
+from sandhold.hostagent.driver.pool import Doorbell, WarmSupervisor
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 from sandhold.hostagent.driver.records import (
     STREAMS,
@@ -45,6 +45,7 @@ class CommandHandle:
         self.paths = paths
         self._poll_interval_s = poll_interval_s
         self._doorbell: Doorbell | None = None
+        self._supervisor: WarmSupervisor | None = None  # launched here: to give back
         # True while this driver is between mkdir and the hand-over.
         self._launching = False
 
@@ -65,12 +66,32 @@ class CommandHandle:
         finally:
             self._launching = False
 
-    def attach(self, doorbell: Doorbell) -> None:
+    def attach(self, doorbell: Doorbell, supervisor: WarmSupervisor | None = None) -> None:
         self._doorbell = doorbell
+        self._supervisor = supervisor
 
     def detach(self) -> None:
+        """Stop listening; the supervisor takes no command after this one."""
         if self._doorbell is not None:
             self._doorbell.detach()
+        if self._supervisor is not None:
+            self._supervisor.let_go()
+            self._supervisor = None
+
+    def give_back(self) -> WarmSupervisor | None:
+        """The supervisor, to serve another command, once this one's exit is
+        recorded and it is still there; else None (and detached as `detach`)."""
+        supervisor, doorbell = self._supervisor, self._doorbell
+        self._supervisor = None
+        fd = None
+        if supervisor is not None and doorbell is not None and self.exit_record() is not None:
+            fd = doorbell.pass_on()
+        if supervisor is None or fd is None:
+            self._supervisor = supervisor
+            self.detach()
+            return None
+        supervisor.doorbell_fd = fd
+        return supervisor
 
     def exit_record(self) -> CommandExit | None:
         """The exit as recorded so far, without waiting."""
@@ -179,5 +200,11 @@ class CommandHandle:
         return OutputChunk(stream, offset, data) if data else None
 
     def signal_supervisor(self, sig: signal.Signals) -> bool:
+        """Signal the command's supervisor, unless its exit is recorded: the
+        supervisor may serve another command by now (decision 088). (The check
+        and the signal are one step of the driver's loop, and a supervisor is
+        handed another command only by that loop, after its exit was seen.)"""
+        if self.exit_record() is not None:
+            return False
         identity = self.supervisor()
         return identity is not None and identity.send(sig)

@@ -1,7 +1,8 @@
 """Warm supervisors and their doorbells.
 
 Starting Python costs 20-40 ms, more than the whole exec round trip may take,
-so supervisors are started ahead of need and wait for a command on stdin.
+so supervisors are started ahead of need and wait for a command on stdin;
+and one whose command ended is given back to wait for the next (decision 088).
 They are not the agent's children (forked by the zygote, which reaps them, or
 detached by a second fork), each in its own session: nothing for the agent to
 reap, nothing killed when the agent exits.
@@ -35,18 +36,22 @@ class SupervisorStartError(RuntimeError):
 
 @dataclass
 class WarmSupervisor:
-    """An idle supervisor: its pid, the write end of its stdin, its doorbell pipe."""
+    """An idle supervisor: its pid, the write end of its stdin, its doorbell pipe,
+    and how many commands it was handed."""
 
     pid: int
     stdin_fd: int
     doorbell_fd: int
+    handed: int = 0
 
     def hand_over(
         self, command_dir: Path, spec: dict[str, Any], secrets: dict[str, str] | None = None
     ) -> None:
         """Give it its command: its directory, its spec (as `spec.json` has it,
         not read back from there), and its secrets, which exist nowhere else on
-        this host; raises BrokenPipeError if it died while idle."""
+        this host; raises BrokenPipeError (its stdin closed) if it died while
+        idle or will take no more. Its stdin stays open: given back once its
+        command ended, it takes the next one (decision 088)."""
         handed = {"command_dir": str(command_dir), "spec": spec, "secrets": secrets or {}}
         line = json.dumps(handed).encode()
         line += b"\n"
@@ -57,14 +62,23 @@ class WarmSupervisor:
             os.set_blocking(self.stdin_fd, True)
             while view:
                 view = view[os.write(self.stdin_fd, view) :]
-        finally:
+        except BrokenPipeError:
+            self.let_go()
+            raise
+        self.handed += 1
+
+    def let_go(self) -> None:
+        """EOF on its stdin: it exits once idle (at once if it is), and is never
+        handed another command. Its doorbell stays with whoever listens to it."""
+        with contextlib.suppress(OSError):
             os.close(self.stdin_fd)
+        self.stdin_fd = -1
 
     def dismiss(self) -> None:
         """Let it go: EOF on its stdin makes an idle supervisor exit."""
-        for fd in (self.stdin_fd, self.doorbell_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self.let_go()
+        with contextlib.suppress(OSError):
+            os.close(self.doorbell_fd)
 
 
 class Zygote:
@@ -181,8 +195,22 @@ def _announced(launcher: int | None, stdin_w: int, bell_r: int, err_r: int) -> W
     return WarmSupervisor(int(announced), stdin_w, bell_r)
 
 
+# A supervisor given back serves at most this many commands, then is let go:
+# whatever a long life may gather (fragmented memory, a command's secrets left
+# in freed memory) goes with a fresh one from the zygote.
+COMMANDS_PER_SUPERVISOR = 100
+# Supervisors given back are kept idle up to this many times the pool's size,
+# for bursts of commands; beyond, they are let go.
+KEEP_GIVEN_BACK = 4
+
+
 class SupervisorPool:
-    """Keeps ``size`` idle supervisors ready, refilling in the background."""
+    """Keeps ``size`` idle supervisors ready, refilling in the background, and
+    takes back those whose command ended (decision 088).
+
+    A refill starts only once no idle supervisor is left: one given back is
+    idle again by the time the next command of a client that runs them one
+    after another comes, so such a client costs no fork at all."""
 
     def __init__(self, root: Path, size: int) -> None:
         self._root = root
@@ -226,8 +254,21 @@ class SupervisorPool:
         self._top_up()
         return supervisor
 
+    def give_back(self, supervisor: WarmSupervisor) -> None:
+        """A supervisor whose command ended (its exit recorded), to serve the next."""
+        if (
+            self._closed
+            or supervisor.handed >= COMMANDS_PER_SUPERVISOR
+            or len(self._idle) >= KEEP_GIVEN_BACK * self._size
+        ):
+            supervisor.dismiss()
+            return
+        self._idle.append(supervisor)
+
     def _top_up(self) -> None:
-        for _ in range(self._size - len(self._idle) - len(self._spawning)):
+        if self._idle:
+            return  # (one given back will be idle again soon enough)
+        for _ in range(self._size - len(self._spawning)):
             task = asyncio.create_task(self._spawn_one(), name="supervisor-pool-refill")
             self._spawning.add(task)
             task.add_done_callback(self._spawning.discard)
@@ -308,6 +349,17 @@ class Doorbell:
         """Stop listening (driver closing); the supervisor keeps running."""
         self._release()
         self._ring()
+
+    def pass_on(self) -> int | None:
+        """Stop listening, and the descriptor (still open) for the supervisor's
+        next command's bell; None if it hung up or was detached."""
+        fd = self._fd
+        if fd is None or self.hung_up:
+            return None
+        self._loop.remove_reader(fd)
+        self._fd = None
+        self._ring()
+        return fd
 
     async def wait(self, seen: int, timeout_s: float) -> None:
         """Return once the bell rang after ``seen`` rings, or after ``timeout_s``."""

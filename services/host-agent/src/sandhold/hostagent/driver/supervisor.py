@@ -1,13 +1,16 @@
-"""The supervisor: one process per command, independent of the agent.
+"""The supervisor: a process that runs one command at a time, independent of the agent.
 
-Started warm by the driver (``python -m sandhold.hostagent.driver.supervisor``),
-it detaches, announces its pid on stdout and waits for one line on stdin naming
-a command directory, with the command's spec (the driver's record of it is
-``spec.json``) and secrets. Then it runs the command, copies its output into
-files, enforces the timeout and interrupts, and writes ``exit.json``. stdout
-stays a pipe to the agent: one byte there (the doorbell) after every write
-tells the agent to look at the files. If the agent is gone the doorbell is
-silently lost and the files remain the truth.
+Started warm by the driver (forked by the zygote, or ``python -m
+sandhold.hostagent.driver.supervisor``), it announces its pid on stdout and
+waits for one line on stdin naming a command directory, with the command's
+spec (the driver's record of it is ``spec.json``) and secrets. Then it runs
+the command, copies its output into files, enforces the timeout and
+interrupts, and writes ``exit.json``. stdout stays a pipe to the agent: one
+byte there (the doorbell) after every write tells the agent to look at the
+files. If the agent is gone the doorbell is silently lost and the files
+remain the truth. Then it waits for the next line: the driver gives a
+supervisor whose command ended back to its pool (decision 088), and lets it
+go by closing its stdin, on which it exits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from sandhold.hostagent.driver.cgroups import (
     join_self,
@@ -479,8 +483,11 @@ def _signals() -> int:
 
 
 def serve(*, detach: bool = True) -> int:
-    """Wait for a command and supervise it; `detach=False` where the parent (the
-    zygote) reaps us itself."""
+    """Wait for a command and supervise it, then for the next one, until the
+    driver closes our stdin (decision 088: a supervisor the driver gives back
+    serves another command, so most commands cost no fork, no copy of the
+    zygote's pages and no exit). `detach=False` where the parent (the zygote)
+    reaps us itself."""
     # A handler rather than SIG_IGN: ignored signals would be inherited by the command.
     signal.signal(signal.SIGHUP, lambda *_: None)
     if detach:
@@ -488,34 +495,55 @@ def serve(*, detach: bool = True) -> int:
     os.write(_DOORBELL, f"{os.getpid()}\n".encode())
     identity = ProcessIdentity.of(os.getpid())  # (while waiting: it needs no command)
     assert identity is not None
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return 0  # the driver let this warm supervisor go unused
-    handed = json.loads(line)
-    paths = CommandPaths(Path(handed["command_dir"]))
+    # Commands come on a descriptor of our own, not inherited by them; 0 is /dev/null.
+    commands = os.fdopen(os.dup(0), "rb")
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 2)
     os.close(null)
+    wakeup: int | None = None
+    while line := commands.readline():
+        if wakeup is None:  # (once there is a command: an unused one exits quietly)
+            os.set_blocking(_DOORBELL, False)
+            wakeup = _signals()
+        _drain(wakeup)
+        _supervise(json.loads(line), identity, wakeup, commands)
+    return 0  # the driver let us go: unused, or done with our last command
+
+
+def _drain(wakeup: int) -> None:
+    """Forget signals that came before this command: an interrupt of the one
+    before, sent as it ended, is not this one's (the driver hands a command over
+    only after it saw the previous one's exit, and a signal sent before that is
+    taken before the hand-over's line is read)."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(wakeup, 256):
+            pass
+
+
+def _supervise(
+    handed: dict[str, Any], identity: ProcessIdentity, wakeup: int, commands: BinaryIO
+) -> None:
+    paths = CommandPaths(Path(handed["command_dir"]))
+    log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    os.dup2(log, 2)
     os.close(log)
-    os.set_blocking(_DOORBELL, False)
-    wakeup = _signals()
     write_json(paths.supervisor, identity.to_json())
     spec = CommandSpec.from_json(handed["spec"])
     # Secrets came through the pipe: into the command's environment, in memory only.
     secrets = handed.get("secrets") or {}
     spec = dataclasses.replace(spec, env={**spec.env, **secrets})
-    del handed, line, secrets
+    del handed, secrets
     supervisor = Supervisor(paths, spec, wakeup)
     try:
         supervisor.run()
     except BaseException as err:
+        # No command after this one: closed before the exit is recorded (which
+        # is when the driver would give us back), a hand-over fails at once.
+        commands.close()
         if not paths.exit.exists():
             detail = f"supervisor failed: {type(err).__name__}: {err}"
             supervisor.finish(CommandExit(reason="unknown", detail=detail))
         raise
-    return 0
 
 
 def probe_tmp() -> int:

@@ -1,0 +1,142 @@
+"""A supervisor whose command ended serves the next one (decision 088).
+
+Real supervisors from the zygote, real boxes: each test reads which process
+supervised a command from the `supervisor.json` it wrote, and what the command
+saw from its own output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from sandhold.hostagent.driver import ProcessDriver, pool
+from sandhold.hostagent.driver.records import read_pid
+
+from tests.support.waiting import wait_until
+
+from .conftest import collect, init_pid, open_files_limit
+
+A, B = "sb-00000000000a0d01", "sb-00000000000a0d02"
+
+
+@pytest.fixture
+async def two(driver: ProcessDriver) -> ProcessDriver:
+    await driver.create_sandbox(A, None)
+    await driver.create_sandbox(B, None)
+    return driver
+
+
+def supervised_by(driver: ProcessDriver, sandbox_id: str, command_id: str) -> int:
+    paths = driver.layout.command(sandbox_id, command_id)
+    return int(json.loads(paths.supervisor.read_text())["pid"])
+
+
+async def run(
+    driver: ProcessDriver, sandbox_id: str, command_id: str, argv: list[str], **options: object
+) -> bytes:
+    """Run to its end, report it (which gives its supervisor back); its stdout."""
+    handle = await driver.launch(sandbox_id, command_id, argv, **options)  # type: ignore[arg-type]
+    stdout, stderr, end = await collect(handle)
+    assert (end.reason, end.exit_code) == ("exited", 0), (end, stderr)
+    await driver.mark_reported(sandbox_id, command_id)
+    return stdout
+
+
+async def test_the_next_command_is_run_by_the_supervisor_given_back_with_only_its_own_spec(
+    two: ProcessDriver,
+) -> None:
+    first = await run(two, A, "c1", ["/bin/sh", "-c", "echo $TOKEN"], secrets={"TOKEN": "s3"})
+    assert first == b"s3\n"
+    second = await run(two, A, "c2", ["/bin/sh", "-c", "echo ${TOKEN:-none}; echo $MINE"],
+                       env={"MINE": "m"})  # fmt: skip
+    # The same process, and nothing of the first command's spec: not its secret.
+    assert supervised_by(two, A, "c2") == supervised_by(two, A, "c1")
+    assert second == b"none\nm\n"
+
+
+async def test_a_supervisor_given_back_runs_a_command_of_another_sandbox_in_that_sandbox(
+    two: ProcessDriver,
+) -> None:
+    await run(two, A, "c1", ["/bin/sh", "-c", "echo a > only-in-a"])
+    handle = await two.launch(B, "c2", ["/bin/sh", "-c", "ls; exec sleep 30"])
+    pid = await handle.started()
+    assert isinstance(pid, int)
+    assert supervised_by(two, B, "c2") == supervised_by(two, A, "c1")
+    # Born in B's pid namespace (the supervisor joins it anew for each command),
+    # and seeing B's workspace, not A's.
+    assert os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{init_pid(two, B)}/ns/pid")
+    assert os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink(f"/proc/{init_pid(two, B)}/ns/mnt")
+    assert await two.interrupt(B, "c2", grace_s=0.0)
+    stdout, _, end = await collect(handle)
+    assert end.reason == "interrupted"
+    assert b"only-in-a" not in stdout
+
+
+async def test_a_signal_that_reaches_a_supervisor_between_commands_is_not_the_next_ones(
+    two: ProcessDriver,
+) -> None:
+    await run(two, A, "c1", ["true"])
+    supervisor = supervised_by(two, A, "c1")
+    # What an interrupt of c1 sent as c1 ended would leave: a wake-up, pending.
+    os.kill(supervisor, signal.SIGUSR1)
+    os.kill(supervisor, signal.SIGTERM)
+    handle = await two.launch(A, "c2", ["/bin/sh", "-c", "sleep 0.3; echo done"])
+    stdout, _, end = await collect(handle)
+    assert supervised_by(two, A, "c2") == supervisor
+    assert (end.reason, end.exit_code, stdout) == ("exited", 0, b"done\n")
+
+
+async def test_an_ended_commands_supervisor_is_not_signalled_for_it(two: ProcessDriver) -> None:
+    await run(two, A, "c1", ["true"])
+    handle = await two.launch(A, "c2", ["sleep", "30"])
+    assert isinstance(await handle.started(), int)
+    assert supervised_by(two, A, "c2") == supervised_by(two, A, "c1")
+    # c1's handle, read from its files: its supervisor now runs c2.
+    assert not two.handle(A, "c1").signal_supervisor(signal.SIGKILL)
+    assert not await two.interrupt(A, "c1")
+    assert read_pid(two.layout.command(A, "c2").pid) is not None
+    assert handle.exit_record() is None
+    assert await two.interrupt(A, "c2", grace_s=0.0)
+    assert (await handle.wait()).reason == "interrupted"
+
+
+async def test_a_supervisor_is_let_go_after_its_share_of_commands(
+    two: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool, "COMMANDS_PER_SUPERVISOR", 2)
+    for n in range(3):
+        await run(two, A, f"c{n}", ["true"])
+    first, second, third = (supervised_by(two, A, f"c{n}") for n in range(3))
+    assert first == second != third
+    # Let go, it exits (and the zygote reaps it).
+    await wait_until(
+        lambda: not Path(f"/proc/{first}").exists(), timeout=10, what="the supervisor let go gone"
+    )
+
+
+async def test_a_command_not_reported_keeps_its_supervisor_to_itself(two: ProcessDriver) -> None:
+    handle = await two.launch(A, "c1", ["true"])
+    assert (await handle.wait()).reason == "exited"
+    # Not reported yet: the next command gets another supervisor.
+    await run(two, A, "c2", ["true"])
+    assert supervised_by(two, A, "c2") != supervised_by(two, A, "c1")
+
+
+async def test_the_agent_may_hold_more_open_files_than_the_commands_it_starts(
+    make_driver: Callable[..., Awaitable[ProcessDriver]],
+) -> None:
+    with open_files_limit(1024) as hard:
+        driver = await make_driver()
+        raised, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # Two descriptors per running command: the agent's limit is the hard one...
+        assert raised == (1 << 20 if hard == resource.RLIM_INFINITY else hard)
+        await driver.create_sandbox(A, None)
+        out = await run(driver, A, "c1", ["/bin/sh", "-c", "ulimit -n"])
+        # ...while commands keep the limit they had (the zygote started before).
+        assert out == b"1024\n"

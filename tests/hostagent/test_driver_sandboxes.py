@@ -17,6 +17,7 @@ from sandhold.hostagent.driver import cgroups as cgroups_module
 from sandhold.hostagent.driver import driver as driver_module
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
 from sandhold.hostagent.driver.owners import others_of
+from sandhold.hostagent.driver.pool import ZYGOTE_MODULE
 
 from tests.support.waiting import wait_until
 
@@ -228,24 +229,46 @@ async def test_stopping_a_frozen_sandbox_thaws_it_first(driver: ProcessDriver) -
     assert exits["c1"].reason == "interrupted"
 
 
-async def test_warm_supervisors_are_published_and_never_more_are_kept(
-    make_driver: MakeDriver,
+async def test_warm_supervisors_are_published_and_at_most_four_times_as_many_are_kept(
+    make_driver: MakeDriver, root: Path
 ) -> None:
     driver = await make_driver(warm=2)
     assert driver.capabilities()["warm_supervisors"] == 2
     await driver.create_sandbox(SB, 32 * 1024 * 1024)
     assert "warm_supervisors" not in driver.sandbox_capabilities(SB)  # the host's figure
-    # A burst of launches takes more supervisors than the pool holds; once they
-    # end and the pool refilled, only the pool's size wait idle.
-    handles = [await driver.launch(SB, f"c{i}", ["true"]) for i in range(6)]
+    # A burst of launches takes more supervisors than the pool holds; once their
+    # ends are reported they are given back (decision 088), and beyond four
+    # times the pool's size they are let go: they exit.
+    handles = [await driver.launch(SB, f"c{i}", ["sleep", "0.5"]) for i in range(12)]
     for handle in handles:
         assert (await collect(handle))[2].reason == "exited"
-    # Refilled, and nothing more on its way (a refill leaves the spawning set in
-    # a done callback, a moment after it joined the idle ones: both are waited for).
+    for i in range(12):
+        await driver.mark_reported(SB, f"c{i}")
     await wait_until(
-        lambda: driver._pool.idle == 2 and not driver._pool._spawning,
-        what="the pool refilled to its size, nothing more starting",
+        lambda: driver._pool.idle == 8 and not driver._pool._spawning,
+        what="eight given back kept idle, nothing more starting",
     )
+    [zygote] = [
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit()
+        and _reads(d / "cmdline").startswith(
+            b"%s\0-m\0%s" % (sys.executable.encode(), ZYGOTE_MODULE.encode())
+        )
+        and str(root).encode() in _reads(d / "cmdline")
+        and _reads(d / "stat").rsplit(b")", 1)[1].split()[1] == str(os.getpid()).encode()
+    ]
+    await wait_until(
+        lambda: len(_reads(Path(f"/proc/{zygote}/task/{zygote}/children")).split()) == 8,
+        what="the supervisors let go gone, the eight kept still there",
+    )
+
+
+def _reads(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
 
 
 async def test_a_sandbox_is_quiet_only_while_nothing_but_its_box_runs(

@@ -140,3 +140,52 @@ async def test_the_agent_may_hold_more_open_files_than_the_commands_it_starts(
         out = await run(driver, A, "c1", ["/bin/sh", "-c", "ulimit -n"])
         # ...while commands keep the limit they had (the zygote started before).
         assert out == b"1024\n"
+
+
+async def test_the_next_command_runs_when_the_supervisor_of_the_one_before_died(
+    two: ProcessDriver,
+) -> None:
+    # (Its doorbell hung up, so it is not given back; were it, the hand-over
+    # would fail on its closed stdin and the next supervisor be taken.)
+    handle = await two.launch(A, "c1", ["true"])
+    assert (await handle.wait()).reason == "exited"
+    supervisor = supervised_by(two, A, "c1")
+    os.kill(supervisor, signal.SIGKILL)
+    await wait_until(lambda: not handle.supervisor_alive(), what="its doorbell hung up")
+    await two.mark_reported(A, "c1")
+    assert await run(two, A, "c2", ["/bin/sh", "-c", "echo ran"]) == b"ran\n"
+    assert supervised_by(two, A, "c2") != supervisor
+
+
+async def test_a_reported_command_whose_directory_is_going_is_not_interrupted_in_the_next(
+    two: ProcessDriver,
+) -> None:
+    await run(two, A, "c1", ["true"])
+    handle = await two.launch(B, "c2", ["sleep", "30"])
+    assert isinstance(await handle.started(), int)
+    assert supervised_by(two, B, "c2") == supervised_by(two, A, "c1")
+    # c1's directory half removed (as its removal goes, exit record first):
+    # it looks unended, and its supervisor.json names the process running c2.
+    c1 = two.layout.command(A, "c1")
+    c1.exit.unlink()
+    c1.reported.unlink()
+    assert not await two.interrupt(A, "c1", grace_s=0.0)
+    assert await two.stop_sandbox(A, grace=0.0) == {}
+    assert handle.exit_record() is None
+    assert await two.interrupt(B, "c2", grace_s=0.0)
+    assert (await handle.wait()).reason == "interrupted"
+
+
+async def test_supervisors_started_without_the_zygote_keep_the_commands_limit_of_open_files(
+    make_driver: Callable[..., Awaitable[ProcessDriver]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_zygote(*_: object) -> None:
+        raise OSError("no zygote in this test")
+
+    monkeypatch.setattr(pool.Zygote, "__init__", no_zygote)
+    with open_files_limit(1024):
+        # No pool started ahead: the command's supervisor starts after the agent
+        # raised its own limit, as a new interpreter.
+        driver = await make_driver(isolation="process", warm=0)
+        await driver.create_sandbox(A, None)
+        assert await run(driver, A, "c1", ["/bin/sh", "-c", "ulimit -n"]) == b"1024\n"

@@ -932,6 +932,7 @@ class HostAgent:
             except Rejected as err:
                 log.info("end of %s not recorded: %s", cid, err)
                 if err.code == "self_fenced":
+                    self.driver.let_go(sid, cid)
                     return  # not reported: whoever runs next here decides about it
                 break
             except Exception as err:  # the bus not answering, in whatever words
@@ -940,6 +941,7 @@ class HostAgent:
                     # Not the bus: retrying would hold up this sandbox's stop (and the
                     # host's work behind it) for ever. Reported at the next start.
                     log.error("the end of %s cannot be reported: %r", cid, err)
+                    self.driver.let_go(sid, cid)
                     return
                 log.warning("reporting the end of %s failed, retrying: %r", cid, err)
                 await asyncio.sleep(pause)

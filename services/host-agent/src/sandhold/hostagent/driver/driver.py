@@ -164,10 +164,12 @@ class ProcessDriver:
         else:
             probe = self._probe_tmp() if self._isolate_tmp else _disabled_tmp()
             self._tmp_probe, _ = await asyncio.gather(probe, self._pool.start())
-        _more_open_files()  # (after the zygote started: commands keep the usual limit)
+        # After the zygote started: commands keep the limit they would have had.
+        self._pool.open_files = _more_open_files()
 
     async def close(self) -> None:
-        """Dismiss idle supervisors; running ones keep going for the next agent."""
+        """Dismiss idle supervisors; running ones keep going for the next agent
+        (and exit after their command: none is given another)."""
         await self._pool.close()
         for handle in self._handles.values():
             handle.detach()
@@ -198,8 +200,8 @@ class ProcessDriver:
             "disk_quota": False,
             "freeze": self.freeze_method,
             "connections": "tmpfs" if self.connections.on_tmpfs else "disk",
-            # Idle supervisors kept ready for the next launch: never more (a pool
-            # refilled only up to this), so none beyond it wait to be reaped.
+            # Idle supervisors started ahead for the next launch (refilled once
+            # none is idle); up to four times this kept once given back (088).
             "warm_supervisors": self._warm,
         }
         if self.boxes is not None:
@@ -686,6 +688,11 @@ class ProcessDriver:
                 kept_by_sandbox[sandbox_id] = kept
         return unreported, kept_by_sandbox
 
+    def let_go(self, sandbox_id: str, command_id: str) -> None:
+        handle = self._handles.get((sandbox_id, command_id))
+        if handle is not None:
+            handle.let_supervisor_go()
+
     async def mark_reported(self, sandbox_id: str, command_id: str) -> None:
         """Record that the command's end is durably in the log (it is not adopted
         again), and tidy up after it.
@@ -763,19 +770,22 @@ class ProcessDriver:
                 self._left_cgroups[sandbox_id] = left
 
 
-def _more_open_files() -> None:
+def _more_open_files() -> int | None:
     """Raise this process's soft limit of open files to its hard one: it holds two
     descriptors per running command (its supervisor's doorbell and stdin,
-    decision 088), and a soft limit of 1,024 would refuse a launch at ~500."""
+    decision 088), and a soft limit of 1,024 would refuse a launch at ~500.
+    The limit it had, if raised."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     # (Unlimited is not a number of files: the kernel's own cap, nr_open, is.)
     wanted = 1 << 20 if hard == resource.RLIM_INFINITY else hard
     if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
+        return None
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     except (ValueError, OSError) as err:
         log.warning("open files limit left at %d (hard %d): %s", soft, hard, err)
+        return None
+    return soft
 
 
 def _evicted(kept: collections.deque[tuple[str, float]], *, now: float) -> list[str]:

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.pool import Doorbell, WarmSupervisor
@@ -78,6 +79,12 @@ class CommandHandle:
             self._supervisor.let_go()
             self._supervisor = None
 
+    def let_supervisor_go(self) -> None:
+        """Its supervisor takes no command after this one (still heard until it exits)."""
+        if self._supervisor is not None:
+            self._supervisor.let_go()
+            self._supervisor = None
+
     def give_back(self) -> WarmSupervisor | None:
         """The supervisor, to serve another command, once this one's exit is
         recorded and it is still there; else None (and detached as `detach`)."""
@@ -106,7 +113,9 @@ class CommandHandle:
             return not self._doorbell.hung_up
         identity = self.supervisor()
         if identity is not None:
-            return identity.is_alive()
+            # (Alive, and still this command's: one serving the next command
+            # since, decision 088, is gone as far as this one is concerned.)
+            return identity.is_alive() and _logs_to(identity.pid, self.paths.log)
         if self._launching:
             return True
         try:
@@ -200,11 +209,25 @@ class CommandHandle:
         return OutputChunk(stream, offset, data) if data else None
 
     def signal_supervisor(self, sig: signal.Signals) -> bool:
-        """Signal the command's supervisor, unless its exit is recorded: the
-        supervisor may serve another command by now (decision 088). (The check
-        and the signal are one step of the driver's loop, and a supervisor is
-        handed another command only by that loop, after its exit was seen.)"""
+        """Signal the command's supervisor, unless it is done with this command:
+        a supervisor serves one command after another (decision 088). Done when
+        the exit is recorded, or when the supervisor's stderr is no longer this
+        command's log (it takes the next one's as it starts it; this command's
+        directory may also be going, exit record first). The checks and the
+        signal are one step of the driver's loop, and only that loop hands a
+        supervisor its next command."""
         if self.exit_record() is not None:
             return False
         identity = self.supervisor()
-        return identity is not None and identity.send(sig)
+        return (
+            identity is not None and _logs_to(identity.pid, self.paths.log) and identity.send(sig)
+        )
+
+
+def _logs_to(pid: int, log: Path) -> bool:
+    """Whether process `pid`'s stderr is the file `log` (the same inode)."""
+    try:
+        held, named = os.stat(f"/proc/{pid}/fd/2"), os.stat(log)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)

@@ -139,16 +139,21 @@ class Zygote:
             os.waitpid(self.pid, 0)
 
 
-def spawn_supervisor(root: Path, zygote: Zygote | None = None) -> WarmSupervisor:
+def spawn_supervisor(
+    root: Path, zygote: Zygote | None = None, open_files: int | None = None
+) -> WarmSupervisor:
     """Start one supervisor and wait until it has announced itself (blocking).
 
     Forked by the zygote when there is one (milliseconds), else started as a
-    new interpreter (tens of milliseconds of CPU).
+    new interpreter (tens of milliseconds of CPU), told `open_files`: the
+    soft limit its commands get where the agent raised its own.
     """
     stdin_r, stdin_w = os.pipe()
     bell_r, bell_w = os.pipe()
     err_r, err_w = os.pipe()
     argv = [sys.executable, "-m", SUPERVISOR_MODULE, "--root", str(root)]
+    if open_files is not None:
+        argv += ["--open-files", str(open_files)]
     launcher = None
     if zygote is not None and zygote.fork_supervisor([stdin_r, bell_w, err_w]):
         for fd in (stdin_r, bell_w, err_w):
@@ -223,6 +228,9 @@ class SupervisorPool:
         # next command waits for a supervisor (docs/benchmarks.md (m)).
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="supervisor-spawn")
         self._zygote: Zygote | None = None
+        # The soft limit of open files commands get, where the agent raised its
+        # own after the zygote started (one started without it is told).
+        self.open_files: int | None = None
 
     async def start(self) -> None:
         """Fill the pool; a supervisor that cannot start fails here, loudly."""
@@ -235,7 +243,8 @@ class SupervisorPool:
 
     @property
     def idle(self) -> int:
-        """Supervisors started and waiting for a command now (never more than the size)."""
+        """Supervisors waiting for a command now: started ahead (the size at
+        most), or given back (up to KEEP_GIVEN_BACK times the size)."""
         return len(self._idle)
 
     async def take(self) -> WarmSupervisor:
@@ -291,7 +300,7 @@ class SupervisorPool:
 
     def _spawn(self) -> asyncio.Future[WarmSupervisor]:
         return asyncio.get_running_loop().run_in_executor(
-            self._threads, spawn_supervisor, self._root, self._zygote
+            self._threads, spawn_supervisor, self._root, self._zygote, self.open_files
         )
 
     async def close(self) -> None:

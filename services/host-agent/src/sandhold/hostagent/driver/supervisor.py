@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -195,6 +196,7 @@ class Supervisor:
         to see, as for a command on the host.
         """
         if (problem := joiner.open_box() or joiner.join_pid_namespace()) is not None:
+            joiner.close()  # (this process serves more commands: no box is kept open)
             self.finish(CommandExit(reason="launch_failed", detail=problem))
             return
         if joiner.target.launcher is not None:
@@ -482,7 +484,7 @@ def _signals() -> int:
     return wakeup_r
 
 
-def serve(*, detach: bool = True) -> int:
+def serve(*, detach: bool = True, open_files: int | None = None) -> int:
     """Wait for a command and supervise it, then for the next one, until the
     driver closes our stdin (decision 088: a supervisor the driver gives back
     serves another command, so most commands cost no fork, no copy of the
@@ -490,6 +492,9 @@ def serve(*, detach: bool = True) -> int:
     reaps us itself."""
     # A handler rather than SIG_IGN: ignored signals would be inherited by the command.
     signal.signal(signal.SIGHUP, lambda *_: None)
+    if open_files is not None:  # started by an agent that raised its own limit
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, hard))
     if detach:
         _detach()
     os.write(_DOORBELL, f"{os.getpid()}\n".encode())
@@ -506,7 +511,10 @@ def serve(*, detach: bool = True) -> int:
             os.set_blocking(_DOORBELL, False)
             wakeup = _signals()
         _drain(wakeup)
-        _supervise(json.loads(line), identity, wakeup, commands)
+        handed = json.loads(line)
+        del line  # (the secrets: in the spec's environment only, for this command)
+        _supervise(handed, identity, wakeup, commands)
+        del handed
     return 0  # the driver let us go: unused, or done with our last command
 
 
@@ -558,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     # Only there so that `ps` (and test cleanup) can tell whose supervisor this is.
     parser.add_argument("--root", default="")
     parser.add_argument("--probe-tmp", action="store_true")
+    parser.add_argument("--open-files", type=int, default=None)
     args = parser.parse_args(argv)
-    return probe_tmp() if args.probe_tmp else serve()
+    return probe_tmp() if args.probe_tmp else serve(open_files=args.open_files)
 
 
 if __name__ == "__main__":

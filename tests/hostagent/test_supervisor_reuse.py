@@ -176,6 +176,22 @@ async def test_a_reported_command_whose_directory_is_going_is_not_interrupted_in
     assert (await handle.wait()).reason == "interrupted"
 
 
+async def test_a_reported_command_whose_directory_is_going_is_not_its_idle_supervisors(
+    two: ProcessDriver,
+) -> None:
+    await run(two, A, "c1", ["true"])
+    supervisor = supervised_by(two, A, "c1")
+    c1 = two.layout.command(A, "c1")
+    c1.exit.unlink()
+    c1.reported.unlink()
+    # Given back and idle, its supervisor runs nothing: not c1's any more.
+    assert Path(f"/proc/{supervisor}").exists()
+    assert not two.handle(A, "c1").supervisor_alive()
+    assert not await two.interrupt(A, "c1", grace_s=0.0)
+    assert await run(two, A, "c2", ["/bin/sh", "-c", "echo fine"]) == b"fine\n"
+    assert supervised_by(two, A, "c2") == supervisor
+
+
 async def test_supervisors_started_without_the_zygote_keep_the_commands_limit_of_open_files(
     make_driver: Callable[..., Awaitable[ProcessDriver]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

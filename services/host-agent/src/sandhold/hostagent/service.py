@@ -881,6 +881,16 @@ class HostAgent:
     ) -> None:
         """Stream a command's output to OUTPUT, then report how it ended (after
         its start, when this agent launched it)."""
+        try:
+            await self._follow_to_its_end(handle, generation, start_told)
+        finally:
+            # Reported, its supervisor was given back (`mark_reported`). Not (this
+            # agent fenced, a bug, stopping): it takes no other command (088).
+            self.driver.let_go(handle.sandbox_id, handle.command_id)
+
+    async def _follow_to_its_end(
+        self, handle: CommandHandle, generation: int | None, start_told: asyncio.Event | None
+    ) -> None:
         sid, cid = handle.sandbox_id, handle.command_id
         # Only a command this agent did not launch can have output in OUTPUT already.
         fresh = not handle.adopted
@@ -932,7 +942,6 @@ class HostAgent:
             except Rejected as err:
                 log.info("end of %s not recorded: %s", cid, err)
                 if err.code == "self_fenced":
-                    self.driver.let_go(sid, cid)
                     return  # not reported: whoever runs next here decides about it
                 break
             except Exception as err:  # the bus not answering, in whatever words
@@ -941,7 +950,6 @@ class HostAgent:
                     # Not the bus: retrying would hold up this sandbox's stop (and the
                     # host's work behind it) for ever. Reported at the next start.
                     log.error("the end of %s cannot be reported: %r", cid, err)
-                    self.driver.let_go(sid, cid)
                     return
                 log.warning("reporting the end of %s failed, retrying: %r", cid, err)
                 await asyncio.sleep(pause)

@@ -505,6 +505,7 @@ def serve(*, detach: bool = True, open_files: int | None = None) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    null_err = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     wakeup: int | None = None
     while line := commands.readline():
         if wakeup is None:  # (once there is a command: an unused one exits quietly)
@@ -515,6 +516,9 @@ def serve(*, detach: bool = True, open_files: int | None = None) -> int:
         del line  # (the secrets: in the spec's environment only, for this command)
         _supervise(handed, identity, wakeup, commands)
         del handed
+        # Between commands stderr is no command's log: that it is one's says this
+        # process runs that command now (`handle._logs_to`), not that it did.
+        os.dup2(null_err, 2)
     return 0  # the driver let us go: unused, or done with our last command
 
 

@@ -15,17 +15,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from sandhold.bus import credentials as creds
 from sandhold.bus import leases
-from sandhold.bus.append import last_sequence
-from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER, decode_envelope
+from sandhold.bus.codec import OFFSET_HEADER, STREAM_HEADER
 from sandhold.bus.connection import close_quickly
 from sandhold.bus.connection import connect as bus_connect
 from sandhold.bus.credentials import Credentials
-from sandhold.bus.follow import Follower
 from sandhold.bus.names import Names
 from sandhold.bus.output import OutputLog
 from sandhold.bus.ownership import tenant_of
 from sandhold.bus.read import read_subject, read_subjects
 from sandhold.bus.requesting import publish_request
+from sandhold.client.feeds import Feeds
 from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
@@ -87,9 +86,13 @@ class Client:
         self.names = names
         self.tenant = tenant
         self.request_timeout = request_timeout
+        self._feeds = Feeds(self.js, names)
 
     async def close(self) -> None:
-        await close_quickly(self.nc)
+        try:
+            await self._feeds.close()
+        finally:
+            await close_quickly(self.nc)
 
     async def __aenter__(self) -> Client:
         return self
@@ -511,19 +514,7 @@ class Client:
         """
         key = self._key(key)
         command_id = rq.command_id_for(sandbox_id, key)
-        ended: asyncio.Future[tuple[float, ev.CommandEnded]] = (
-            asyncio.get_running_loop().create_future()
-        )
         printer = _OutputPrinter(on_output)
-
-        def on_event(seq: int, msg: Msg, envelope: Envelope) -> None:
-            event = envelope.event
-            if (
-                isinstance(event, ev.CommandEnded)
-                and event.command_id == command_id
-                and not ended.done()
-            ):
-                ended.set_result((envelope.time, event))
 
         async def on_chunk(msg: Msg) -> None:
             headers = msg.headers or {}  # every chunk has both (the host-agent sets them)
@@ -534,23 +525,24 @@ class Client:
         # stream then refused (a fenced host's stale `command.ended`) and sees
         # every append a moment before it is stored. Output is shown live: what
         # was kept is settled by `output_kept` in the stored end (and read back).
-        subject = self.names.events("sandbox", sandbox_id)
-        after = await last_sequence(self.js, self.names.events_stream, subject)
-        events = Follower(
-            self.js, self.names.events_stream, subject, decode_envelope, on_event,
-            start_seq=after + 1, what="sandbox events",
-        )  # fmt: skip
         async with contextlib.AsyncExitStack() as listening:
-            # The consumer starts after the sequence read above, so it delivers
-            # every event the request causes however late it is made: it is made
-            # while the request is stored and decided, not before (one round
-            # trip off every exec).
-            following = asyncio.ensure_future(events.start(timeout=None, target=after))
-            listening.push_async_exit(_following_stopped(following, events.stop))
+            # The sandbox's events from before this request on, through a follower
+            # shared with the execs before and after this one (decision 089): the
+            # subject's last sequence is read once per follower, before its first
+            # exec's request, and its consumer is made while that request is
+            # stored and decided (off the path). Every later exec registers here
+            # before it sends its request, so it hears every event it causes.
+            feed = listening.enter_context(self._feeds.holding(sandbox_id))
+            ended = feed.wait_for(command_id)
+            listening.callback(feed.forget, command_id, ended)
             chunks = await self.nc.subscribe(
                 self.names.output(sandbox_id, command_id) + ".*", cb=on_chunk
             )
             listening.push_async_callback(_quietly, chunks.unsubscribe)
+            if not feed.positioned.done():  # (the first exec on this feed)
+                # Waited for, never awaited: this exec's cancel is not the others'.
+                await asyncio.wait([feed.positioned])
+            feed.positioned.result()  # why not, raised: the request is not sent
             reply = await self.send(
                 rq.RunCommand(
                     key=key,
@@ -568,13 +560,14 @@ class Client:
             assert reply.command is not None
             record = reply.command
             if record.state not in _END_STATES:
-                try:
-                    await following
-                except Exception as err:  # noqa: BLE001 - the request is in: wait on the log
+                if not feed.following.done():
+                    await asyncio.wait([feed.following])
+                if feed.broken:
                     # Live delivery is best effort: `_wait_for_end` reads the log
                     # when it hears nothing. Raising here would leave a caller
                     # retrying with a new key to run the command twice.
-                    log.warning("no live events of %s (%r): reading the log", sandbox_id, err)
+                    why = "stopped" if feed.following.cancelled() else feed.following.exception()
+                    log.warning("no live events of %s (%r): reading the log", sandbox_id, why)
                 at, end = await self._wait_for_end(sandbox_id, command_id, ended, wait_timeout)
                 record = ended_view(record, end, at=at)
         if record.cold and record.cold_start is None:  # what waking its sandbox cost
@@ -724,25 +717,6 @@ class _OutputPrinter:
 async def _quietly(stop: Callable[[], Awaitable[object]]) -> None:
     with contextlib.suppress(Exception):  # a closed connection has no subscriptions
         await stop()
-
-
-def _following_stopped(
-    starting: asyncio.Future[None], stop: Callable[[], Awaitable[object]]
-) -> Callable[..., Awaitable[bool]]:
-    """An exit callback that stops a follower whose start may still be under
-    way: after that start is over (cut short when leaving on an error), so no
-    subscription is made once it was stopped."""
-
-    async def stopped(exc_type: type[BaseException] | None, *_: object) -> bool:
-        if exc_type is not None:
-            starting.cancel()
-        await asyncio.wait([starting])
-        if not starting.cancelled():
-            starting.exception()  # (raised to the exec already, or of no matter now)
-        await _quietly(stop)
-        return False
-
-    return stopped
 
 
 async def connect(

@@ -1,0 +1,136 @@
+"""Execs on a sandbox share one live follower of its events (decision 089).
+
+The tests make the log's slow path fail: an exec that did not hear its
+command's end live reads the sandbox's state after 2 s (`_wait_for_end`), and
+here that raises, so a missed end fails the test instead of slowing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sandhold.client import Client
+from sandhold.client import feeds as feeds_module
+from sandhold.domain.errors import InfraError
+
+from tests.e2e.conftest import running_sandbox
+from tests.support.waiting import wait_until
+
+
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[feeds_module.Feed]:
+    """Every feed made, in order."""
+    feeds: list[feeds_module.Feed] = []
+
+    class Counted(feeds_module.Feed):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            feeds.append(self)
+
+    monkeypatch.setattr(feeds_module, "Feed", Counted)
+    return feeds
+
+
+def live_only(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_log_reads(*_: object) -> None:
+        raise AssertionError("an exec read the log: it missed its command's end live")
+
+    monkeypatch.setattr(client, "sandbox_state", no_log_reads)
+
+
+async def test_execs_one_after_another_share_one_follower_stopped_once_idle(
+    client: Client, made: list[feeds_module.Feed], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feeds_module, "IDLE_S", 1.0)
+    sandbox_id = await running_sandbox(client)
+    live_only(client, monkeypatch)
+    for n in range(3):
+        result = await client.exec(sandbox_id, ["sh", "-c", f"echo {n}; exit {n}"])
+        assert (result.command.exit_code, result.stdout) == (n, f"{n}\n".encode())
+    assert len(made) == 1  # one consumer of the sandbox's events for all three
+    first = made[0]
+    await wait_until(lambda: len(client._feeds) == 0, timeout=10, what="the idle feed gone")
+    await wait_until(
+        lambda: first.follower is not None and first.follower._sub is None,
+        timeout=10,
+        what="its consumer unsubscribed",
+    )
+    # The next exec makes a new one, positioned after everything before.
+    result = await client.exec(sandbox_id, ["sh", "-c", "exit 7"])
+    assert result.command.exit_code == 7
+    assert len(made) == 2
+
+
+async def test_execs_at_once_on_one_sandbox_each_hear_their_own_end(
+    client: Client, made: list[feeds_module.Feed], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sandbox_id = await running_sandbox(client)
+    live_only(client, monkeypatch)
+    scripts = [f"exit {n}" if n % 2 else f"sleep 0.{n}; exit {n}" for n in range(1, 7)]
+    results = await asyncio.gather(*(client.exec(sandbox_id, ["sh", "-c", s]) for s in scripts))
+    assert [r.command.exit_code for r in results] == [1, 2, 3, 4, 5, 6]
+    assert len(made) == 1
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Feeds read their position only once the event is set."""
+    gate = asyncio.Event()
+    read = feeds_module.last_sequence
+
+    async def held(*args: object, **kwargs: object) -> int:
+        await gate.wait()
+        return await read(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(feeds_module, "last_sequence", held)
+    return gate
+
+
+async def test_an_exec_cancelled_while_the_feed_starts_leaves_the_others_theirs(
+    client: Client,
+    made: list[feeds_module.Feed],
+    gated: asyncio.Event,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sandbox_id = await running_sandbox(client)
+    live_only(client, monkeypatch)
+    first = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", "exit 1"]))
+    second = asyncio.create_task(client.exec(sandbox_id, ["sh", "-c", "exit 2"]))
+    await wait_until(lambda: len(made) == 1 and made[0].holders == 2, what="both on the feed")
+    first.cancel()  # while both wait for the feed's position
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    gated.set()
+    assert (await second).command.exit_code == 2
+    assert len(made) == 1
+
+
+async def test_closing_the_client_stops_its_feeds_and_ends_the_execs_waiting(
+    client: Client, made: list[feeds_module.Feed], gated: asyncio.Event
+) -> None:
+    sandbox_id = await running_sandbox(client)
+    gated.set()
+    running = asyncio.create_task(client.exec(sandbox_id, ["sleep", "30"]))
+    await wait_until(
+        lambda: len(made) == 1 and made[0].positioned.done(), what="the first feed positioned"
+    )
+    other = await running_sandbox(client)
+    gated.clear()
+    positioning = asyncio.create_task(client.exec(other, ["true"]))
+    await wait_until(lambda: len(made) == 2, what="a second feed, not positioned yet")
+    async with asyncio.timeout(10):
+        await client.close()
+    # Every feed stopped, its consumer gone; nothing left to stop.
+    assert len(client._feeds) == 0 and not client._feeds._stopping
+    assert all(feed.following.done() for feed in made)
+    assert made[0].follower is not None and made[0].follower._sub is None
+    # The exec waiting for a position is told the client closed, at once.
+    with pytest.raises(InfraError, match="closed"):
+        async with asyncio.timeout(5):
+            await positioning
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whatever a closed connection says
+        async with asyncio.timeout(30):
+            await running
+    with pytest.raises(InfraError, match="closed"):
+        await client.exec(sandbox_id, ["true"])

@@ -135,6 +135,17 @@ async def driver(make_driver: Callable[..., Awaitable[ProcessDriver]]) -> Proces
     return await make_driver()
 
 
+# Two sandboxes on one driver: tests that look across a sandbox's edge.
+A, B = "sb-a", "sb-b"
+
+
+@pytest.fixture
+async def two(driver: ProcessDriver) -> ProcessDriver:
+    await driver.create_sandbox(A, None)
+    await driver.create_sandbox(B, None)
+    return driver
+
+
 async def collect(
     handle: CommandHandle, offsets: dict[str, int] | None = None, timeout: float = 30.0
 ) -> tuple[bytes, bytes, CommandExit]:

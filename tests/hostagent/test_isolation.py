@@ -20,16 +20,7 @@ from sandhold.hostagent.driver import CommandExit, ProcessDriver, box_init
 from tests.support.net import host_address
 from tests.support.waiting import wait_until
 
-from .conftest import collect, init_pid, proc_status
-
-A, B = "sb-a", "sb-b"
-
-
-@pytest.fixture
-async def two(driver: ProcessDriver) -> ProcessDriver:
-    await driver.create_sandbox(A, None)
-    await driver.create_sandbox(B, None)
-    return driver
+from .conftest import A, B, collect, init_pid, proc_status
 
 
 async def run(

@@ -20,16 +20,7 @@ from sandhold.hostagent.driver.records import read_pid
 
 from tests.support.waiting import wait_until
 
-from .conftest import collect, init_pid, open_files_limit
-
-A, B = "sb-00000000000a0d01", "sb-00000000000a0d02"
-
-
-@pytest.fixture
-async def two(driver: ProcessDriver) -> ProcessDriver:
-    await driver.create_sandbox(A, None)
-    await driver.create_sandbox(B, None)
-    return driver
+from .conftest import A, B, collect, init_pid, open_files_limit
 
 
 def supervised_by(driver: ProcessDriver, sandbox_id: str, command_id: str) -> int:

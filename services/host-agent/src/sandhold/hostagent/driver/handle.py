@@ -79,9 +79,7 @@ class CommandHandle:
         """Stop listening; the supervisor takes no command after this one."""
         if self._doorbell is not None:
             self._doorbell.detach()
-        if self._supervisor is not None:
-            self._supervisor.let_go()
-            self._supervisor = None
+        self.let_supervisor_go()
 
     def let_supervisor_go(self) -> None:
         """Its supervisor takes no command after this one (still heard until it exits)."""
@@ -93,16 +91,14 @@ class CommandHandle:
         """The supervisor, to serve another command, once this one's exit is
         recorded and it is still there; else None (and detached as `detach`)."""
         supervisor, doorbell = self._supervisor, self._doorbell
-        self._supervisor = None
-        fd = None
         if supervisor is not None and doorbell is not None and self.exit_record() is not None:
             fd = doorbell.pass_on()
-        if supervisor is None or fd is None:
-            self._supervisor = supervisor
-            self.detach()
-            return None
-        supervisor.doorbell_fd = fd
-        return supervisor
+            if fd is not None:
+                self._supervisor = None
+                supervisor.doorbell_fd = fd
+                return supervisor
+        self.detach()
+        return None
 
     def exit_record(self) -> CommandExit | None:
         """The exit as recorded so far, without waiting."""
@@ -216,10 +212,9 @@ class CommandHandle:
         """Signal the command's supervisor, unless it is done with this command:
         a supervisor serves one command after another (decision 088). Done when
         the exit is recorded, or when the supervisor's stderr is no longer this
-        command's log (it takes the next one's as it starts it; this command's
-        directory may also be going, exit record first). The checks and the
-        signal are one step of the driver's loop, and only that loop hands a
-        supervisor its next command."""
+        command's log (`_logs_to`; this command's directory may also be going,
+        exit record first). The checks and the signal are one step of the
+        driver's loop, and only that loop hands a supervisor its next command."""
         if self.exit_record() is not None:
             return False
         identity = self.supervisor()

@@ -348,11 +348,16 @@ class Doorbell:
         self._event.set()
         self._event = asyncio.Event()
 
-    def _release(self) -> None:
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            os.close(self._fd)
-            self._fd = None
+    def _release(self, *, close: bool = True) -> int | None:
+        """Stop listening; the descriptor, if still open (`close=False`)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return None
+        self._loop.remove_reader(fd)
+        if close:
+            os.close(fd)
+            return None
+        return fd
 
     def detach(self) -> None:
         """Stop listening (driver closing); the supervisor keeps running."""
@@ -362,11 +367,9 @@ class Doorbell:
     def pass_on(self) -> int | None:
         """Stop listening, and the descriptor (still open) for the supervisor's
         next command's bell; None if it hung up or was detached."""
-        fd = self._fd
-        if fd is None or self.hung_up:
+        if self.hung_up:
             return None
-        self._loop.remove_reader(fd)
-        self._fd = None
+        fd = self._release(close=False)
         self._ring()
         return fd
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import os
 import shutil
 import signal
@@ -15,7 +17,9 @@ import pytest
 from sandhold.hostagent.driver import NoCgroups, ProcessDriver, V1Cgroups, V2Cgroups
 from sandhold.hostagent.driver import cgroups as cgroups_module
 from sandhold.hostagent.driver import driver as driver_module
+from sandhold.hostagent.driver import layout as layout_module
 from sandhold.hostagent.driver.boxes import BOX_CGROUP
+from sandhold.hostagent.driver.layout import FS_TOPDIR_FL, inode_flags
 from sandhold.hostagent.driver.owners import others_of
 from sandhold.hostagent.driver.pool import ZYGOTE_MODULE
 
@@ -55,6 +59,30 @@ async def test_a_box_starts_under_the_usual_limit_of_1024_open_files(
         driver = await make_driver()  # it proves a box starts
         await driver.create_sandbox("sb-00000000000a0d03", None)
     handle = await driver.launch("sb-00000000000a0d03", "c1", ["true"])
+    assert (await handle.wait()).reason == "exited"
+
+
+async def test_a_sandboxs_command_directories_are_spread_over_the_disk(
+    driver: ProcessDriver,
+) -> None:
+    # Decision 090: its commands directory is a top directory (`chattr +T`) where
+    # the filesystem has inode flags (ext4 here), set again by an agent's start
+    # for one made before; elsewhere nothing is set and commands run all the same.
+    await driver.create_sandbox(SB, None)
+    commands = driver.layout.commands_dir(SB)
+    flags = inode_flags(commands)
+    if flags is not None:
+        assert flags & FS_TOPDIR_FL
+        fd = os.open(commands, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            cleared = array.array("i", [flags & ~FS_TOPDIR_FL])
+            fcntl.ioctl(fd, layout_module._FS_IOC_SETFLAGS, cleared, True)
+        finally:
+            os.close(fd)
+        assert not (inode_flags(commands) or 0) & FS_TOPDIR_FL
+        await driver.adopt_all()
+        assert (inode_flags(commands) or 0) & FS_TOPDIR_FL
+    handle = await driver.launch(SB, "c1", ["true"])
     assert (await handle.wait()).reason == "exited"
 
 

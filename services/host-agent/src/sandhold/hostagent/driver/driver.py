@@ -31,7 +31,7 @@ from sandhold.hostagent.driver.boxes import (
 from sandhold.hostagent.driver.cgroups import CgroupError, Cgroups, detect_cgroups
 from sandhold.hostagent.driver.connections import ConnectionFiles, default_root
 from sandhold.hostagent.driver.handle import CommandHandle
-from sandhold.hostagent.driver.layout import HostLayout, check_id
+from sandhold.hostagent.driver.layout import HostLayout, check_id, spread_subdirectories
 from sandhold.hostagent.driver.owners import others_of
 from sandhold.hostagent.driver.pool import (
     SUPERVISOR_MODULE,
@@ -322,7 +322,7 @@ class ProcessDriver:
         ends ``resource_exhausted``); None lifts it. ``cpu_limit`` is in CPUs
         (1.5: one and a half cores' time per period): a throttle, never an end.
         """
-        self.layout.commands_dir(sandbox_id).mkdir(parents=True, exist_ok=True)
+        self.layout.make_commands_dir(sandbox_id)
         await asyncio.to_thread(
             self.cgroups.create_sandbox, sandbox_id, memory_limit_bytes, pids_limit, cpu_limit
         )
@@ -674,6 +674,8 @@ class ProcessDriver:
         unreported: list[tuple[str, str]] = []
         kept_by_sandbox: dict[str, collections.deque[tuple[str, float]]] = {}
         for sandbox_id in self.layout.sandbox_ids():
+            # (One made before decision 090 spreads its next commands too.)
+            spread_subdirectories(self.layout.commands_dir(sandbox_id))
             reported: list[tuple[float, str]] = []
             for command_id in self.layout.command_ids(sandbox_id):
                 try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -105,11 +106,17 @@ class CommandSpec:
         return cls(**known)
 
 
-def write_atomically(path: Path, payload: bytes, *, durable: bool) -> None:
+def write_atomically(
+    path: Path, payload: bytes, *, durable: bool, placed: Callable[[], None] | None = None
+) -> None:
     """Replace ``path`` so readers see the old file or the whole new one, never a part.
 
     ``durable`` adds the fsyncs that make the file survive a power loss; the
-    exit record needs them, the pid file does not.
+    exit record needs them, the pid file does not. ``placed`` is called once
+    the whole file is in place (its content already durable), before the
+    directory's fsync: a power loss then leaves the old name or the whole
+    new file, never a part, and whoever ``placed`` tells does not wait for
+    the second fsync (the supervisor rings with it, decision 091).
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # 0600: a spec holds the command's environment, records are the host's own.
@@ -123,6 +130,8 @@ def write_atomically(path: Path, payload: bytes, *, durable: bool) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    if placed is not None:
+        placed()
     if durable:
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -131,8 +140,15 @@ def write_atomically(path: Path, payload: bytes, *, durable: bool) -> None:
             os.close(dir_fd)
 
 
-def write_json(path: Path, value: dict[str, Any], *, durable: bool = False) -> None:
-    write_atomically(path, json.dumps(value, separators=(",", ":")).encode(), durable=durable)
+def write_json(
+    path: Path,
+    value: dict[str, Any],
+    *,
+    durable: bool = False,
+    placed: Callable[[], None] | None = None,
+) -> None:
+    raw = json.dumps(value, separators=(",", ":")).encode()
+    write_atomically(path, raw, durable=durable, placed=placed)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -7,10 +7,12 @@ saw from its own output.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -196,3 +198,64 @@ async def test_supervisors_started_without_the_zygote_keep_the_commands_limit_of
         driver = await make_driver(isolation="process", warm=0)
         await driver.create_sandbox(A, None)
         assert await run(driver, A, "c1", ["/bin/sh", "-c", "ulimit -n"]) == b"1024\n"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+BIG = "x" * (100 << 10)  # over the pipe's buffer (64 KiB): its line goes in parts
+SAYS_SIZE = ["/bin/sh", "-c", "echo ${#BIG}"]
+
+
+async def test_a_supervisor_slow_to_read_its_command_holds_up_that_command_alone(
+    two: ProcessDriver,
+) -> None:
+    await run(two, A, "c1", ["true"])
+    slow = supervised_by(two, A, "c1")  # given back: the next command's
+    os.kill(slow, signal.SIGSTOP)
+    # So that an agent whose loop blocks in the write is not stuck for ever here.
+    rescued = threading.Event()
+    rescue = threading.Timer(30, lambda: (rescued.set(), os.kill(slow, signal.SIGCONT)))
+    rescue.start()
+    try:
+        launching = asyncio.create_task(two.launch(A, "c2", SAYS_SIZE, secrets={"BIG": BIG}))
+        paths = two.layout.command(A, "c2")
+        # The loop goes on while the stopped supervisor holds the line's rest: the
+        # launch is seen waiting in its hand-over (begun, its spec not written).
+        await wait_until(
+            lambda: paths.directory.is_dir() and not paths.spec.exists() and _state(slow) == "T",
+            timeout=10,
+        )
+        assert not rescued.is_set() and not launching.done()
+        os.kill(slow, signal.SIGCONT)
+        stdout, _, end = await collect(await launching)
+    finally:
+        rescue.cancel()
+        os.kill(slow, signal.SIGCONT)
+    assert (end.reason, stdout) == ("exited", f"{len(BIG)}\n".encode())
+    assert supervised_by(two, A, "c2") == slow
+
+
+async def test_a_supervisor_that_does_not_take_its_command_is_let_go_for_another(
+    two: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool, "HAND_OVER_S", 0.5)
+    await run(two, A, "c1", ["true"])
+    stuck = supervised_by(two, A, "c1")
+    os.kill(stuck, signal.SIGSTOP)
+    rescue = threading.Timer(30, os.kill, (stuck, signal.SIGCONT))  # (as above)
+    rescue.start()
+    try:
+        handle = await two.launch(A, "c2", SAYS_SIZE, secrets={"BIG": BIG})
+        stdout, _, end = await collect(handle)
+    finally:
+        rescue.cancel()
+        os.kill(stuck, signal.SIGCONT)
+    assert (end.reason, stdout) == ("exited", f"{len(BIG)}\n".encode())
+    assert supervised_by(two, A, "c2") != stuck
+    # Let go with a part of a line: once it runs again it takes no command and exits.
+    await wait_until(lambda: _state(stuck) in ("Z", "gone"), timeout=20)

@@ -596,7 +596,7 @@ class ProcessDriver:
                 break
             handle.attach(Doorbell(supervisor.doorbell_fd), supervisor)
             try:
-                supervisor.hand_over(paths.directory, raw_spec, secrets)
+                await supervisor.hand_over(paths.directory, raw_spec, secrets)
                 break
             except BrokenPipeError:
                 handle.detach()  # it died while idle; take the next one

@@ -34,6 +34,26 @@ class SupervisorStartError(RuntimeError):
     """A supervisor process could not be started."""
 
 
+# How long a supervisor may take to read its command's line.
+HAND_OVER_S = 10.0
+
+
+async def _writable(fd: int) -> None:
+    """Until `fd` can be written to (or its reader is gone)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def writable() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(fd, writable)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(fd)
+
+
 @dataclass
 class WarmSupervisor:
     """An idle supervisor: its pid, the write end of its stdin, its doorbell pipe,
@@ -44,26 +64,42 @@ class WarmSupervisor:
     doorbell_fd: int
     handed: int = 0
 
-    def hand_over(
-        self, command_dir: Path, spec: dict[str, Any], secrets: dict[str, str] | None = None
+    async def hand_over(
+        self,
+        command_dir: Path,
+        spec: dict[str, Any],
+        secrets: dict[str, str] | None = None,
     ) -> None:
         """Give it its command: its directory, its spec (as `spec.json` has it,
         not read back from there), and its secrets, which exist nowhere else on
         this host; raises BrokenPipeError (its stdin closed) if it died while
-        idle or will take no more. Its stdin stays open: given back once its
-        command ended, it takes the next one (decision 088)."""
+        idle or will take no more, or did not take the whole line within
+        `HAND_OVER_S` (then it is let go). Its stdin stays open: given back once
+        its command ended, it takes the next one (decision 088)."""
         handed = {"command_dir": str(command_dir), "spec": spec, "secrets": secrets or {}}
         line = json.dumps(handed).encode()
         line += b"\n"
         view = memoryview(line)
         try:
-            # The supervisor is waiting in readline: a line longer than the pipe's
-            # buffer (big secrets) goes in parts as it reads them.
-            os.set_blocking(self.stdin_fd, True)
-            while view:
-                view = view[os.write(self.stdin_fd, view) :]
-        except BrokenPipeError:
+            # A line longer than the pipe's buffer (big secrets) goes in parts as
+            # the supervisor reads them; one given back may still be finishing its
+            # last command (its directory's fsync). Waited for on the loop, never
+            # in a blocking write: a supervisor that does not read holds up this
+            # command alone, not the agent (its lease, every other sandbox).
+            os.set_blocking(self.stdin_fd, False)
+            async with asyncio.timeout(HAND_OVER_S):
+                while view:
+                    try:
+                        view = view[os.write(self.stdin_fd, view) :]
+                    except BlockingIOError:
+                        await _writable(self.stdin_fd)
+        except TimeoutError:
+            # (A part of the line, then EOF: it takes no command and exits.)
+            log.warning("supervisor %d took no command in %.1f s: let go", self.pid, HAND_OVER_S)
             self.let_go()
+            raise BrokenPipeError(f"supervisor {self.pid} took no command") from None
+        except (BrokenPipeError, asyncio.CancelledError):
+            self.let_go()  # (cancelled: what it has of the line is no command)
             raise
         self.handed += 1
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import stat
 from pathlib import Path
 
 import pytest
-from sandhold.hostagent.driver import records
-from sandhold.hostagent.driver.records import write_atomically
+from sandhold.hostagent.driver import records, supervisor
+from sandhold.hostagent.driver.layout import CommandPaths
+from sandhold.hostagent.driver.records import CommandExit, CommandSpec, read_exit, write_atomically
+from sandhold.hostagent.driver.supervisor import Supervisor
 
 
 def test_a_durable_record_is_whole_and_synced_before_anyone_is_told(
@@ -45,3 +49,46 @@ def test_a_record_that_need_not_survive_a_power_loss_is_not_synced(
     write_atomically(tmp_path / "pid", b"42\n", durable=False)
     assert (tmp_path / "pid").read_bytes() == b"42\n"
     assert synced == []
+
+
+def _supervisor(tmp_path: Path) -> Supervisor:
+    spec = CommandSpec(sandbox_id="sb", command_id="c1", argv=["true"], cwd=str(tmp_path), env={})
+    return Supervisor(CommandPaths(tmp_path), spec, wakeup=-1)
+
+
+def test_an_exit_whose_directory_fails_to_sync_after_the_ring_is_still_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent was told (it may have handed over the next command already): the
+    # supervisor must not fail over the directory's fsync alone (decision 091).
+    rung: list[bytes] = []
+    monkeypatch.setattr(
+        supervisor, "ring", lambda: rung.append((tmp_path / "exit.json").read_bytes())
+    )
+    fsync = os.fsync
+
+    def failing_for_directories(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "I/O error")
+        fsync(fd)
+
+    monkeypatch.setattr(records.os, "fsync", failing_for_directories)
+    _supervisor(tmp_path).finish(CommandExit(reason="exited", exit_code=0))
+    assert len(rung) == 1
+    assert read_exit(tmp_path / "exit.json") == CommandExit.from_json(json.loads(rung[0]))
+
+
+def test_an_exit_that_cannot_be_made_durable_tells_no_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rung: list[None] = []
+    monkeypatch.setattr(supervisor, "ring", lambda: rung.append(None))
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(records.os, "fsync", failing)
+    with pytest.raises(OSError):
+        _supervisor(tmp_path).finish(CommandExit(reason="exited", exit_code=0))
+    assert rung == []
+    assert not (tmp_path / "exit.json").exists()

@@ -8,6 +8,8 @@ saw from its own output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import resource
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import ProcessDriver, pool
+from sandhold.hostagent.driver import supervisor as supervisor_module
 from sandhold.hostagent.driver.records import read_pid
 
 from tests.support.waiting import wait_until
@@ -207,6 +210,11 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 BIG = "x" * (100 << 10)  # over the pipe's buffer (64 KiB): its line goes in parts
 SAYS_SIZE = ["/bin/sh", "-c", "echo ${#BIG}"]
 
@@ -219,10 +227,12 @@ async def test_a_supervisor_slow_to_read_its_command_holds_up_that_command_alone
     os.kill(slow, signal.SIGSTOP)
     # So that an agent whose loop blocks in the write is not stuck for ever here.
     rescued = threading.Event()
-    rescue = threading.Timer(30, lambda: (rescued.set(), os.kill(slow, signal.SIGCONT)))
+    rescue = threading.Timer(30, lambda: (rescued.set(), _resume(slow)))
     rescue.start()
+    cleanup: list[asyncio.Task[object]] = []
     try:
         launching = asyncio.create_task(two.launch(A, "c2", SAYS_SIZE, secrets={"BIG": BIG}))
+        cleanup.append(launching)
         paths = two.layout.command(A, "c2")
         # The loop goes on while the stopped supervisor holds the line's rest: the
         # launch is seen waiting in its hand-over (begun, its spec not written).
@@ -235,7 +245,11 @@ async def test_a_supervisor_slow_to_read_its_command_holds_up_that_command_alone
         stdout, _, end = await collect(await launching)
     finally:
         rescue.cancel()
-        os.kill(slow, signal.SIGCONT)
+        _resume(slow)
+        for task in cleanup:  # (a failure above leaves the launch to end here)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
     assert (end.reason, stdout) == ("exited", f"{len(BIG)}\n".encode())
     assert supervised_by(two, A, "c2") == slow
 
@@ -243,19 +257,48 @@ async def test_a_supervisor_slow_to_read_its_command_holds_up_that_command_alone
 async def test_a_supervisor_that_does_not_take_its_command_is_let_go_for_another(
     two: ProcessDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pool, "HAND_OVER_S", 0.5)
+    monkeypatch.setattr(pool, "HAND_OVER_S", 2.0)  # (the one that reads has time enough)
     await run(two, A, "c1", ["true"])
     stuck = supervised_by(two, A, "c1")
     os.kill(stuck, signal.SIGSTOP)
-    rescue = threading.Timer(30, os.kill, (stuck, signal.SIGCONT))  # (as above)
+    rescue = threading.Timer(30, _resume, (stuck,))  # (as above)
     rescue.start()
     try:
         handle = await two.launch(A, "c2", SAYS_SIZE, secrets={"BIG": BIG})
         stdout, _, end = await collect(handle)
     finally:
         rescue.cancel()
-        os.kill(stuck, signal.SIGCONT)
+        _resume(stuck)
     assert (end.reason, stdout) == ("exited", f"{len(BIG)}\n".encode())
     assert supervised_by(two, A, "c2") != stuck
     # Let go with a part of a line: once it runs again it takes no command and exits.
     await wait_until(lambda: _state(stuck) in ("Z", "gone"), timeout=20)
+
+
+def test_a_part_of_a_line_before_its_end_is_no_command() -> None:
+    # What a supervisor let go midway through its hand-over reads: even a part
+    # that is a whole JSON object is not run (the command went to another).
+    lines = supervisor_module.command_lines(io.BytesIO(b'{"a": 1}\n{"command_dir": "/x"}'))
+    assert list(lines) == [b'{"a": 1}\n']
+
+
+async def test_a_hand_over_waiting_on_a_supervisor_let_go_ends_at_once() -> None:
+    # The driver closing (every handle detached) lets go of a supervisor whose
+    # hand-over waits for its pipe to drain: the wait ends then, not after
+    # HAND_OVER_S, and the loop no longer watches the closed descriptor.
+    stdin_r, stdin_w = os.pipe()
+    os.set_blocking(stdin_w, False)  # (as `pool._announced` leaves it)
+    waiting = pool.WarmSupervisor(pid=0, stdin_fd=stdin_w, doorbell_fd=-1)
+    try:
+        handing = asyncio.create_task(waiting.hand_over(Path("/nowhere"), {}, {"BIG": BIG}))
+        await wait_until(lambda: waiting._drained is not None, timeout=10)
+        waiting.let_go()
+        with pytest.raises(BrokenPipeError):
+            async with asyncio.timeout(5):  # (well short of HAND_OVER_S)
+                await handing
+        assert waiting._drained is None and waiting.stdin_fd == -1
+        assert waiting.handed == 0
+        with pytest.raises(BrokenPipeError):  # and it is handed nothing more
+            await waiting.hand_over(Path("/nowhere"), {})
+    finally:
+        os.close(stdin_r)

@@ -599,7 +599,10 @@ class ProcessDriver:
                 await supervisor.hand_over(paths.directory, raw_spec, secrets)
                 break
             except BrokenPipeError:
-                handle.detach()  # it died while idle; take the next one
+                handle.detach()  # it died while idle (or took nothing); take the next one
+            except BaseException:
+                handle.detach()  # cancelled midway (the agent stopping): it runs nothing
+                raise
         write_json(paths.spec, raw_spec)
 
     def _record_launch_failure(self, handle: CommandHandle, detail: str) -> None:

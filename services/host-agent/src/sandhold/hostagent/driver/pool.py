@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +38,6 @@ class SupervisorStartError(RuntimeError):
 HAND_OVER_S = 10.0
 
 
-async def _writable(fd: int) -> None:
-    """Until `fd` can be written to (or its reader is gone)."""
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def writable() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_writer(fd, writable)
-    try:
-        await ready
-    finally:
-        loop.remove_writer(fd)
-
-
 @dataclass
 class WarmSupervisor:
     """An idle supervisor: its pid, the write end of its stdin, its doorbell pipe,
@@ -63,6 +47,8 @@ class WarmSupervisor:
     stdin_fd: int
     doorbell_fd: int
     handed: int = 0
+    # While a hand-over waits for the pipe to drain: what wakes it.
+    _drained: asyncio.Future[None] | None = field(default=None, repr=False)
 
     async def hand_over(
         self,
@@ -76,6 +62,8 @@ class WarmSupervisor:
         idle or will take no more, or did not take the whole line within
         `HAND_OVER_S` (then it is let go). Its stdin stays open: given back once
         its command ended, it takes the next one (decision 088)."""
+        if self.stdin_fd < 0:
+            raise BrokenPipeError(f"supervisor {self.pid} was let go")
         handed = {"command_dir": str(command_dir), "spec": spec, "secrets": secrets or {}}
         line = json.dumps(handed).encode()
         line += b"\n"
@@ -84,15 +72,15 @@ class WarmSupervisor:
             # A line longer than the pipe's buffer (big secrets) goes in parts as
             # the supervisor reads them; one given back may still be finishing its
             # last command (its directory's fsync). Waited for on the loop, never
-            # in a blocking write: a supervisor that does not read holds up this
-            # command alone, not the agent (its lease, every other sandbox).
-            os.set_blocking(self.stdin_fd, False)
+            # in a blocking write (the pipe is non-blocking, `_announced`): a
+            # supervisor that does not read holds up this command alone, not the
+            # agent (its lease, every other sandbox).
             async with asyncio.timeout(HAND_OVER_S):
                 while view:
                     try:
                         view = view[os.write(self.stdin_fd, view) :]
                     except BlockingIOError:
-                        await _writable(self.stdin_fd)
+                        await self._drain()
         except TimeoutError:
             # (A part of the line, then EOF: it takes no command and exits.)
             log.warning("supervisor %d took no command in %.1f s: let go", self.pid, HAND_OVER_S)
@@ -103,9 +91,35 @@ class WarmSupervisor:
             raise
         self.handed += 1
 
+    async def _drain(self) -> None:
+        """Until its stdin can take more (or it is let go: BrokenPipeError)."""
+        loop = asyncio.get_running_loop()
+        drained: asyncio.Future[None] = loop.create_future()
+        self._drained = drained
+
+        def writable() -> None:
+            if not drained.done():
+                drained.set_result(None)
+
+        loop.add_writer(self.stdin_fd, writable)
+        try:
+            await drained
+        finally:
+            self._stop_waiting(loop)
+
+    def _stop_waiting(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        drained, self._drained = self._drained, None
+        if drained is None:
+            return
+        # (Before its descriptor is closed: a loop must not watch a closed one.)
+        (loop or drained.get_loop()).remove_writer(self.stdin_fd)
+        if not drained.done():
+            drained.set_exception(BrokenPipeError(f"supervisor {self.pid} was let go"))
+
     def let_go(self) -> None:
         """EOF on its stdin: it exits once idle (at once if it is), and is never
         handed another command. Its doorbell stays with whoever listens to it."""
+        self._stop_waiting()
         with contextlib.suppress(OSError):
             os.close(self.stdin_fd)
         self.stdin_fd = -1
@@ -303,6 +317,7 @@ class SupervisorPool:
         """A supervisor whose command ended (its exit recorded), to serve the next."""
         if (
             self._closed
+            or supervisor.stdin_fd < 0  # (let go: it takes no command)
             or supervisor.handed >= COMMANDS_PER_SUPERVISOR
             or len(self._idle) >= KEEP_GIVEN_BACK * self._size
         ):

@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -460,10 +461,24 @@ class Supervisor:
                 "tmp_detail": self.tmp_detail,
             }
         )
+        told = False
+
+        def tell() -> None:
+            nonlocal told
+            ring()
+            told = True
+
         # The agent is told once the record is whole and durable, not after the
         # directory's fsync too: it reports the end to the log, which is what
         # counts; one fsync less on every command's way (decision 091).
-        write_json(self.paths.exit, final.to_json(), durable=True, placed=ring)
+        try:
+            write_json(self.paths.exit, final.to_json(), durable=True, placed=tell)
+        except OSError as err:
+            if not told:
+                raise
+            # Told, and perhaps handed its next command already: that one is
+            # still served. Only the record's name may not survive a power loss.
+            print(f"the exit record's directory was not synced: {err}", file=sys.stderr)
 
 
 # --- process setup ----------------------------------------------------------
@@ -509,7 +524,7 @@ def serve(*, detach: bool = True, open_files: int | None = None) -> int:
     os.close(null)
     null_err = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     wakeup: int | None = None
-    while line := commands.readline():
+    for line in command_lines(commands):
         if wakeup is None:  # (once there is a command: an unused one exits quietly)
             os.set_blocking(_DOORBELL, False)
             wakeup = _signals()
@@ -522,6 +537,15 @@ def serve(*, detach: bool = True, open_files: int | None = None) -> int:
         # process runs that command now (`handle._logs_to`), not that it did.
         os.dup2(null_err, 2)
     return 0  # the driver let us go: unused, or done with our last command
+
+
+def command_lines(commands: BinaryIO) -> Iterator[bytes]:
+    """The commands' lines as the driver hands them over, until EOF. A part of
+    a line and then EOF (a hand-over cut short, its supervisor let go midway,
+    `pool.WarmSupervisor.hand_over`) is no command, even where the part is a
+    whole JSON object."""
+    while (line := commands.readline()).endswith(b"\n"):
+        yield line
 
 
 def _drain(wakeup: int) -> None:

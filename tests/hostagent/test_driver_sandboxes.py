@@ -77,6 +77,8 @@ async def test_a_sandboxs_command_directories_are_spread_over_the_disk(
     if kind.startswith("ext"):
         flags = inode_flags(commands)
         assert flags is not None and flags & FS_TOPDIR_FL
+        # and every sandbox's directory apart from the others' (set at start)
+        assert (inode_flags(commands.parent.parent) or 0) & FS_TOPDIR_FL
         fd = os.open(commands, os.O_RDONLY | os.O_DIRECTORY)
         try:
             cleared = array.array("i", [flags & ~FS_TOPDIR_FL])

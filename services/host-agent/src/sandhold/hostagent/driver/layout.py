@@ -10,8 +10,10 @@ import array
 import fcntl
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 # Ids become path components and cgroup names, so they must not be able to
 # climb out of their directory or collide with our own file names.
@@ -25,6 +27,8 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
+T = TypeVar("T")
+
 # ioctl(2) numbers of the inode flags (linux/fs.h, 64-bit), and the flag
 # that marks a directory as the top of a hierarchy (ext2/3/4).
 _FS_IOC_GETFLAGS = 0x80086601
@@ -35,18 +39,7 @@ FS_TOPDIR_FL = 0x00020000
 def inode_flags(path: Path) -> int | None:
     """The inode flags of ``path`` (what ``lsattr`` shows), None where the
     filesystem has none."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        flags = array.array("i", [0])
-        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
-        return flags[0]
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    return _with_flags(path, lambda _fd, flags: flags)
 
 
 def spread_subdirectories(path: Path) -> bool:
@@ -59,17 +52,28 @@ def spread_subdirectories(path: Path) -> bool:
     group each new file cost ~0.7 ms of CPU (decision 090). Other filesystems
     have no such flag: nothing is changed there. Whether the flag is set (False
     also for a directory that is not there)."""
-    flags = inode_flags(path)
-    if flags is None:
-        return False
-    if flags & FS_TOPDIR_FL:
+
+    def set_topdir(fd: int, flags: int) -> bool:
+        if not flags & FS_TOPDIR_FL:
+            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, array.array("i", [flags | FS_TOPDIR_FL]), True)
         return True
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    return bool(_with_flags(path, set_topdir))
+
+
+def _with_flags(path: Path, use: Callable[[int, int], T]) -> T | None:
+    """``use(fd, flags)`` on the directory opened once; None where it cannot be
+    opened or a flag cannot be read or set."""
     try:
-        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, array.array("i", [flags | FS_TOPDIR_FL]), True)
-        return True
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
+    try:
+        flags = array.array("i", [0])
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        return use(fd, flags[0])
+    except OSError:
+        return None
     finally:
         os.close(fd)
 

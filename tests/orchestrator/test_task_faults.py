@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from nats.js.errors import NotFoundError
 from sandhold.bus.append import append
 from sandhold.bus.service import connect as bus_connect
 from sandhold.client import Client, connect
@@ -63,6 +64,28 @@ class Receiver:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(10)
+
+
+async def _last_request(client: Client) -> int:
+    return (await client.js.stream_info(client.names.requests_stream)).state.last_seq
+
+
+async def _stored_since(up: Up, after: int, family: str) -> bool:
+    """Whether a request of `family` was stored after sequence `after`. (Not the
+    stream's count: a request handled before may still be in it, its ack held
+    until the next fetch, decision 092.) Read as the admin: no client reads the
+    queue of requests."""
+    async with await connect(up.admin_url) as admin:
+        try:
+            await admin.js.get_msg(
+                admin.names.requests_stream,
+                seq=after + 1,
+                subject=admin.names.requests(family),
+                next=True,
+            )
+        except NotFoundError:
+            return False
+        return True
 
 
 @pytest.fixture
@@ -278,13 +301,13 @@ async def test_a_cancel_sent_while_the_orchestrator_is_down_is_honoured_and_stay
     pid = f.up.service_pid("orchestrator")
     os.kill(pid, signal.SIGSTOP)
     try:
+        after = await _last_request(client)
         cancel = asyncio.ensure_future(client.cancel_task(view.id, key="stop-it"))
-
-        async def stored() -> bool:
-            info = await client.js.stream_info(client.names.requests_stream)
-            return info.state.messages >= 1
-
-        await wait_until(stored, timeout=10, what="the cancel request stored")
+        await wait_until(
+            lambda: _stored_since(f.up, after, "task"),
+            timeout=10,
+            what="the cancel request stored",
+        )
         os.kill(pid, signal.SIGKILL)
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -417,6 +440,7 @@ async def test_a_sandbox_created_after_its_task_ended_and_a_restart_is_released(
     f, client = faulty
     scheduler = f.up.service_pid("scheduler")
     os.kill(scheduler, signal.SIGSTOP)
+    after = await _last_request(client)
     try:
         view = await client.submit_task(load_manifest(_agent(counter, seconds=300)))
         await client.wait_for_task(
@@ -426,11 +450,11 @@ async def test_a_sandbox_created_after_its_task_ended_and_a_restart_is_released(
             what="provisioning",
         )
 
-        async def create_stored() -> bool:
-            info = await client.js.stream_info(client.names.requests_stream)
-            return info.state.messages >= 1
-
-        await wait_until(create_stored, timeout=10, what="the create request stored")
+        await wait_until(
+            lambda: _stored_since(f.up, after, "sandbox"),
+            timeout=10,
+            what="the create request stored",
+        )
         await client.cancel_task(view.id)
         state = await _finished(client, view.id, timeout=30)
         assert state.state == "cancelled" and state.failed_stage == "provisioning"

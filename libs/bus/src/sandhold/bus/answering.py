@@ -96,15 +96,14 @@ async def answer(
     try:
         reply = await decide(request)
     except Rejected as err:
+        # Answered: the work queue's loop acknowledges it (`consume`).
         await _reply(nc, reply_to, err.code, kinds.error(err.code, err.message))
-        await msg.ack()
         return None
     except InfraError as err:
         log.warning("%s on %s not decided yet: %s", kinds.what, msg.subject, err)
         await msg.nak(delay=1)
         return None
     await _reply(nc, reply_to, "ok", reply)
-    await msg.ack()
     return request
 
 

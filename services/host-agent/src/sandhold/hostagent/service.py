@@ -555,7 +555,7 @@ class HostAgent:
             )
             await msg.nak(delay=1)
             return
-        await msg.ack()
+        # Handled (or dropped as stale): the work queue's loop acknowledges it.
 
     async def _current(self, work: wk.AnyWork) -> sb.Sandbox:
         """The sandbox as the log has it now, if this work still belongs to it.

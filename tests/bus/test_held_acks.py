@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
+from sandhold.bus.cancelling import cancel_and_wait
 from sandhold.bus.names import Names
 from sandhold.bus.reconciler import consume, delivery
 
@@ -151,3 +152,47 @@ async def test_a_message_the_handler_nakd_is_not_acked_by_the_loop(nc, names: Na
     finally:
         await _stopped(consuming)
     assert deliveries == [1, 2]
+
+
+async def test_a_stop_acks_what_was_handled_while_a_lane_takes_its_time_to_end(
+    nc, names: Names
+) -> None:
+    """As a host-agent stops (cancelled again and again, `cancel_and_wait`)
+    while a lane still winds down, a final save's thaw say: what was handled
+    before is acked all the same."""
+    js = nc.jetstream()
+    durable, sub = await _consumer(nc, names, "h4")
+    handled = asyncio.Event()
+    winding = asyncio.Event()
+
+    async def handle(msg) -> None:
+        if msg.data == b"a:1":
+            handled.set()
+            return
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            winding.set()
+            # Its clean-up outlasts several of the stop's cancellations.
+            deadline = asyncio.get_running_loop().time() + 0.5
+            while asyncio.get_running_loop().time() < deadline:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+            raise
+
+    await _publish(nc, names, "h4", b"b:1")  # its lane never ends by itself
+    await _publish(nc, names, "h4", b"a:1")
+    consuming = asyncio.create_task(
+        consume(sub, handle, what=durable, lane=LANES["in lanes"], concurrency=2, fetch_s=30)
+    )
+    await asyncio.wait_for(handled.wait(), 30)
+    info = await js.consumer_info(names.hostwork_stream, durable)
+    assert info.num_ack_pending == 2, "a:1 is held: nothing came after it"
+    assert await cancel_and_wait([consuming], timeout=30)
+    assert winding.is_set()
+
+    async def first_acked() -> bool:
+        info = await js.consumer_info(names.hostwork_stream, durable)
+        return info.num_ack_pending == 1 and await _in_queue(nc, names, "h4") == 1
+
+    await wait_until(first_acked, timeout=30, what="a:1 acked at the stop, b:1 not")

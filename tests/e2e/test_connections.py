@@ -14,10 +14,12 @@ from pathlib import Path
 import msgspec
 import pytest
 from sandhold.client import Client
+from sandhold.domain import work as wk
 from sandhold.domain.errors import Rejected
 
 from tests.e2e.conftest import running_sandbox
 from tests.e2e.harness import Up
+from tests.e2e.test_host_compaction import put_on_the_queue
 from tests.e2e.test_secrets import files_holding
 from tests.support.bus import assert_refused_as_malformed
 
@@ -135,6 +137,23 @@ async def test_a_connection_changes_and_goes_while_the_sandbox_runs(up: Up, clie
     with pytest.raises(Rejected) as missing:
         await client.remove_connection(sandbox_id, "one")
     assert missing.value.code == "connection_not_found"
+
+
+async def test_an_older_delivery_taken_again_brings_back_nothing(up: Up, client: Client):
+    """A host takes an instruction at least once (one handled as its agent died
+    is delivered again): a delivery of revision 1 taken after revision 2 was
+    written must not put revision 1's value back, nor a removed name."""
+    sandbox_id = await running_sandbox(client)
+    await client.set_connection(sandbox_id, "one", "first")
+    assert await _read(client, sandbox_id, "one") == b"first"
+    await client.set_connection(sandbox_id, "one", "second")
+    assert await _read(client, sandbox_id, "one") == b"second"
+    generation = (await client.sandbox_state(sandbox_id)).generation
+    older = wk.DeliverConnectionsWork(
+        sandbox_id=sandbox_id, generation=generation, revision=1, connections={"one": "first"}
+    )
+    await put_on_the_queue(up, older)
+    assert await _read(client, sandbox_id, "one") == b"second"
 
 
 async def test_a_retry_with_the_same_key_sets_the_connection_once(up: Up, client: Client):

@@ -63,7 +63,7 @@ async def test_the_queue_of_saves_takes_saves_and_nothing_else(up: Up):
     """Only the saver may write there, and it sends saves alone (decision 064): a
     stop put on that subject is dropped, and the sandbox runs on."""
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
-    await _taken(up, wk.StopSandboxWork(sandbox_id=sandbox_id, generation=1), saves=True)
+    await put_on_the_queue(up, wk.StopSandboxWork(sandbox_id=sandbox_id, generation=1), saves=True)
     _runs_on(up, sandbox_id)
 
 
@@ -71,11 +71,11 @@ async def test_a_destroy_nobody_asked_for_destroys_nothing(up: Up):
     """A destroy is sent after a delete request; on any other word the host
     keeps the files (and would not be believed if it said it deleted them)."""
     sandbox_id = up.cli_json("sandbox", "create", "--wait")["id"]
-    await _taken(up, wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1))
+    await put_on_the_queue(up, wk.DestroySandboxWork(sandbox_id=sandbox_id, generation=1))
     _runs_on(up, sandbox_id)
 
 
-async def _taken(up: Up, work: wk.AnyWork, *, saves: bool = False) -> None:
+async def put_on_the_queue(up: Up, work: wk.AnyWork, *, saves: bool = False) -> None:
     """Put `work` on the host's queue (or its queue of saves) as no service would,
     and wait until the host took it off."""
     nc = await nats.connect(up.admin_url)

@@ -158,41 +158,47 @@ async def consume(
                 continue
             except Exception as err:
                 log.warning("fetching %s failed, retrying: %r", what, err)
+                await handled.ack()  # not held for as long as fetching fails
                 await asyncio.sleep(0.5)
                 continue
             await handled.ack()  # (the one fetched keeps the queue from emptying)
             for msg in msgs:
                 if lanes is None:
                     in_hand.add(msg)
-                    await _handle_one(msg, handle, what)
-                    handled.add(msg)
+                    handled.add(msg, await _handle_one(msg, handle, what))
                 else:
                     await lanes.add(msg)
     finally:
         if keeping_alive is not None:
             keeping_alive.cancel()
-        if lanes is not None:
-            await lanes.cancel()
         # Stopping: what was handled is said so now, not delivered again to the
-        # next instance (nats-py sends it with the rest before the connection closes).
+        # next instance (nats-py sends it with the rest before the connection
+        # closes): before the lanes' cancellation, which can be cut short by the
+        # next cancel of a stop that keeps cancelling, and after it.
         await handled.ack()
+        try:
+            if lanes is not None:
+                await lanes.cancel()
+        finally:
+            await handled.ack()
 
 
 class _Handled:
     """Messages handled and not yet acknowledged: acked together at the next
     fetch's return (`consume`). A message the handler answered itself (a nak,
-    a term, an ack) is not acked again; one whose handler failed was nak'd."""
+    a term, an ack) is not acked again, nor one whose handler failed (nak'd,
+    or if even that failed, delivered again after the consumer's ack_wait)."""
 
     def __init__(self, in_hand: _InHand, what: str) -> None:
         self._in_hand = in_hand
         self._what = what
         self._msgs: list[Msg] = []
 
-    def add(self, msg: Msg) -> None:
-        if msg.is_acked:
-            self._in_hand.discard(msg)
-        else:
+    def add(self, msg: Msg, handled: bool) -> None:
+        if handled and not msg.is_acked:
             self._msgs.append(msg)  # kept alive meanwhile: still in hand
+        else:
+            self._in_hand.discard(msg)
 
     async def ack(self) -> None:
         msgs, self._msgs = self._msgs, []
@@ -284,8 +290,7 @@ class _Lanes:
             if before is not None:
                 await asyncio.wait([before])  # its outcome is its own
             async with self._running_room:
-                await _handle_one(msg, self._handle, self._what)
-            self._handled.add(msg)
+                self._handled.add(msg, await _handle_one(msg, self._handle, self._what))
         except BaseException:
             self._held.discard(msg)  # cancelled (stopping): not acked, delivered again
             raise
@@ -301,9 +306,10 @@ class _Lanes:
         await cancel_and_wait(list(self._in_hand))
 
 
-async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> None:
+async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: str) -> bool:
     """One message, in a span that continues the sender's trace, measured from
-    when JetStream stored it to when it was handled."""
+    when JetStream stored it to when it was handled; whether its handler
+    returned (False: it raised, and the message was given back)."""
     delivered, stored_ns = delivery(msg)
     if delivered > 1:
         metrics.redelivered(what)
@@ -319,6 +325,7 @@ async def _handle_one(msg: Msg, handle: Callable[[Msg], Awaitable[None]], what: 
                 await msg.nak(delay=1)
     if stored_ns is not None:
         metrics.message_handled(what, msg.subject, outcome, time.time() - stored_ns / 1e9)
+    return outcome == "handled"
 
 
 async def dead_letter(msg: Msg, what: str) -> None:

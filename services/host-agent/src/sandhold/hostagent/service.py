@@ -653,7 +653,12 @@ class HostAgent:
             case wk.CancelCommandWork():
                 await self.driver.interrupt(sid, work.command_id)
             case wk.DeliverConnectionsWork():
-                await self._current(work)
+                state = await self._current(work)
+                if work.revision < state.connections_revision:
+                    # Taken again after a newer set was written (its own delivery
+                    # comes, or came): its values must not replace the newer ones.
+                    raise Rejected("stale_revision", f"connections revision {work.revision}"
+                                   f" is older than {state.connections_revision}")  # fmt: skip
                 await self.driver.deliver_connections(sid, work.connections)
                 delivered = ev.ConnectionsDelivered(host=me, generation=gen, revision=work.revision)
                 await self._report(sid, delivered, work.msg_id)
@@ -672,7 +677,7 @@ class HostAgent:
                 if save is None or save.state != "requested":
                     return
                 # In the background: other work for this host must not wait for an
-                # upload. The instruction is acked now; if this agent dies midway the
+                # upload. The instruction is done with now; if this agent dies midway the
                 # saver's timeout fails the save (it never counts half-done).
                 self._background(
                     self.saving.save(

@@ -9,7 +9,13 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 from nats.js.errors import APIError
-from sandhold.bus.append import WrongSequence, append, last_sequence, wrong_last_sequence
+from sandhold.bus.append import (
+    WrongSequence,
+    append,
+    last_sequence,
+    stream_last_sequence,
+    wrong_last_sequence,
+)
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore, Executed
 from sandhold.domain import requests as rq
@@ -139,6 +145,20 @@ async def test_plain_append_with_a_stale_sequence_is_refused(nc, names: Names):
     with pytest.raises(WrongSequence):
         await append(js, names.events_stream, subject, stale, 0)
     assert await last_sequence(js, names.events_stream, subject) == seq
+
+
+async def test_the_streams_last_sequence_is_its_newest_message_on_any_subject(nc, names: Names):
+    js = nc.jetstream()
+    assert await stream_last_sequence(js, names.events_stream) == 0
+    seqs = []
+    for sid in ("sb-0000000000000001", "sb-0000000000000002"):
+        envelopes = _envelopes(sid, [_created(sid)], sid)
+        seqs += await append(js, names.events_stream, names.events("sandbox", sid), envelopes, 0)
+    first, second = seqs
+    one = names.events("sandbox", "sb-0000000000000001")
+    assert first < second
+    assert await stream_last_sequence(js, names.events_stream) == second
+    assert await last_sequence(js, names.events_stream, one) == first
 
 
 async def test_hundred_rounds_of_three_racers_accept_exactly_one_each(nc, names: Names):

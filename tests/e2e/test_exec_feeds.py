@@ -77,13 +77,13 @@ async def test_execs_at_once_on_one_sandbox_each_hear_their_own_end(
 def gated(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Feeds read their position only once the event is set."""
     gate = asyncio.Event()
-    read = feeds_module.last_sequence
+    read = feeds_module.stream_last_sequence
 
     async def held(*args: object, **kwargs: object) -> int:
         await gate.wait()
         return await read(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(feeds_module, "last_sequence", held)
+    monkeypatch.setattr(feeds_module, "stream_last_sequence", held)
     return gate
 
 

@@ -128,6 +128,18 @@ async def last_sequence(
     return 0 if last is None else last.seq or 0
 
 
+async def stream_last_sequence(js: JetStreamContext, stream: str) -> int:
+    """The stream's last sequence, 0 when it is empty: where a reader of one
+    subject starts when all it needs is what comes from now on (a client's
+    feed of a sandbox's events). Cheaper than the subject's own last sequence
+    when that subject was last written a while ago: nats-server then reads the
+    block holding its last message back from disk (measured 10 ms at p90 on a
+    26 MB log; 104 ms seen at 1,000 sandboxes, bench (j)), where the stream's
+    state is in memory."""
+    info = await patiently(lambda: js.stream_info(stream), attempt_s=1.0)
+    return info.state.last_seq
+
+
 async def last_message(
     js: JetStreamContext, stream: str, subject: str, *, from_leader: bool = False
 ) -> RawStreamMsg | None:

@@ -528,7 +528,7 @@ class Client:
         async with contextlib.AsyncExitStack() as listening:
             # The sandbox's events from before this request on, through a follower
             # shared with the execs before and after this one (decision 089): the
-            # subject's last sequence is read once per follower, before its first
+            # stream's last sequence is read once per follower, before its first
             # exec's request, and its consumer is made while that request is
             # stored and decided (off the path). Every later exec registers here
             # before it sends its request, so it hears every event it causes.

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
-from sandhold.bus.append import last_sequence
+from sandhold.bus.append import stream_last_sequence
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.follow import Follower
 from sandhold.bus.names import Names
@@ -52,7 +52,7 @@ class Feed:
         self._waiting: dict[str, list[asyncio.Future[Ended]]] = {}
         self.holders = 0
         self.idle_since: float | None = None
-        # The subject's last sequence before any request an exec sends through
+        # The stream's last sequence before any request an exec sends through
         # this feed: every event those requests cause comes after it.
         self.positioned: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.follower: Follower[Envelope] | None = None
@@ -60,7 +60,10 @@ class Feed:
         self.following.add_done_callback(self._settle)
 
     async def _follow(self) -> None:
-        after = await last_sequence(self._js, self._stream, self._subject)
+        # The stream's last sequence, not the subject's: every event a request
+        # sent after this read causes comes after it all the same, and a sandbox
+        # whose last event is minutes old costs no read of an old block.
+        after = await stream_last_sequence(self._js, self._stream)
         self.positioned.set_result(after)
         self.follower = Follower(
             self._js, self._stream, self._subject, decode_envelope, self._on_event,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import random
@@ -291,6 +292,13 @@ async def measure(up, sizes: list[int], seconds: float) -> list[dict]:
             print(f"{size} saved and holding after {saved_in:.0f} s more", flush=True)
             quiet = await background_cpu(up.runtime, QUIET_S)
             host_root = up.data_dir / "hosts" / "local"
+            # This process's own heap (every sandbox's and every exec's records so
+            # far) is the harness's, not sandhold's: frozen before the timed phases,
+            # as the services freeze theirs (decision 081), so that collecting it
+            # is not counted as an exec's latency (an instrumented run: a gen-2
+            # collection of 84 ms here was the slowest exec's "request → queued").
+            gc.collect()
+            gc.freeze()
             alone_runs = await exec_load(
                 client, have, seconds, f"alone-{size}", clients=1, host_root=host_root
             )

@@ -541,15 +541,16 @@ def sandhold_up(tag: str, *up_args: str) -> Iterator[object]:
             up.stop(timeout=60)
 
 
-FLOOR_WRITES = 6
+FLOOR_APPENDS = 4  # a create's events on the way to `sandbox.started`
+FLOOR_WRITES = FLOOR_APPENDS + 2
 
 
-async def bus_floor(url: str, count: int) -> list[float]:
+async def bus_floor(url: str, count: int, appends: int = FLOOR_APPENDS) -> list[float]:
     """Seconds per chain of what one request costs the bus at the least, all on
     one server, no services: the request published to a work-queue stream (acked),
     a core request/reply round trip to a responder on another connection, then
-    four fenced appends to one subject and one work-queue publish — six fsync'd
-    writes and one round trip, in sequence."""
+    `appends` fenced appends to one subject and one work-queue publish —
+    `appends` + 2 fsync'd writes and one round trip, in sequence."""
     import nats
     from nats.js.api import Header, RetentionPolicy, StreamConfig
     from sandhold.bus.append import append
@@ -582,7 +583,7 @@ async def bus_floor(url: str, count: int) -> list[float]:
         chains = []
         for i in range(count + 3):
             sid = sandbox_id(i, "floor")
-            envelopes = envelopes_for(sid, 4)
+            envelopes = envelopes_for(sid, appends)
             started = time.perf_counter()
             await js.publish(
                 f"floor.req.{i}",

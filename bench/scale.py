@@ -124,7 +124,7 @@ STAGES = (
     ("request → queued", "command.queued"),
     ("→ dispatched", "command.dispatched"),
     ("→ supervisor took it", "supervisor took"),
-    ("→ started", "command.started"),
+    ("→ started", "command.started"),  # (0 where none was reported, decision 095)
     ("→ exit recorded", "supervisor recorded the exit"),
     ("→ ended", "command.ended"),
     ("→ returned", None),

@@ -70,12 +70,12 @@ async def test_reconnecting_with_last_event_id_gives_exactly_the_rest(
     assert after is not None
     await after
     assert first + rest == logged  # no gap, no duplicate
-    assert [e["type"] for e in live if e["type"].startswith("command.")] == [
-        "command.queued",
-        "command.dispatched",
-        "command.started",
-        "command.ended",
-    ]
+    # (An `echo` that ends within moments of its start has its end alone
+    # reported, no start: decision 095. A loaded machine may see it run longer.)
+    assert [e["type"] for e in live if e["type"].startswith("command.")] in (
+        ["command.queued", "command.dispatched", "command.ended"],
+        ["command.queued", "command.dispatched", "command.started", "command.ended"],
+    )
     assert [e["seq"] for e in live] == (await _log_seqs(gw, sandbox_id))[len(logged) :]
 
     # ?after= does the same for clients that cannot set headers

@@ -15,11 +15,11 @@ from sandhold.hostagent.driver.records import CommandExit, CommandSpec, read_exi
 from sandhold.hostagent.driver.supervisor import Supervisor
 
 
-def test_a_durable_record_is_whole_and_synced_before_anyone_is_told(
+def test_a_durable_record_is_told_whole_then_synced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Decision 091: the supervisor rings once the exit record is in place with
-    # its content on disk; only the directory's fsync comes after the ring.
+    # Decision 094: the supervisor rings once the exit record is in place under
+    # its name, whole; the file's and the directory's fsyncs come after the ring.
     path = tmp_path / "exit.json"
     synced: list[str] = []
     fsync = os.fsync
@@ -36,9 +36,41 @@ def test_a_durable_record_is_whole_and_synced_before_anyone_is_told(
         durable=True,
         placed=lambda: told.append((path.read_bytes(), list(synced))),
     )
-    assert told == [(b'{"reason":"exited"}', ["file"])]
+    assert told == [(b'{"reason":"exited"}', [])]
     assert synced == ["file", "directory"]
     assert [p.name for p in tmp_path.iterdir()] == ["exit.json"]  # no temporary left
+
+
+def test_a_durable_record_nobody_is_told_of_is_synced_before_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (A launch failure's record, written by the agent: a power loss leaves the
+    # old name or the whole file.)
+    path = tmp_path / "exit.json"
+    seen: list[tuple[str, bool]] = []
+    fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        kind = "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        seen.append((kind, path.exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(records.os, "fsync", recording_fsync)
+    write_atomically(path, b'{"reason":"launch_failed"}', durable=True)
+    assert seen == [("file", False), ("directory", True)]
+    assert path.read_bytes() == b'{"reason":"launch_failed"}'
+
+
+@pytest.mark.parametrize(
+    "left", [b"", b'{"reason":"exi', b"\0" * 64], ids=["empty", "cut", "zeros"]
+)
+def test_a_record_a_power_loss_left_without_content_is_no_record(
+    tmp_path: Path, left: bytes
+) -> None:
+    # What the name may hold after a power loss between the rename and the fsync:
+    # the command then ended as one whose record was never made.
+    (tmp_path / "exit.json").write_bytes(left)
+    assert read_exit(tmp_path / "exit.json") is None
 
 
 def test_a_record_that_need_not_survive_a_power_loss_is_not_synced(
@@ -56,38 +88,39 @@ def _supervisor(tmp_path: Path) -> Supervisor:
     return Supervisor(CommandPaths(tmp_path), spec, wakeup=-1)
 
 
-def test_an_exit_whose_directory_fails_to_sync_after_the_ring_is_still_recorded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("failing", ["file", "directory"])
+def test_an_exit_whose_fsync_fails_after_the_ring_is_still_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
     # The agent was told (it may have handed over the next command already): the
-    # supervisor must not fail over the directory's fsync alone (decision 091).
+    # supervisor must not fail over an fsync after the ring (decisions 091, 094).
     rung: list[bytes] = []
     monkeypatch.setattr(
         supervisor, "ring", lambda: rung.append((tmp_path / "exit.json").read_bytes())
     )
     fsync = os.fsync
 
-    def failing_for_directories(fd: int) -> None:
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+    def failing_fsync(fd: int) -> None:
+        if ("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file") == failing:
             raise OSError(errno.EIO, "I/O error")
         fsync(fd)
 
-    monkeypatch.setattr(records.os, "fsync", failing_for_directories)
+    monkeypatch.setattr(records.os, "fsync", failing_fsync)
     _supervisor(tmp_path).finish(CommandExit(reason="exited", exit_code=0))
     assert len(rung) == 1
     assert read_exit(tmp_path / "exit.json") == CommandExit.from_json(json.loads(rung[0]))
 
 
-def test_an_exit_that_cannot_be_made_durable_tells_no_one(
+def test_an_exit_that_cannot_be_written_tells_no_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rung: list[None] = []
     monkeypatch.setattr(supervisor, "ring", lambda: rung.append(None))
 
-    def failing(fd: int) -> None:
-        raise OSError(errno.EIO, "I/O error")
+    def failing(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(records.os, "fsync", failing)
+    monkeypatch.setattr(records.os, "write", failing)
     with pytest.raises(OSError):
         _supervisor(tmp_path).finish(CommandExit(reason="exited", exit_code=0))
     assert rung == []

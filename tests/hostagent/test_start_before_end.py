@@ -1,6 +1,8 @@
 """A command is watched from its launch, while its start is being reported; its
 end is reported only after its start, even when that report failed once and
-the instruction had to come again (a real server, driver and supervisor)."""
+the instruction had to come again; and a command that ends within moments of
+its start has its end alone reported, with its pid (decision 095). A real
+server, driver and supervisor."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import pytest
 from sandhold.bus import leases
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.follow import read_range
@@ -18,7 +21,10 @@ from sandhold.domain import events as ev
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
 from sandhold.domain import work as wk
+from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import InfraError
+from sandhold.domain.fold import fold
+from sandhold.hostagent import service
 from sandhold.hostagent.driver import ProcessDriver
 from sandhold.hostagent.service import HostAgent
 
@@ -26,64 +32,155 @@ from tests.support.waiting import wait_until
 from tests.twins.support import append, running_sandbox
 
 
-async def test_the_end_waits_for_a_start_whose_report_failed_once(
+class _Dispatched:
+    """A command dispatched to this host in the log, and an agent to run it."""
+
+    def __init__(
+        self, nc: nats.NATS, names: Names, agent: HostAgent, sandbox_id: str, argv: list[str]
+    ) -> None:
+        self.nc, self.names, self.agent, self.sandbox_id = nc, names, agent, sandbox_id
+        self.request = rq.RunCommand(key="run-1", sandbox_id=sandbox_id, argv=argv)
+        self.command_id = rq.command_id_for(sandbox_id, self.request.key)
+        self.work = wk.RunCommandWork(
+            sandbox_id=sandbox_id, generation=1, command_id=self.command_id, argv=argv,
+            request_key=self.request.key,
+        )  # fmt: skip
+
+    async def events(self) -> list[Envelope]:
+        records = await read_range(
+            self.nc.jetstream(),
+            self.names.events_stream,
+            self.names.events("sandbox", self.sandbox_id),
+            decode_envelope,
+        )
+        return [envelope for _, _, envelope in records]
+
+    async def ended(self) -> None:
+        await wait_until(lambda: not self.agent._watchers, timeout=30, what="the end reported")
+
+
+@pytest.fixture
+async def dispatch(
     nc: nats.NATS, nats_url: str, names: Names, driver: ProcessDriver, host_id: str, root: Path
 ):
-    sandbox_id = await running_sandbox(nc, names, "start-first", host_id)
-    request = rq.RunCommand(key="run-1", sandbox_id=sandbox_id, argv=["true"])
-    log = AggregateStore(nc.jetstream(), names, "sandbox", sb.evolve, actor="t", follow=False)
-    state, _ = await log.sync(sandbox_id)
-    queued = sb.decide(state, request)
-    await append(nc, names, "sandbox", sandbox_id, queued)
-    command_id = rq.command_id_for(sandbox_id, request.key)
-    dispatched = ev.CommandDispatched(command_id=command_id, host=host_id, generation=1)
-    await append(nc, names, "sandbox", sandbox_id, [dispatched])
-    await driver.create_sandbox(sandbox_id, None)
+    watched: list[HostAgent] = []
 
-    agent = HostAgent(nats_url, names, host_id=host_id, root=root)
-    agent.driver = driver
-    agent._nc, agent._js = nc, nc.jetstream()
-    agent.sandboxes = AggregateStore(
-        nc.jetstream(), names, "sandbox", sb.evolve, actor=f"host-agent:{host_id}",
-        follow=False, compact=sb.compact,
-    )  # fmt: skip
-    agent._kv = await leases.lease_bucket(nc.jetstream(), names)
-    agent.epoch = 1
-    await agent._put_lease()
+    async def dispatch(argv: list[str]) -> _Dispatched:
+        sandbox_id = await running_sandbox(nc, names, "start-first", host_id)
+        agent = HostAgent(nats_url, names, host_id=host_id, root=root)
+        command = _Dispatched(nc, names, agent, sandbox_id, argv)
+        log = AggregateStore(nc.jetstream(), names, "sandbox", sb.evolve, actor="t", follow=False)
+        state, _ = await log.sync(sandbox_id)
+        await append(nc, names, "sandbox", sandbox_id, sb.decide(state, command.request))
+        dispatched = ev.CommandDispatched(command_id=command.command_id, host=host_id, generation=1)
+        await append(nc, names, "sandbox", sandbox_id, [dispatched])
+        await driver.create_sandbox(sandbox_id, None)
+        agent.driver = driver
+        agent._nc, agent._js = nc, nc.jetstream()
+        agent.sandboxes = AggregateStore(
+            nc.jetstream(), names, "sandbox", sb.evolve, actor=f"host-agent:{host_id}",
+            follow=False, compact=sb.compact,
+        )  # fmt: skip
+        agent._kv = await leases.lease_bucket(nc.jetstream(), names)
+        agent.epoch = 1
+        await agent._put_lease()
+        watched.append(agent)
+        return command
+
+    try:
+        yield dispatch
+    finally:
+        for agent in watched:
+            for watcher in list(agent._watchers.values()):
+                watcher.cancel()
+
+
+async def test_the_end_waits_for_a_start_whose_report_failed_once(
+    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+):
+    # (It runs past the delay, so its start is reported; it ends while the
+    # report of its start is still being tried again.)
+    monkeypatch.setattr(service, "START_REPORT_DELAY_S", 0.05)
+    command = await dispatch(["sleep", "0.3"])
+    agent = command.agent
     reports: list[str] = []
+    retried = asyncio.Event()
     report = agent._report
 
     async def first_start_report_fails(sandbox: str, event: Any, cause: str) -> None:
         reports.append(event.__struct_config__.tag)
         if reports == ["command.started"]:
             raise InfraError("the bus did not answer", retryable=True)
+        if reports == ["command.started", "command.started"]:
+            await retried.wait()  # held until the test has looked
         await report(sandbox, event, cause)
 
     agent._report = first_start_report_fails  # type: ignore[method-assign]
-    work = wk.RunCommandWork(
-        sandbox_id=sandbox_id, generation=1, command_id=command_id, argv=["true"],
-        request_key=request.key,
-    )  # fmt: skip
-    try:
-        try:
-            await agent._do(work)
-            raise AssertionError("the failed start report reaches the work queue (a retry)")
-        except InfraError:
-            pass
-        handle = driver.handle(sandbox_id, command_id)
-        await asyncio.wait_for(handle.wait(), 30)  # `true` has ended: its end is known
-        assert reports == ["command.started"], "nothing reported before the start"
-        await agent._do(work)  # the instruction again, as the queue redelivers it
-        await wait_until(
-            lambda: not agent._watchers, timeout=30, what="the end reported after the start"
-        )
-    finally:
-        for watcher in list(agent._watchers.values()):
-            watcher.cancel()
-    state, _ = await log.sync(sandbox_id)
-    assert state is not None and state.commands[command_id].state == "exited"
-    records = await read_range(
-        nc.jetstream(), names.events_stream, names.events("sandbox", sandbox_id), decode_envelope
+    await agent._do(command.work)  # launched: its start is the watcher's to report
+    handle = driver.handle(command.sandbox_id, command.command_id)
+    await asyncio.wait_for(handle.wait(), 30)  # it has ended: its end is known
+    await wait_until(
+        lambda: reports == ["command.started", "command.started"],
+        timeout=30,
+        what="the start's report tried again",
     )
-    types = [envelope.type for _, _, envelope in records]
-    assert types[-3:] == ["command.dispatched", "command.started", "command.ended"]
+    assert "command.ended" not in reports, "nothing reported before the start"
+    retried.set()
+    await command.ended()
+    events = await command.events()
+    assert [e.type for e in events][-3:] == [
+        "command.dispatched",
+        "command.started",
+        "command.ended",
+    ]
+    assert reports == ["command.started", "command.started", "command.ended"]
+
+
+async def test_a_command_that_ends_at_once_has_its_end_alone_reported_with_its_pid(
+    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+):
+    # (A delay no loaded machine outlasts between a `true`'s start and its end.)
+    monkeypatch.setattr(service, "START_REPORT_DELAY_S", 30.0)
+    command = await dispatch(["true"])
+    await command.agent._do(command.work)
+    await command.ended()
+    events = await command.events()
+    assert [e.type for e in events][-2:] == ["command.dispatched", "command.ended"]
+    pid = await driver.handle(command.sandbox_id, command.command_id).started()
+    assert isinstance(pid, int)
+    state = fold(sb.evolve, events, None)
+    assert state is not None
+    assert state.commands[command.command_id].state == "exited"
+    assert state.commands[command.command_id].pid == pid
+
+
+async def test_a_command_still_running_after_the_delay_has_its_start_reported(
+    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(service, "START_REPORT_DELAY_S", 0.05)
+    command = await dispatch(["sleep", "1"])
+    await command.agent._do(command.work)
+    await command.ended()
+    events = await command.events()
+    assert [e.type for e in events][-3:] == [
+        "command.dispatched",
+        "command.started",
+        "command.ended",
+    ]
+    started, end = events[-2].event, events[-1].event
+    assert isinstance(started, ev.CommandStarted) and isinstance(end, ev.CommandEnded)
+    assert end.pid == started.pid
+
+
+async def test_waiting_to_report_a_start_holds_up_no_other_work(
+    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+):
+    # The sandbox's lane takes its next instruction once the command is launched,
+    # not once its start is reported (which waits to see whether it ends at once).
+    monkeypatch.setattr(service, "START_REPORT_DELAY_S", 60.0)
+    command = await dispatch(["sleep", "30"])
+    await asyncio.wait_for(command.agent._do(command.work), 30)  # well within the delay
+    handle = driver.handle(command.sandbox_id, command.command_id)
+    assert isinstance(await handle.started(), int)
+    assert handle.exit_record() is None, "returned while the command runs"
+    assert [e.type for e in await command.events()][-1] == "command.dispatched"

@@ -16,6 +16,8 @@ from tests.support.waiting import wait_until
 from tests.telemetry.otlp import OtlpReceiver
 
 COMMAND_EVENTS = ["command.queued", "command.dispatched", "command.started", "command.ended"]
+# A command that ends within moments of its start has no `command.started` (095).
+SHORT_COMMAND_EVENTS = ["command.queued", "command.dispatched", "command.ended"]
 
 
 def request_span(spans: InMemorySpanExporter, name: str):
@@ -33,7 +35,7 @@ async def command_trace_ids(client: Client, sandbox_id: str, command_id: str) ->
         for r in records
         if getattr(r.envelope.event, "command_id", None) == command_id
     }
-    assert set(ids) == set(COMMAND_EVENTS), ids
+    assert set(ids) in (set(COMMAND_EVENTS), set(SHORT_COMMAND_EVENTS)), ids
     return ids
 
 
@@ -84,7 +86,8 @@ async def test_one_request_is_one_trace_across_scheduler_and_host_agent(
     try:
         sandbox = await client.create_sandbox()
         await client.wait_for_phase(sandbox.id, {"running"}, timeout=30)
-        result = await client.exec(sandbox.id, ["true"])
+        # (Long enough for its start to be reported, a span of its own: 095.)
+        result = await client.exec(sandbox.id, ["sleep", "0.5"])
         assert result.command.state == "exited"
         root = request_span(client_spans, "request command.run")
         trace_id = f"{root.context.trace_id:032x}"
@@ -104,7 +107,7 @@ async def test_one_request_is_one_trace_across_scheduler_and_host_agent(
         create = request_span(client_spans, "request sandbox.create")
         assert create.context.trace_id != root.context.trace_id
         ids = await command_trace_ids(client, sandbox.id, result.command.id)
-        assert ids == dict.fromkeys(COMMAND_EVENTS, trace_id)
+        assert ids == dict.fromkeys(COMMAND_EVENTS, trace_id)  # (its start too)
     finally:
         await client.close()
 
@@ -150,7 +153,7 @@ async def test_services_without_tracing_still_carry_the_callers_trace_id(
         result = await client.exec(sandbox.id, ["true"])
         root = request_span(client_spans, "request command.run")
         ids = await command_trace_ids(client, sandbox.id, result.command.id)
-        assert ids == dict.fromkeys(COMMAND_EVENTS, f"{root.context.trace_id:032x}")
+        assert ids == dict.fromkeys(ids, f"{root.context.trace_id:032x}")
     finally:
         await client.close()
 
@@ -162,6 +165,6 @@ async def test_with_tracing_off_everywhere_no_trace_id_is_recorded(plain_up: Up)
         await client.wait_for_phase(sandbox.id, {"running"}, timeout=30)
         result = await client.exec(sandbox.id, ["true"])
         ids = await command_trace_ids(client, sandbox.id, result.command.id)
-        assert ids == dict.fromkeys(COMMAND_EVENTS, None)
+        assert ids == dict.fromkeys(ids, None)
     finally:
         await client.close()

@@ -192,6 +192,9 @@ class CommandEnded(Event, tag="command.ended", frozen=True):
     generation: int = 0
     output_kept: dict[str, int] = {}
     output_complete: bool = True
+    # The program's pid, where it ran: a command that ended within moments of
+    # its start has no `command.started` (decision 095), so its end names it.
+    pid: int | None = None
     # The host found, as this command ended and nothing was left running in the
     # sandbox, every file as this completed save holds them, with the sandbox's
     # `activity` count at `files_at` when it looked (decision 078). Then no

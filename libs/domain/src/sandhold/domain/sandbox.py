@@ -831,6 +831,8 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
                 output_kept=event.output_kept,
                 output_complete=event.output_complete,
                 ended_at=envelope_time,
+                # (its start's, unless that went unreported: decision 095)
+                pid=ending.pid if ending is not None and ending.pid is not None else event.pid,
             )
             if looked and event.files_of is not None:
                 state = _files_held(state, event.files_of, event.generation, envelope_time)

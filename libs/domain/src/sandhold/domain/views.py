@@ -169,6 +169,7 @@ def ended_view(record: CommandView, end: ev.CommandEnded, *, at: float) -> Comma
         ended_at=at,
         host=end.host or record.host,
         generation=end.generation or record.generation,
+        pid=record.pid if record.pid is not None else end.pid,
     )
 
 

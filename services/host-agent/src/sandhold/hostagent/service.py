@@ -135,8 +135,8 @@ class HostAgent:
         self._image_roots = image_roots
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
-        # Set once a command's start is in the log (or will not be): its end waits.
-        self._start_told: dict[str, asyncio.Event] = {}
+        # A launched command's start and end, as its launch and its watcher see them.
+        self._launches: dict[str, _Launch] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
@@ -847,31 +847,34 @@ class HostAgent:
         )
         # Watched from now, not once the start is reported: a short command's
         # output and end are read while its start is being appended, and its end
-        # is reported right after (never before: the log keeps their order).
-        told = self._start_told.setdefault(work.command_id, asyncio.Event())
-        self._watch(handle, generation=work.generation, start_told=told)
-        started = await handle.started()
-        if isinstance(started, int):
-            report = ev.CommandStarted(
-                command_id=work.command_id,
-                host=self.host_id,
-                generation=work.generation,
-                pid=started,
-            )
-            with contextlib.suppress(Rejected):
-                await self._report(work.sandbox_id, report, work.msg_id)
-        # (Not set when the report failed: the instruction comes again and sets it.)
-        told.set()
+        # is reported right after (never before: the log keeps their order). Its
+        # start is the watcher's to report, so this sandbox's next work is not
+        # held while it waits to see whether the command ends at once.
+        self._watch(handle, launch=self._launches.setdefault(work.command_id, _Launch(work)))
 
-    def _watch(
-        self,
-        handle: CommandHandle,
-        generation: int | None = None,
-        start_told: asyncio.Event | None = None,
-    ) -> None:
+    async def _report_start(self, handle: CommandHandle, launch: _Launch) -> None:
+        """Report the command's start, unless it ended within moments (decision
+        095: then its end alone is reported, with its pid); its end waits."""
+        work = launch.work
+        try:
+            started = await handle.started()
+            if isinstance(started, int) and not await launch.ends_within(START_REPORT_DELAY_S):
+                report = ev.CommandStarted(
+                    command_id=work.command_id,
+                    host=self.host_id,
+                    generation=work.generation,
+                    pid=started,
+                )
+                await self._report_until_done(work.sandbox_id, report, work.msg_id, "start")
+        except Exception:  # (the end is reported all the same, after its wait)
+            log.exception("reporting the start of %s", work.command_id)
+        finally:
+            launch.start_told.set()
+
+    def _watch(self, handle: CommandHandle, launch: _Launch | None = None) -> None:
         if handle.command_id in self._watchers:
             return
-        task = asyncio.create_task(self._follow(handle, generation, start_told))
+        task = asyncio.create_task(self._follow(handle, launch))
         self._watchers[handle.command_id] = task
         self._watcher_sandbox[handle.command_id] = handle.sandbox_id
         task.add_done_callback(lambda _: self._forget(handle.command_id))
@@ -879,22 +882,27 @@ class HostAgent:
     def _forget(self, command_id: str) -> None:
         self._watchers.pop(command_id, None)
         self._watcher_sandbox.pop(command_id, None)
-        self._start_told.pop(command_id, None)
+        self._launches.pop(command_id, None)
 
-    async def _follow(
-        self, handle: CommandHandle, generation: int | None, start_told: asyncio.Event | None
-    ) -> None:
+    async def _follow(self, handle: CommandHandle, launch: _Launch | None) -> None:
         """Stream a command's output to OUTPUT, then report how it ended (after
         its start, when this agent launched it)."""
         try:
-            await self._follow_to_its_end(handle, generation, start_told)
+            if launch is None:
+                await self._follow_to_its_end(handle, None, None)
+            else:
+                async with asyncio.TaskGroup() as both:
+                    both.create_task(self._report_start(handle, launch))
+                    both.create_task(
+                        self._follow_to_its_end(handle, launch.work.generation, launch)
+                    )
         finally:
             # Reported, its supervisor was given back (`mark_reported`). Not (this
             # agent fenced, a bug, stopping): it takes no other command (088).
             self.driver.let_go(handle.sandbox_id, handle.command_id)
 
     async def _follow_to_its_end(
-        self, handle: CommandHandle, generation: int | None, start_told: asyncio.Event | None
+        self, handle: CommandHandle, generation: int | None, launch: _Launch | None
     ) -> None:
         sid, cid = handle.sandbox_id, handle.command_id
         # Only a command this agent did not launch can have output in OUTPUT already.
@@ -915,13 +923,15 @@ class HostAgent:
             else:
                 exit_record = item
         assert exit_record is not None
+        if launch is not None:
+            launch.exited.set()
         # Looked at while the start's append may still be on its way (decision 078).
         look = self._look_at_files(sid, cid, generation) if fresh else None
-        if start_told is not None:
+        if launch is not None:
             # A start whose report keeps failing does not hold the end for ever.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_START_TOLD_WAIT_S):
-                    await start_told.wait()
+                    await launch.start_told.wait()
         state, _ = self.sandboxes.get(sid)
         if generation is None:
             generation = state.generation if state is not None else 0
@@ -936,30 +946,40 @@ class HostAgent:
             generation=generation,
             output_kept=kept,
             output_complete=complete,
+            # (The start's report may have been left out for it: `_launch`.)
+            pid=exit_record.pid,
             files_of=files_of,
             files_at=files_at,
         )
+        # Until recorded or refused: an end unreported is a command left running.
+        if await self._report_until_done(sid, ended, f"{cid}:exit", "end"):
+            await self.driver.mark_reported(sid, cid)
+
+    async def _report_until_done(
+        self, sandbox_id: str, report: ev.CommandStarted | ev.CommandEnded, cause: str, what: str
+    ) -> bool:
+        """Report a command's start or end, again while the bus does not answer;
+        False if it is not reported (this agent fenced, or a bug)."""
+        cid = report.command_id
         pause, failures = 0.5, 0
-        while True:  # until recorded or refused: an end unreported is a command left running
+        while True:
             try:
-                await self._report(sid, ended, f"{cid}:exit")
-                break
+                await self._report(sandbox_id, report, cause)
+                return True
             except Rejected as err:
-                log.info("end of %s not recorded: %s", cid, err)
-                if err.code == "self_fenced":
-                    return  # not reported: whoever runs next here decides about it
-                break
+                log.info("%s of %s not recorded: %s", what, cid, err)
+                # Fenced: not reported, whoever runs next here decides about it.
+                return err.code != "self_fenced"
             except Exception as err:  # the bus not answering, in whatever words
                 failures += 0 if isinstance(err, _RETRIED) else 1
                 if failures >= _REPORT_BUG_ATTEMPTS:
                     # Not the bus: retrying would hold up this sandbox's stop (and the
                     # host's work behind it) for ever. Reported at the next start.
-                    log.error("the end of %s cannot be reported: %r", cid, err)
-                    return
-                log.warning("reporting the end of %s failed, retrying: %r", cid, err)
+                    log.error("the %s of %s cannot be reported: %r", what, cid, err)
+                    return False
+                log.warning("reporting the %s of %s failed, retrying: %r", what, cid, err)
                 await asyncio.sleep(pause)
                 pause = min(5.0, pause * 2)
-        await self.driver.mark_reported(sid, cid)
 
     def _look_at_files(
         self, sandbox_id: str, command_id: str, generation: int | None
@@ -1041,6 +1061,28 @@ _FENCE_JOBS_S = 0.5
 _WIND_DOWN_JOBS_S = 5.0
 # How long a command's end waits for its start to be reported (see `_launch`).
 _START_TOLD_WAIT_S = 30.0
+# A command that ends this soon after it started has no start reported, only its
+# end, with its pid (decision 095): one append and one event fewer for each short
+# command, and none of the start's append on the way to its end.
+START_REPORT_DELAY_S = 0.05
+
+
+class _Launch:
+    """A command this agent launched, as its start's report and its end's see
+    it: its end is reported only once its start was (or will not be), since the
+    log keeps their order; and no start is reported once its end was seen."""
+
+    def __init__(self, work: wk.RunCommandWork) -> None:
+        self.work = work
+        self.start_told = asyncio.Event()
+        self.exited = asyncio.Event()
+
+    async def ends_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.exited.wait()
+        return self.exited.is_set()
+
 
 _PHASES_FOR: dict[type, frozenset[str]] = {
     wk.StartSandboxWork: frozenset({"placed", "starting", "stopping"}),

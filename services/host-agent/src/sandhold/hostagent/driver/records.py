@@ -112,11 +112,14 @@ def write_atomically(
     """Replace ``path`` so readers see the old file or the whole new one, never a part.
 
     ``durable`` adds the fsyncs that make the file survive a power loss; the
-    exit record needs them, the pid file does not. ``placed`` is called once
-    the whole file is in place (its content already durable), before the
-    directory's fsync: a power loss then leaves the old name or the whole
-    new file, never a part, and whoever ``placed`` tells does not wait for
-    the second fsync (the supervisor rings with it, decision 091).
+    exit record needs them, the pid file does not. Without ``placed`` the
+    content is fsynced before the rename, so a power loss leaves the old name
+    or the whole new file. ``placed`` is called as soon as the whole file is in
+    place under its name, before any fsync (the supervisor rings there,
+    decision 094): whoever it tells reads the whole file at once, while the
+    file's and the directory's fsyncs follow here. A power loss before they
+    end may then leave the name with no content, which `read_exit` takes for
+    no record.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # 0600: a spec holds the command's environment, records are the host's own.
@@ -125,13 +128,15 @@ def write_atomically(
         view = memoryview(payload)
         while view:
             view = view[os.write(fd, view) :]
-        if durable:
+        if durable and placed is None:
             os.fsync(fd)
+        os.replace(tmp, path)
+        if placed is not None:
+            placed()
+            if durable:
+                os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
-    if placed is not None:
-        placed()
     if durable:
         dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -164,7 +169,14 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def read_exit(path: Path) -> CommandExit | None:
-    raw = read_json(path)
+    """The exit record, or None if there is none. An empty or cut-off one is
+    none too: only a power loss between its rename and its fsync leaves one
+    (`write_atomically`'s `placed`), and its command ended then as one whose
+    record was never made (`unknown`, unless its end is in the log already)."""
+    try:
+        raw = read_json(path)
+    except ValueError:  # (json's decode error, or not an object)
+        return None
     return None if raw is None else CommandExit.from_json(raw)
 
 

@@ -390,3 +390,16 @@ def test_v9_a_sandbox_kept_stopped_then_deleted_replays() -> None:
     assert deletes_at(kept) == envelopes[5].time + 86400.0 == envelopes[6].time
     sandbox = fold(evolve, envelopes, None)
     assert sandbox is not None and (sandbox.phase, sandbox.reason) == ("deleted", "kept_stopped")
+
+
+def test_v10_a_command_ended_at_once_has_no_start_and_its_end_names_the_pid() -> None:
+    """Decision 095: a command that ended within moments of its start has only
+    `command.ended`, which carries its pid; one that ran longer has both."""
+    lines = (GOLDEN.parent / "sandbox_v10.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and sandbox.phase == "running"
+    short, long = sandbox.commands["cmd-428071360e9b42c8"], sandbox.commands["cmd-ec1fee7c6b809d7b"]
+    assert (short.state, short.exit_code, short.pid) == ("exited", 0, 4242)
+    assert short.started_at is None and short.ended_at == envelopes[6].time
+    assert (long.state, long.pid, long.started_at) == ("exited", 4343, envelopes[9].time)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from sandhold.hostagent.driver import records, supervisor
+from sandhold.hostagent.driver.handle import CommandHandle
 from sandhold.hostagent.driver.layout import CommandPaths
 from sandhold.hostagent.driver.records import CommandExit, CommandSpec, read_exit, write_atomically
 from sandhold.hostagent.driver.supervisor import Supervisor
@@ -125,3 +127,26 @@ def test_an_exit_that_cannot_be_written_tells_no_one(
         _supervisor(tmp_path).finish(CommandExit(reason="exited", exit_code=0))
     assert rung == []
     assert not (tmp_path / "exit.json").exists()
+
+
+@pytest.mark.parametrize("left", [b"", b"12", b"\0" * 8], ids=["empty", "cut", "zeros"])
+def test_a_pid_file_a_power_loss_left_without_content_is_no_pid(
+    tmp_path: Path, left: bytes
+) -> None:
+    (tmp_path / "pid").write_bytes(left)
+    assert records.read_pid(tmp_path / "pid") is None
+    (tmp_path / "pid").write_bytes(b"12\n")
+    assert records.read_pid(tmp_path / "pid") == 12
+
+
+async def test_a_command_whose_records_a_power_loss_emptied_ended_unknown(tmp_path: Path) -> None:
+    # Exit record, supervisor record and pid file were all in place but not yet
+    # synced (decision 094): after the restart the command is one whose record
+    # was never made, not a failure of whoever reads them.
+    paths = CommandPaths(tmp_path)
+    for path in (paths.exit, paths.supervisor, paths.pid):
+        path.write_bytes(b"")
+    handle = CommandHandle("sb", "c1", paths, poll_interval_s=0.01)
+    end = await asyncio.wait_for(handle.wait(), 30)
+    assert end.reason == "unknown"
+    assert isinstance(await handle.started(), CommandExit)

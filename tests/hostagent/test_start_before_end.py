@@ -184,3 +184,28 @@ async def test_waiting_to_report_a_start_holds_up_no_other_work(
     assert isinstance(await handle.started(), int)
     assert handle.exit_record() is None, "returned while the command runs"
     assert [e.type for e in await command.events()][-1] == "command.dispatched"
+
+
+async def test_an_adopted_command_whose_start_went_unreported_has_it_reported(
+    dispatch, driver: ProcessDriver, make_driver, monkeypatch: pytest.MonkeyPatch
+):
+    # The agent before launched it and died within the delay: its start was never
+    # reported. The next agent adopts it, and reports its start while it runs.
+    monkeypatch.setattr(service, "START_REPORT_DELAY_S", 0.05)
+    command = await dispatch(["sleep", "30"])
+    launched = await driver.launch(command.sandbox_id, command.command_id, ["sleep", "30"])
+    assert isinstance(await launched.started(), int)
+    await driver.close()  # (the agent before: gone, its supervisor is not)
+    agent = command.agent
+    agent.driver = await make_driver()
+    agent._generation_file(command.sandbox_id).write_text("1")  # (as its start wrote it)
+    await agent.sandboxes.sync(command.sandbox_id)
+    await agent._adopt_commands()
+    assert set(agent._watchers) == {command.command_id}
+
+    async def started() -> bool:
+        return [e.type for e in await command.events()][-1] == "command.started"
+
+    await wait_until(started, timeout=30, what="the adopted command's start reported")
+    event = (await command.events())[-1].event
+    assert isinstance(event, ev.CommandStarted) and event.pid == await launched.started()

@@ -609,6 +609,7 @@ class Client:
                     generation=command.generation,
                     output_kept=command.output_kept,
                     output_complete=command.output_complete,
+                    pid=command.pid,
                 )
             if deadline is not None and loop.time() >= deadline:
                 raise TimeoutError(f"{command_id} has not ended after {wait_timeout}s")

@@ -135,8 +135,6 @@ class HostAgent:
         self._image_roots = image_roots
         self._watchers: dict[str, asyncio.Task[None]] = {}  # command id -> watcher
         self._watcher_sandbox: dict[str, str] = {}
-        # A launched command's start and end, as its launch and its watcher see them.
-        self._launches: dict[str, _Launch] = {}
         self._jobs: set[asyncio.Task[None]] = set()
         self.epoch = 0
 
@@ -188,9 +186,7 @@ class HostAgent:
             await self._register()
             await self._drop_stale_copies()
             await self._claim_cgroups()
-            for handle in await self.driver.adopt_all():
-                if self._is_current(handle.sandbox_id):
-                    self._watch(handle)
+            await self._adopt_commands()
             await self._check_connections()
             shell.on_close(self._end_watchers)
             shell.spawn(self._renew_lease(), "lease renewal")
@@ -445,6 +441,16 @@ class HostAgent:
             and state.generation == self._local_generation(sandbox_id)
             and state.phase not in ("lost", "recovering", "deleted")
         )
+
+    async def _adopt_commands(self) -> None:
+        """Watch the commands an earlier agent launched here: their ends are this
+        one's to report, and their starts if that agent did not report them (it
+        died within moments of a launch, decision 095)."""
+        for handle in await self.driver.adopt_all():
+            state, _ = self.sandboxes.get(handle.sandbox_id)
+            if state is not None and self._is_current(handle.sandbox_id):
+                cause = f"{handle.command_id}:adopted"
+                self._watch(handle, _Launch(handle.command_id, state.generation, cause))
 
     async def _check_connections(self) -> None:
         """Connections live on a tmpfs: after a reboot (or a full shutdown, which
@@ -850,30 +856,29 @@ class HostAgent:
         # is reported right after (never before: the log keeps their order). Its
         # start is the watcher's to report, so this sandbox's next work is not
         # held while it waits to see whether the command ends at once.
-        self._watch(handle, launch=self._launches.setdefault(work.command_id, _Launch(work)))
+        self._watch(handle, _Launch(work.command_id, work.generation, work.msg_id))
 
     async def _report_start(self, handle: CommandHandle, launch: _Launch) -> None:
         """Report the command's start, unless it ended within moments (decision
         095: then its end alone is reported, with its pid); its end waits."""
-        work = launch.work
         try:
             started = await handle.started()
             if isinstance(started, int) and not await launch.ends_within(START_REPORT_DELAY_S):
                 report = ev.CommandStarted(
-                    command_id=work.command_id,
+                    command_id=launch.command_id,
                     host=self.host_id,
-                    generation=work.generation,
+                    generation=launch.generation,
                     pid=started,
                 )
-                await self._report_until_done(work.sandbox_id, report, work.msg_id, "start")
+                await self._report_until_done(handle.sandbox_id, report, launch.cause, "start")
         except Exception:  # (the end is reported all the same, after its wait)
-            log.exception("reporting the start of %s", work.command_id)
+            log.exception("reporting the start of %s", launch.command_id)
         finally:
             launch.start_told.set()
 
-    def _watch(self, handle: CommandHandle, launch: _Launch | None = None) -> None:
+    def _watch(self, handle: CommandHandle, launch: _Launch) -> None:
         if handle.command_id in self._watchers:
-            return
+            return  # (launched again, or adopted: its watcher reports its start too)
         task = asyncio.create_task(self._follow(handle, launch))
         self._watchers[handle.command_id] = task
         self._watcher_sandbox[handle.command_id] = handle.sandbox_id
@@ -882,35 +887,30 @@ class HostAgent:
     def _forget(self, command_id: str) -> None:
         self._watchers.pop(command_id, None)
         self._watcher_sandbox.pop(command_id, None)
-        self._launches.pop(command_id, None)
 
-    async def _follow(self, handle: CommandHandle, launch: _Launch | None) -> None:
-        """Stream a command's output to OUTPUT, then report how it ended (after
-        its start, when this agent launched it)."""
+    async def _follow(self, handle: CommandHandle, launch: _Launch) -> None:
+        """Report the command's start (`_report_start`) while its output is
+        streamed to OUTPUT; then report how it ended, after the start."""
+        start = asyncio.create_task(self._report_start(handle, launch))
         try:
-            if launch is None:
-                await self._follow_to_its_end(handle, None, None)
-            else:
-                async with asyncio.TaskGroup() as both:
-                    both.create_task(self._report_start(handle, launch))
-                    both.create_task(
-                        self._follow_to_its_end(handle, launch.work.generation, launch)
-                    )
+            await self._follow_to_its_end(handle, launch)
         finally:
+            # (Again and again: one cancellation may be swallowed on its way.)
+            await cancel_and_wait([start])
             # Reported, its supervisor was given back (`mark_reported`). Not (this
             # agent fenced, a bug, stopping): it takes no other command (088).
             self.driver.let_go(handle.sandbox_id, handle.command_id)
 
-    async def _follow_to_its_end(
-        self, handle: CommandHandle, generation: int | None, launch: _Launch | None
-    ) -> None:
-        sid, cid = handle.sandbox_id, handle.command_id
+    async def _follow_to_its_end(self, handle: CommandHandle, launch: _Launch) -> None:
+        sid, cid, generation = handle.sandbox_id, handle.command_id, launch.generation
         # Only a command this agent did not launch can have output in OUTPUT already.
         fresh = not handle.adopted
         kept = {"stdout": 0, "stderr": 0} if fresh else await self._kept_offsets(sid, cid)
         complete = True
         exit_record: CommandExit | None = None
         async for item in handle.watch(dict(kept)):
+            if handle.exit_seen:  # (its output may still be on its way to OUTPUT)
+                launch.exited.set()
             if isinstance(item, OutputChunk):
                 try:
                     await self._publish_output(sid, cid, item)
@@ -923,18 +923,13 @@ class HostAgent:
             else:
                 exit_record = item
         assert exit_record is not None
-        if launch is not None:
-            launch.exited.set()
         # Looked at while the start's append may still be on its way (decision 078).
         look = self._look_at_files(sid, cid, generation) if fresh else None
-        if launch is not None:
-            # A start whose report keeps failing does not hold the end for ever.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_START_TOLD_WAIT_S):
-                    await launch.start_told.wait()
+        # A start whose report keeps failing does not hold the end for ever.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_START_TOLD_WAIT_S):
+                await launch.start_told.wait()
         state, _ = self.sandboxes.get(sid)
-        if generation is None:
-            generation = state.generation if state is not None else 0
         files_of, files_at = files_at_end(state, cid, look)
         ended = ev.CommandEnded(
             command_id=cid,
@@ -946,7 +941,7 @@ class HostAgent:
             generation=generation,
             output_kept=kept,
             output_complete=complete,
-            # (The start's report may have been left out for it: `_launch`.)
+            # (The start's report may have been left out for it: `_report_start`.)
             pid=exit_record.pid,
             files_of=files_of,
             files_at=files_at,
@@ -1059,7 +1054,7 @@ _FENCE_JOBS_S = 0.5
 # How long a shutdown waits for the saves under way to end: within the
 # service's own stop (STOP_TIMEOUT_S), with the commands' interrupts after it.
 _WIND_DOWN_JOBS_S = 5.0
-# How long a command's end waits for its start to be reported (see `_launch`).
+# How long a command's end waits for its start to be reported (see `_report_start`).
 _START_TOLD_WAIT_S = 30.0
 # A command that ends this soon after it started has no start reported, only its
 # end, with its pid (decision 095): one append and one event fewer for each short
@@ -1068,12 +1063,13 @@ START_REPORT_DELAY_S = 0.05
 
 
 class _Launch:
-    """A command this agent launched, as its start's report and its end's see
+    """A command this agent watches, as its start's report and its end's see
     it: its end is reported only once its start was (or will not be), since the
-    log keeps their order; and no start is reported once its end was seen."""
+    log keeps their order; and no start is reported once its end was seen.
+    `cause`: what the start's report was caused by (the run instruction)."""
 
-    def __init__(self, work: wk.RunCommandWork) -> None:
-        self.work = work
+    def __init__(self, command_id: str, generation: int, cause: str) -> None:
+        self.command_id, self.generation, self.cause = command_id, generation, cause
         self.start_told = asyncio.Event()
         self.exited = asyncio.Event()
 

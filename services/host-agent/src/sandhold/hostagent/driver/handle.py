@@ -53,6 +53,8 @@ class CommandHandle:
         self._supervisor: WarmSupervisor | None = None  # launched here: to give back
         # True while this driver is between mkdir and the hand-over.
         self._launching = False
+        # `watch` has read the exit record (its output may still be coming).
+        self.exit_seen = False
 
     def __repr__(self) -> str:
         return f"CommandHandle({self.sandbox_id!r}, {self.command_id!r})"
@@ -105,7 +107,10 @@ class CommandHandle:
         return read_exit(self.paths.exit)
 
     def supervisor(self) -> ProcessIdentity | None:
-        raw = read_json(self.paths.supervisor)
+        try:
+            raw = read_json(self.paths.supervisor)
+        except ValueError:  # (written without an fsync: a power loss may empty it)
+            return None
         return None if raw is None else ProcessIdentity.from_json(raw)
 
     def supervisor_alive(self) -> bool:
@@ -184,6 +189,7 @@ class CommandHandle:
                 seen = self._rings()
                 alive = self.supervisor_alive()
                 record = self.exit_record()
+                self.exit_seen = record is not None
                 for stream in STREAMS:
                     while chunk := self._read(files, stream, positions[stream]):
                         positions[stream] += len(chunk.data)

@@ -181,8 +181,10 @@ def read_exit(path: Path) -> CommandExit | None:
 
 
 def read_pid(path: Path) -> int | None:
+    """The pid file's pid; None if there is none, or none whole (written without
+    an fsync: a power loss may leave it empty or cut off)."""
     try:
-        text = path.read_text()
+        text = path.read_text(errors="replace")
     except FileNotFoundError:
         return None
-    return int(text.strip()) if text.strip() else None
+    return int(text) if text.endswith("\n") and text.strip().isdigit() else None

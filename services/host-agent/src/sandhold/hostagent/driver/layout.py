@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,46 +81,47 @@ def _with_flags(path: Path, use: Callable[[int, int], T]) -> T | None:
 
 @dataclass(frozen=True)
 class CommandPaths:
-    """The files of one command: ``<root>/sandboxes/<sandbox>/commands/<command>/``."""
+    """The files of one command: ``<root>/sandboxes/<sandbox>/commands/<command>/``.
+    Each path is made once (a handle looks at them on every ring)."""
 
     directory: Path
 
-    @property
+    @cached_property
     def spec(self) -> Path:
         return self.directory / "spec.json"
 
-    @property
+    @cached_property
     def stdout(self) -> Path:
         return self.directory / "stdout"
 
-    @property
+    @cached_property
     def stderr(self) -> Path:
         return self.directory / "stderr"
 
-    @property
+    @cached_property
     def pid(self) -> Path:
         """The command's own pid (its process group id too)."""
         return self.directory / "pid"
 
-    @property
+    @cached_property
     def supervisor(self) -> Path:
         """Identity of the supervisor process, so liveness survives pid reuse."""
         return self.directory / "supervisor.json"
 
-    @property
+    @cached_property
     def interrupt(self) -> Path:
         """Written before SIGUSR1 when the caller wants a grace other than the spec's."""
         return self.directory / "interrupt.json"
 
-    @property
+    @cached_property
     def exit(self) -> Path:
         return self.directory / "exit.json"
 
-    @property
+    @cached_property
     def reported(self) -> Path:
         return self.directory / "reported"
 
-    @property
+    @cached_property
     def log(self) -> Path:
         """The supervisor's own stderr (tracebacks), never the command's."""
         return self.directory / "supervisor.log"
@@ -132,6 +134,12 @@ class CommandPaths:
         raise ValueError(f"unknown stream {name!r}")
 
 
+@lru_cache(maxsize=4096)
+def _sandbox_dir(root: Path, sandbox_id: str) -> Path:
+    # (Made a few times for every command a sandbox runs, the same each time.)
+    return root / "sandboxes" / check_id("sandbox id", sandbox_id)
+
+
 @dataclass(frozen=True)
 class HostLayout:
     """The tree under a host root, e.g. ``<data>/hosts/<host-id>``."""
@@ -139,7 +147,7 @@ class HostLayout:
     root: Path
 
     def sandbox_dir(self, sandbox_id: str) -> Path:
-        return self.root / "sandboxes" / check_id("sandbox id", sandbox_id)
+        return _sandbox_dir(self.root, sandbox_id)
 
     def workspace(self, sandbox_id: str) -> Path:
         return self.sandbox_dir(sandbox_id) / "workspace"

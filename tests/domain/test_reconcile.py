@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 from sandhold.domain import events as ev
-from sandhold.domain import requests as rq
 from sandhold.domain import work as wk
 from sandhold.domain.placement import HostInfo, Waiting, why_waiting
-from sandhold.domain.reconcile import ChooseHost, Plan, plan, runs_of_dispatches
+from sandhold.domain.reconcile import ChooseHost, Plan, plan
 from sandhold.domain.reports import decide_report
 from sandhold.domain.sandbox import Sandbox
 
@@ -180,36 +179,6 @@ def test_queued_commands_are_dispatched_in_queue_order_then_run() -> None:
         (HOST_A, cmd("run-3")),
     ]
     assert len(second.work) == 3
-
-
-def test_a_dispatchs_run_instruction_is_the_one_planned_once_it_is_appended() -> None:
-    # Decision 096: sent while the dispatch is appended, it is the very instruction
-    # (same id, same content) the plan gives once the dispatch is in the log.
-    state = given_sandbox(*RUNNING, run("run-1"), run("run-2", argv=["make"]))
-    events = plan(state, must_not_choose).events
-    early = runs_of_dispatches(state, events)
-    assert early == plan(apply(state, events), must_not_choose).work
-    assert [w.msg_id for _, w in early] == [
-        w.msg_id for _, w in plan(apply(state, events), must_not_choose).work
-    ]
-
-
-def test_no_run_instruction_goes_ahead_of_a_dispatch_of_a_command_with_secrets() -> None:
-    # Its secrets are fetched for its instruction, and may be gone: that is decided
-    # after the dispatch is appended (`secrets_gone`), as before.
-    request = rq.RunCommand(
-        key="run-1", tenant="default", sandbox_id=SID, argv=["deploy"], secrets={"TOKEN": "t"}
-    )
-    state = given_sandbox(*RUNNING, request)
-    events = plan(state, must_not_choose).events
-    assert events == [dispatched("run-1")]
-    assert runs_of_dispatches(state, events) == []
-
-
-def test_no_run_instruction_goes_ahead_of_anything_but_a_dispatch() -> None:
-    state = given_sandbox(*RUNNING, run(), dispatched(), cancel(cmd()))
-    assert runs_of_dispatches(state, plan(state, must_not_choose).events) == []
-    assert runs_of_dispatches(state, [command_started()]) == []
 
 
 def test_the_run_instruction_carries_the_whole_command() -> None:

@@ -55,11 +55,6 @@ class _Dispatched:
         )
         return [envelope for _, _, envelope in records]
 
-    async def dispatch(self) -> None:
-        host = self.agent.host_id
-        dispatched = ev.CommandDispatched(command_id=self.command_id, host=host, generation=1)
-        await append(self.nc, self.names, "sandbox", self.sandbox_id, [dispatched])
-
     async def ended(self) -> None:
         await wait_until(lambda: not self.agent._watchers, timeout=30, what="the end reported")
 
@@ -70,15 +65,15 @@ async def dispatch(
 ):
     watched: list[HostAgent] = []
 
-    async def dispatch(argv: list[str], *, dispatched: bool = True) -> _Dispatched:
+    async def dispatch(argv: list[str]) -> _Dispatched:
         sandbox_id = await running_sandbox(nc, names, "start-first", host_id)
         agent = HostAgent(nats_url, names, host_id=host_id, root=root)
         command = _Dispatched(nc, names, agent, sandbox_id, argv)
         log = AggregateStore(nc.jetstream(), names, "sandbox", sb.evolve, actor="t", follow=False)
         state, _ = await log.sync(sandbox_id)
         await append(nc, names, "sandbox", sandbox_id, sb.decide(state, command.request))
-        if dispatched:
-            await command.dispatch()
+        dispatched = ev.CommandDispatched(command_id=command.command_id, host=host_id, generation=1)
+        await append(nc, names, "sandbox", sandbox_id, [dispatched])
         await driver.create_sandbox(sandbox_id, None)
         agent.driver = driver
         agent._nc, agent._js = nc, nc.jetstream()
@@ -214,43 +209,3 @@ async def test_an_adopted_command_whose_start_went_unreported_has_it_reported(
     await wait_until(started, timeout=30, what="the adopted command's start reported")
     event = (await command.events())[-1].event
     assert isinstance(event, ev.CommandStarted) and event.pid == await launched.started()
-
-
-async def test_a_run_instruction_that_came_before_its_dispatch_waits_for_it(
-    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
-):
-    # Decision 096: the scheduler sends it while it appends the dispatch. The host
-    # runs nothing its log does not show dispatched there; it reads again shortly.
-    monkeypatch.setattr(service, "_DISPATCH_READ_AGAIN_S", (0.02,) * 1500)  # (30 s of reads)
-    command = await dispatch(["true"], dispatched=False)
-    reads = 0
-    current = command.agent._current
-
-    async def counted(work: wk.AnyWork) -> sb.Sandbox:
-        nonlocal reads
-        reads += 1
-        return await current(work)
-
-    command.agent._current = counted  # type: ignore[method-assign]
-    doing = asyncio.create_task(command.agent._do(command.work))
-    await wait_until(lambda: reads >= 2, timeout=30, what="the log read again")
-    directory = driver.layout.command(command.sandbox_id, command.command_id).directory
-    assert not directory.exists(), "launched before its dispatch was in the log"
-    await command.dispatch()
-    await asyncio.wait_for(doing, 30)
-    await command.ended()
-    assert [e.type for e in await command.events()][-2:] == [
-        "command.dispatched",
-        "command.ended",
-    ]
-
-
-async def test_a_run_instruction_whose_dispatch_does_not_come_is_asked_for_again(
-    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
-):
-    monkeypatch.setattr(service, "_DISPATCH_READ_AGAIN_S", (0.001, 0.001))
-    command = await dispatch(["true"], dispatched=False)
-    with pytest.raises(InfraError, match="not dispatched yet"):
-        await command.agent._do(command.work)  # (the work queue asks again in a second)
-    directory = driver.layout.command(command.sandbox_id, command.command_id).directory
-    assert not directory.exists()

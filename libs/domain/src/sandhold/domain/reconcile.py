@@ -164,23 +164,6 @@ def _value_ids(state: Sandbox) -> dict[str, str]:
     return {name: c.value_id for name, c in state.connections.items()}
 
 
-def runs_of_dispatches(
-    state: Sandbox, events: list[ev.AnyEvent]
-) -> list[tuple[str, wk.RunCommandWork]]:
-    """The run instructions of the dispatches among `events` (planned on
-    `state`), to send while they are appended (decision 096): the host runs a
-    command only once its log shows it dispatched there. Not for a command
-    with secrets, whose values are fetched first (and may be gone)."""
-    runs = []
-    for event in events:
-        if not isinstance(event, ev.CommandDispatched) or event.generation != state.generation:
-            continue
-        command = state.commands.get(event.command_id)
-        if command is not None and not command.secret_names and not command.cancel_requested:
-            runs.append((event.host, _run_work(state, command.id)))
-    return runs
-
-
 def _run_work(state: Sandbox, command_id: str) -> wk.RunCommandWork:
     c = state.commands[command_id]
     return wk.RunCommandWork(

@@ -590,21 +590,6 @@ class HostAgent:
             raise InfraError(f"{self.host_id} is fenced", retryable=True)
         return state
 
-    async def _dispatched(self, work: wk.RunCommandWork) -> sb.Sandbox:
-        """`_current`, once the log shows the command dispatched: its instruction
-        is sent while the dispatch is appended (decision 096), so it may come a
-        moment before it. Read again shortly, then asked for again in a second."""
-        pauses = iter(_DISPATCH_READ_AGAIN_S)
-        while True:
-            state = await self._current(work)
-            command = state.commands.get(work.command_id)
-            if command is None or command.state != "queued":
-                return state
-            pause = next(pauses, None)
-            if pause is None:
-                raise InfraError(f"{work.command_id} not dispatched yet", retryable=True)
-            await asyncio.sleep(pause)
-
     async def _do(self, work: wk.AnyWork) -> None:
         sid, gen, me = work.sandbox_id, work.generation, self.host_id
         match work:
@@ -654,7 +639,7 @@ class HostAgent:
                 )
                 await self._report(sid, started, work.msg_id)
             case wk.RunCommandWork():
-                state = await self._dispatched(work)
+                state = await self._current(work)
                 command = state.commands.get(work.command_id)
                 if command is None and sb.ended_away(state, work.command_id, work.request_key):
                     return  # ended, and not kept (decision 057): a late or repeated instruction
@@ -1069,9 +1054,6 @@ _FENCE_JOBS_S = 0.5
 # How long a shutdown waits for the saves under way to end: within the
 # service's own stop (STOP_TIMEOUT_S), with the commands' interrupts after it.
 _WIND_DOWN_JOBS_S = 5.0
-# How long after each other a run instruction that came before its dispatch's
-# append (decision 096) reads the log again, before it is asked for in a second.
-_DISPATCH_READ_AGAIN_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 # How long a command's end waits for its start to be reported (see `_report_start`).
 _START_TOLD_WAIT_S = 30.0
 # A command that ends this soon after it started has no start reported, only its

@@ -40,7 +40,7 @@ from sandhold.domain import work as wk
 from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import Rejected
 from sandhold.domain.placement import HostInfo, Waiting, choose_host, network_modes, why_waiting
-from sandhold.domain.reconcile import plan, runs_of_dispatches, secrets_gone
+from sandhold.domain.reconcile import plan, secrets_gone
 from sandhold.domain.saves import SaveRecord
 from sandhold.domain.views import ErrorBody, Reply, reply_for
 from sandhold.saves.errors import CorruptManifest, MissingManifest
@@ -547,20 +547,13 @@ class Scheduler:
         if state is None:
             await self._forget_leftovers(sandbox_id)
             return
-        # A dispatch's run instruction goes out while the dispatch is appended, not
-        # after (decision 096): the host waits for the dispatch in the log.
-        early = runs_of_dispatches(state, self._planned(state))
-        sending = asyncio.ensure_future(self._send_early(early)) if early else None
-        try:
-            executed = await self.sandboxes.execute(
-                sandbox_id,
-                self._planned,
-                id_base="plan",
-                causation_id=f"{sandbox_id}@{seq}",
-                correlation_id=f"{sandbox_id}@{seq}",
-            )
-        finally:
-            sent = await sending if sending is not None else set()
+        executed = await self.sandboxes.execute(
+            sandbox_id,
+            lambda s: plan(s, self._choose_host, self._host_alive).events if s is not None else [],
+            id_base="plan",
+            causation_id=f"{sandbox_id}@{seq}",
+            correlation_id=f"{sandbox_id}@{seq}",
+        )
         if executed.state is None or self.sandboxes.get(sandbox_id)[0] is None:
             return  # (forgotten as it was decided: the pass that set off cleans up)
         # From the state the decision was made on (it may have been re-read). When
@@ -572,28 +565,9 @@ class Scheduler:
         await self._forget_used_secrets(executed.state)
         await self._forget_deleted(executed.state)
         for host, work in after.work:
-            if work.msg_id in sent:
-                continue  # (the same instruction, sent with its dispatch)
             ready = await self._with_values(executed.state, work)
             if ready is not None:
                 await send_work(self._js, self._names, host, ready)
-
-    def _planned(self, state: sb.Sandbox | None) -> list[ev.AnyEvent]:
-        if state is None:
-            return []
-        return plan(state, self._choose_host, self._host_alive).events
-
-    async def _send_early(self, runs: list[tuple[str, wk.RunCommandWork]]) -> set[str]:
-        """Send run instructions beside their dispatch's append; the ids of those
-        sent (one that failed is sent again after the append, as any other)."""
-        sent = set()
-        for host, work in runs:
-            try:
-                await send_work(self._js, self._names, host, work)
-                sent.add(work.msg_id)
-            except Exception as err:  # noqa: BLE001 - sent after the append instead
-                log.warning("%s not sent with its dispatch: %r", work.msg_id, err)
-        return sent
 
     def _host_alive(self, host_id: str) -> bool:
         registered, _ = self.hosts.get(host_id)

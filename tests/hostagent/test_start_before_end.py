@@ -55,6 +55,9 @@ class _Dispatched:
         )
         return [envelope for _, _, envelope in records]
 
+    async def last_types(self, count: int) -> list[str]:
+        return [envelope.type for envelope in await self.events()][-count:]
+
     async def ended(self) -> None:
         await wait_until(lambda: not self.agent._watchers, timeout=30, what="the end reported")
 
@@ -127,12 +130,7 @@ async def test_the_end_waits_for_a_start_whose_report_failed_once(
     assert "command.ended" not in reports, "nothing reported before the start"
     retried.set()
     await command.ended()
-    events = await command.events()
-    assert [e.type for e in events][-3:] == [
-        "command.dispatched",
-        "command.started",
-        "command.ended",
-    ]
+    assert await command.last_types(3) == ["command.dispatched", "command.started", "command.ended"]
     assert reports == ["command.started", "command.started", "command.ended"]
 
 
@@ -144,8 +142,8 @@ async def test_a_command_that_ends_at_once_has_its_end_alone_reported_with_its_p
     command = await dispatch(["true"])
     await command.agent._do(command.work)
     await command.ended()
+    assert await command.last_types(2) == ["command.dispatched", "command.ended"]
     events = await command.events()
-    assert [e.type for e in events][-2:] == ["command.dispatched", "command.ended"]
     pid = await driver.handle(command.sandbox_id, command.command_id).started()
     assert isinstance(pid, int)
     state = fold(sb.evolve, events, None)
@@ -161,12 +159,8 @@ async def test_a_command_still_running_after_the_delay_has_its_start_reported(
     command = await dispatch(["sleep", "1"])
     await command.agent._do(command.work)
     await command.ended()
+    assert await command.last_types(3) == ["command.dispatched", "command.started", "command.ended"]
     events = await command.events()
-    assert [e.type for e in events][-3:] == [
-        "command.dispatched",
-        "command.started",
-        "command.ended",
-    ]
     started, end = events[-2].event, events[-1].event
     assert isinstance(started, ev.CommandStarted) and isinstance(end, ev.CommandEnded)
     assert end.pid == started.pid

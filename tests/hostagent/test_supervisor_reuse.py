@@ -178,6 +178,13 @@ async def test_a_reported_command_whose_directory_is_going_is_not_its_idle_super
     await run(two, A, "c1", ["true"])
     supervisor = supervised_by(two, A, "c1")
     c1 = two.layout.command(A, "c1")
+    # The exit record's fsyncs come after the ring (decision 094): the
+    # supervisor is idle once its stderr is no command's log again.
+    await wait_until(
+        lambda: os.readlink(f"/proc/{supervisor}/fd/2") == os.devnull,
+        timeout=10,
+        what="the supervisor given back to finish with c1",
+    )
     c1.exit.unlink()
     c1.reported.unlink()
     # Given back and idle, its supervisor runs nothing: not c1's any more.

@@ -1,8 +1,8 @@
 """A command is watched from its launch, while its start is being reported; its
 end is reported only after its start, even when that report failed once and
-the instruction had to come again; and a command that ends within moments of
-its start has its end alone reported, with its pid (decision 095). A real
-server, driver and supervisor."""
+was tried again; and a command that ends within moments of its start has its
+end alone reported, with its pid (decision 095); a watcher stopped lets its
+supervisor go. A real server, driver and supervisor."""
 
 from __future__ import annotations
 
@@ -203,3 +203,40 @@ async def test_an_adopted_command_whose_start_went_unreported_has_it_reported(
     await wait_until(started, timeout=30, what="the adopted command's start reported")
     event = (await command.events())[-1].event
     assert isinstance(event, ev.CommandStarted) and event.pid == await launched.started()
+
+
+async def test_a_watcher_cancelled_again_while_its_start_report_unwinds_still_lets_go(
+    dispatch, driver: ProcessDriver, monkeypatch: pytest.MonkeyPatch
+):
+    # A stop cancels watchers again and again; one cancellation can reach the
+    # watcher while it waits for its start's report to end. Its supervisor must
+    # still be let go: kept, it could be handed another command (decision 088).
+    command = await dispatch(["sleep", "30"])
+    agent = command.agent
+    reporting, unwinding = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_unwind(_handle: Any, launch: Any) -> None:
+        reporting.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            unwinding.set()
+            await asyncio.sleep(0.3)  # (a report's round trip, finished before it ends)
+            raise
+        finally:
+            launch.start_told.set()
+
+    let_go: list[str] = []
+    real_let_go = driver.let_go
+    monkeypatch.setattr(agent, "_report_start", slow_to_unwind)
+    monkeypatch.setattr(driver, "let_go", lambda s, c: (let_go.append(c), real_let_go(s, c)))
+    await agent._do(command.work)
+    watcher = agent._watchers[command.command_id]
+    await asyncio.wait_for(reporting.wait(), 10)
+    watcher.cancel()
+    await asyncio.wait_for(unwinding.wait(), 10)
+    watcher.cancel()  # (again, while the start's report unwinds)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(watcher, 10)
+    assert let_go == [command.command_id]
+    assert await driver.interrupt(command.sandbox_id, command.command_id, grace_s=0.0)

@@ -895,11 +895,14 @@ class HostAgent:
         try:
             await self._follow_to_its_end(handle, launch)
         finally:
-            # (Again and again: one cancellation may be swallowed on its way.)
-            await cancel_and_wait([start])
-            # Reported, its supervisor was given back (`mark_reported`). Not (this
-            # agent fenced, a bug, stopping): it takes no other command (088).
-            self.driver.let_go(handle.sandbox_id, handle.command_id)
+            try:
+                # (Again and again: one cancellation may be swallowed on its way.)
+                await cancel_and_wait([start])
+            finally:
+                # Reported, its supervisor was given back (`mark_reported`). Not (this
+                # agent fenced, a bug, stopping; cancelled again while the start's
+                # report was cancelled): it takes no other command (088).
+                self.driver.let_go(handle.sandbox_id, handle.command_id)
 
     async def _follow_to_its_end(self, handle: CommandHandle, launch: _Launch) -> None:
         sid, cid, generation = handle.sandbox_id, handle.command_id, launch.generation

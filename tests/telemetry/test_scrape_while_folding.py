@@ -3,8 +3,10 @@ the log: reading the fold there must never fail on a dict that changes."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,8 +20,22 @@ from tests.telemetry.test_log_metrics import MANIFEST, Log
 def switch_often() -> Iterator[None]:
     before = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # what a busy metrics service does, only more often
-    yield
-    sys.setswitchinterval(before)
+    # A garbage collection that runs Python code (a finalizer of some earlier
+    # test's leftovers, here a callback) lets the other thread in, even in the
+    # middle of a C-level copy of a dict: the way this once failed in CI.
+    threshold = gc.get_threshold()
+
+    def collected(_phase: str, _info: dict[str, int]) -> None:
+        time.sleep(0)  # (gives up the GIL)
+
+    gc.callbacks.append(collected)
+    gc.set_threshold(1)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(collected)
+        sys.setswitchinterval(before)
 
 
 def test_scraping_while_folding_never_sees_a_dict_change_size(switch_often: None):

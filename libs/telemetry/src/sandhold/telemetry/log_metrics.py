@@ -9,6 +9,7 @@ the same ones in every process that folds them: the metrics service and
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from collections import deque
 from typing import Any, Literal, NamedTuple
@@ -143,10 +144,19 @@ class LogMetrics:
         # it folds onto nothing, as `tk.evolve` ignores all but a submission there).
         self.tasks: dict[str, tk.Task] = {}
         self._recovering_since: dict[str, float] = {}
+        # Prometheus reads from its own thread while the event loop folds: each
+        # event is applied, and each read copied, under this lock. (A C-level
+        # copy of a dict is not one step the GIL keeps: a garbage collection in
+        # it can run Python code, a finalizer, and let the fold's thread in.)
+        self._lock = threading.Lock()
 
     # --- folding ----------------------------------------------------------------
 
     def apply(self, seq: int, envelope: Envelope) -> None:
+        with self._lock:
+            self._apply(seq, envelope)
+
+    def _apply(self, seq: int, envelope: Envelope) -> None:
         if seq <= self.position:
             return  # seen already
         self.position, self.last_event_id = seq, envelope.id
@@ -265,12 +275,14 @@ class LogMetrics:
         """The gauges as of `now` (save lag grows between events).
 
         Safe to call from another thread (Prometheus scrapes from its own): the
-        fold's dicts are copied first, in one step the GIL does not interrupt,
-        since iterating them while the event loop adds a sandbox or ends a task
-        raises "dictionary changed size during iteration"."""
-        sandboxes = tuple(self.sandboxes.items())
-        hosts = tuple(self.hosts.values())
-        tasks = tuple(self.tasks.values())
+        fold's dicts are copied first, under the fold's lock, since iterating
+        them while the event loop adds a sandbox or ends a task raises
+        "dictionary changed size during iteration"."""
+        with self._lock:
+            sandboxes = tuple(self.sandboxes.items())
+            hosts = tuple(self.hosts.values())
+            tasks = tuple(self.tasks.values())
+            position = self.position
         phases: dict[Labels, float] = (
             {labels(phase="deleted"): self.deleted} if self.deleted else {}
         )
@@ -290,17 +302,19 @@ class LogMetrics:
             "sandhold_sandboxes": phases,
             "sandhold_save_lag_seconds": lag,
             "sandhold_hosts": statuses,
-            "sandhold_log_position": {(): self.position},
+            "sandhold_log_position": {(): position},
         }
 
     def counter_series(self, name: str) -> list[tuple[Labels, float]]:
         """A counter's series, copied (safe from another thread, like `gauges`)."""
-        return list(self.counters[name].items())
+        with self._lock:
+            return list(self.counters[name].items())
 
     def histogram_series(self, name: str) -> list[tuple[Labels, list[int], float]]:
         """A histogram's series (cumulative counts per bound and +Inf, sum),
         copied (safe from another thread, like `gauges`)."""
-        return [(k, b.cumulative(), b.sum) for k, b in list(self.histograms[name].items())]
+        with self._lock:
+            return [(k, b.cumulative(), b.sum) for k, b in self.histograms[name].items()]
 
     def total(self, name: str, **pairs: str) -> float:
         """A counter summed over every series whose labels include `pairs`."""

@@ -20,10 +20,11 @@ async def test_an_instruction_sent_by_two_instances_reaches_the_host_once(
     twin = await nats.connect(nats_url)
     try:
         save = wk.SaveSandboxWork(sandbox_id="sb-1", generation=1, save_id="sv-1")
-        await send_work(js, names, "h1", save)
+        assert await send_work(js, names, "h1", save)  # stored
         (msg,) = await host.fetch(1, timeout=5)
         await msg.ack_sync()  # taken and gone from the work queue...
-        await send_work(twin.jetstream(), names, "h1", save)  # ...then the twin sends it
+        # ...then the twin sends it: dropped, and the twin is told so.
+        assert not await send_work(twin.jetstream(), names, "h1", save)
         state = (await js.stream_info(names.hostwork_stream)).state
         assert state.messages == 0 and state.last_seq == 1  # not stored again
         # A different instruction is not mistaken for it.

@@ -82,19 +82,52 @@ class DirtyLoop:
                 await asyncio.sleep(0)
 
 
-async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> None:
+async def send_work(js: JetStreamContext, names: Names, host: str, work: AnyWork) -> bool:
     """Publish to `<prefix>.work.<host>` (a save to the host's queue of saves);
-    the deterministic id makes a resend harmless."""
+    the deterministic id makes a resend harmless. True if the stream stored it,
+    False if it dropped it as a copy of one it had (`SentWork`)."""
     headers: dict[str, str] = {Header.MSG_ID: work.msg_id}
     traceparent = context.traceparent()
     if traceparent:
         headers[context.TRACEPARENT] = traceparent
-    await js.publish(
+    ack = await js.publish(
         names.work(host, saves=isinstance(work, SaveSandboxWork)),
         _work_encoder.encode(work),
         stream=names.hostwork_stream,
         headers=headers,
     )
+    return not ack.duplicate
+
+
+class SentWork:
+    """The host work this process had stored, and when (decision 097).
+
+    A pass sends every instruction its sandbox's state calls for, and a
+    sandbox's every event brings a pass: a command `dispatched` while others
+    run beside it had its instruction sent again on each. Within the stream's
+    duplicate window (`streams.py`, 120 s) JetStream drops such a copy, so
+    one not sent for `quiet_s` after the first was stored changes nothing
+    but a round trip (and a secrets read) on the way of the pass's new work.
+    Only a store this process saw counts: a copy another scheduler stored
+    first leaves its window's start unknown here."""
+
+    def __init__(self, quiet_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._quiet_s = quiet_s
+        self._clock = clock
+        self._stored_at: dict[str, float] = {}  # msg id -> when; oldest first
+
+    def recent(self, msg_id: str) -> bool:
+        stored_at = self._stored_at.get(msg_id)
+        return stored_at is not None and self._clock() - stored_at < self._quiet_s
+
+    def stored(self, msg_id: str) -> None:
+        now = self._clock()
+        self._stored_at.pop(msg_id, None)
+        self._stored_at[msg_id] = now
+        for oldest, at in list(self._stored_at.items()):
+            if now - at < self._quiet_s:
+                break
+            del self._stored_at[oldest]
 
 
 # How long a pull waits for messages at the server.

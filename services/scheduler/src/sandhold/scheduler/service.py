@@ -30,7 +30,7 @@ from sandhold.bus.answering import RequestKinds, answer
 from sandhold.bus.claims import Claim
 from sandhold.bus.instances import instance_bucket
 from sandhold.bus.names import Names
-from sandhold.bus.reconciler import DirtyLoop, send_work
+from sandhold.bus.reconciler import DirtyLoop, SentWork, send_work
 from sandhold.bus.service import Shell, instance_name
 from sandhold.domain import events as ev
 from sandhold.domain import host as host_domain
@@ -54,6 +54,9 @@ LAGGING_REPLICA_RETRIES_S = (0.1, 0.3, 0.6)
 # A command's secrets are kept before its `command.queued` is appended (perhaps
 # by another scheduler): secrets younger than this may belong to one on its way.
 LEFT_SECRETS_GRACE_S = 60.0
+# How long after host work was stored a pass does not send it again: well
+# within the host work stream's duplicate window (decision 097).
+RESEND_QUIET_S = 30.0
 
 _reply_encoder = msgspec.json.Encoder()
 
@@ -92,6 +95,7 @@ class Scheduler:
         # Connections it may have left, for the pass its forgetting sets off.
         self._leftovers: dict[str, tuple[frozenset[str], bool]] = {}
         self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
+        self._sent = SentWork(RESEND_QUIET_S)
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -565,9 +569,11 @@ class Scheduler:
         await self._forget_used_secrets(executed.state)
         await self._forget_deleted(executed.state)
         for host, work in after.work:
+            if self._sent.recent(work.msg_id):
+                continue  # (sent a moment ago: a copy would be dropped, decision 097)
             ready = await self._with_values(executed.state, work)
-            if ready is not None:
-                await send_work(self._js, self._names, host, ready)
+            if ready is not None and await send_work(self._js, self._names, host, ready):
+                self._sent.stored(work.msg_id)
 
     def _host_alive(self, host_id: str) -> bool:
         registered, _ = self.hosts.get(host_id)

@@ -109,14 +109,27 @@ class SentWork:
     one not sent for `quiet_s` after the first was stored changes nothing
     but a round trip (and a secrets read) on the way of the pass's new work.
     Only a store this process saw counts: a copy another scheduler stored
-    first leaves its window's start unknown here."""
+    first leaves its window's start unknown here. And only on the connection
+    it was seen on (`connection`, e.g. its count of reconnects): a server that
+    restarted remembers the ids of the messages it still holds only."""
 
-    def __init__(self, quiet_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        quiet_s: float,
+        *,
+        connection: Callable[[], object] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._quiet_s = quiet_s
+        self._connection = connection
         self._clock = clock
         self._stored_at: dict[str, float] = {}  # msg id -> when; oldest first
+        self._on = connection()
 
     def recent(self, msg_id: str) -> bool:
+        if (on := self._connection()) != self._on:
+            self._on = on
+            self._stored_at.clear()
         stored_at = self._stored_at.get(msg_id)
         return stored_at is not None and self._clock() - stored_at < self._quiet_s
 
@@ -124,8 +137,8 @@ class SentWork:
         now = self._clock()
         self._stored_at.pop(msg_id, None)
         self._stored_at[msg_id] = now
-        for oldest, at in list(self._stored_at.items()):
-            if now - at < self._quiet_s:
+        while (oldest := next(iter(self._stored_at))) != msg_id:
+            if now - self._stored_at[oldest] < self._quiet_s:
                 break
             del self._stored_at[oldest]
 

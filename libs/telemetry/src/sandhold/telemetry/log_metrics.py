@@ -282,10 +282,8 @@ class LogMetrics:
             sandboxes = tuple(self.sandboxes.items())
             hosts = tuple(self.hosts.values())
             tasks = tuple(self.tasks.values())
-            position = self.position
-        phases: dict[Labels, float] = (
-            {labels(phase="deleted"): self.deleted} if self.deleted else {}
-        )
+            position, deleted = self.position, self.deleted
+        phases: dict[Labels, float] = {labels(phase="deleted"): deleted} if deleted else {}
         lag: dict[Labels, float] = {}
         for sid, state in sandboxes:
             key = labels(phase=state.phase)

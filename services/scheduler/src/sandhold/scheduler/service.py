@@ -95,7 +95,6 @@ class Scheduler:
         # Connections it may have left, for the pass its forgetting sets off.
         self._leftovers: dict[str, tuple[frozenset[str], bool]] = {}
         self._snapshot_owner: dict[str, str] = {}  # Snapshot's save id -> its sandbox
-        self._sent = SentWork(RESEND_QUIET_S)
         self._dirty_loop = DirtyLoop(
             self._reconcile, what="reconciling", trace_of=lambda sid: self.sandboxes.trace_of(sid)
         )
@@ -103,6 +102,8 @@ class Scheduler:
     async def run(self) -> None:
         async with self._shell as shell:
             self._nc, self._js = shell.nc, shell.js
+            # (What the stream stored is believed on the connection it said so on.)
+            self._sent = SentWork(RESEND_QUIET_S, connection=lambda: shell.nc.stats["reconnects"])
             self.hosts = shell.store("host", host_domain.evolve)
             self.sandboxes = shell.store(
                 "sandbox", sb.evolve, compact=sb.compact, forget=sb.forgettable

@@ -21,19 +21,9 @@ from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
 
 from tests.support.bus import make_streams
+from tests.support.procs import stopped
 from tests.support.waiting import wait_until
 from tests.twins.support import running_sandbox
-
-
-def _stopped(pid: int) -> bool:
-    """Whether every thread of process `pid` is stopped (state T in /proc)."""
-    states = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, IndexError):
-            continue  # (a thread that just ended)
-    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def _store(nc: nats.NATS, names: Names, directory: Path | None) -> AggregateStore[sb.Sandbox]:
@@ -154,7 +144,7 @@ async def test_a_checkpoint_checked_while_the_server_does_not_answer_is_believed
             # kill() returns before every thread of the server has stopped: a check
             # made at once was answered now and then (the start then hung in the
             # follower, with nothing logged). Wait until all of them are stopped.
-            await wait_until(lambda: _stopped(server.pid), timeout=30, what="the server stopped")
+            await wait_until(lambda: stopped(server.pid), timeout=30, what="the server stopped")
             with caplog.at_level(logging.WARNING, logger="sandhold.bus.checkpoint"):
                 starting = asyncio.create_task(second.start())
                 # (Or the start ended: then it says why, rather than a bare timeout

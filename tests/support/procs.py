@@ -34,6 +34,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped (state T): `kill()` of a
+    SIGSTOP returns before all threads of a multi-threaded process stop."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue  # (a thread that just ended)
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], *, grace_s: float) -> None:
     """SIGTERM to every process at once, then each gets `grace_s` to exit before
     SIGKILL: stopped by PID, whatever state the test left them in."""

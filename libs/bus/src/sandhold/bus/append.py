@@ -11,7 +11,7 @@ is our own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nats.js import JetStreamContext
 from nats.js.api import Header, RawStreamMsg
@@ -119,12 +119,20 @@ async def own_last_message(
 
 
 async def last_sequence(
-    js: JetStreamContext, stream: str, subject: str, *, from_leader: bool = False
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    from_leader: bool = False,
+    on_first_wait: Callable[[Exception], None] | None = None,
 ) -> int:
     """The subject's last sequence, 0 when it has no message yet. A direct get may
     be answered by a replica a moment behind; `from_leader` asks the stream's
-    leader, for a barrier that must cover every append acknowledged so far."""
-    last = await last_message(js, stream, subject, from_leader=from_leader)
+    leader, for a barrier that must cover every append acknowledged so far.
+    `on_first_wait` as in `patiently`."""
+    last = await last_message(
+        js, stream, subject, from_leader=from_leader, on_first_wait=on_first_wait
+    )
     return 0 if last is None else last.seq or 0
 
 
@@ -141,7 +149,12 @@ async def stream_last_sequence(js: JetStreamContext, stream: str) -> int:
 
 
 async def last_message(
-    js: JetStreamContext, stream: str, subject: str, *, from_leader: bool = False
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    from_leader: bool = False,
+    on_first_wait: Callable[[Exception], None] | None = None,
 ) -> RawStreamMsg | None:
     """The subject's last message (`last_sequence`'s read), None when it has none."""
     # A read: through an election, or a reconnect to another node that lost the
@@ -150,6 +163,7 @@ async def last_message(
         return await patiently(
             lambda: js.get_last_msg(stream, subject, direct=not from_leader),
             attempt_s=2.0 if from_leader else 1.0,
+            on_first_wait=on_first_wait,
         )
     except NotFoundError:
         return None

@@ -49,6 +49,10 @@ from sandhold.bus.electing import patiently
 
 log = logging.getLogger(__name__)
 
+# How long a follower's start waits quietly for the messages it must catch up
+# on before it says how far it got (nothing at all: the server not answering).
+SAY_AFTER_S = 5.0
+
 
 def fence_required(stream: str) -> bool:
     """Whether every message of `stream` must carry the fence header: the event
@@ -122,7 +126,9 @@ class Follower(Generic[T]):
         """Subscribe, then wait (up to `timeout`; None: not at all) until every
         message the stream held at this moment (or up to `target`) is handled."""
         if target is None:
-            target = await last_sequence(self._js, self.stream, self.subject_filter)
+            target = await last_sequence(
+                self._js, self.stream, self.subject_filter, on_first_wait=self._no_answer
+            )
         self._target = target
         if self._target <= self.position:
             self.caught_up.set()
@@ -149,9 +155,32 @@ class Follower(Generic[T]):
                 pending_bytes_limit=-1,
             ),
             attempt_s=1.0,
+            on_first_wait=self._no_answer,
         )
         if timeout is not None:
-            await asyncio.wait_for(self.caught_up.wait(), timeout)
+            await self._catch_up(timeout)
+
+    def _no_answer(self, err: Exception) -> None:
+        log.warning("following %s on %s: no answer (%r); asking again", self.what, self.stream, err)
+
+    async def _catch_up(self, timeout: float) -> None:
+        """Wait until caught up, saying how far it got after `SAY_AFTER_S`: a
+        start that waits on a server that does not answer does not wait unheard."""
+        began = self.position
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(timeout, SAY_AFTER_S)):
+                await self.caught_up.wait()
+        if self.caught_up.is_set():
+            return
+        if timeout > SAY_AFTER_S:
+            (log.info if self.position > began else log.warning)(
+                "following %s on %s: at %d of %d after %.0f s%s; waiting up to %.0f s more",
+                self.what, self.stream, self.position, self._target, SAY_AFTER_S,
+                "" if self.position > began else ", nothing received",
+                timeout - SAY_AFTER_S,
+            )  # fmt: skip
+        async with asyncio.timeout(max(0.0, timeout - SAY_AFTER_S)):
+            await self.caught_up.wait()
 
     @property
     def target(self) -> int:

@@ -5,9 +5,6 @@ not believed: the store folds from zero, as without one."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import signal
 from pathlib import Path
 
 import msgspec
@@ -15,14 +12,11 @@ import nats
 import pytest
 from sandhold.bus import checkpoint
 from sandhold.bus.names import Names
-from sandhold.bus.server import NatsServer
 from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import sandbox as sb
 
-from tests.support.bus import make_streams
-from tests.support.procs import stopped
-from tests.support.waiting import wait_until
+from tests.support.bus import not_answering, own_server, waiting_unanswered
 from tests.twins.support import running_sandbox
 
 
@@ -127,41 +121,16 @@ async def test_a_checkpoint_checked_while_the_server_does_not_answer_is_believed
     # A restart through an election (or a server a moment from answering) must
     # not take a timed-out check for a stale checkpoint and fold the whole log.
     names = Names("sh")
-    server = NatsServer(tmp_path / "nats", names=names)
-    server.start()
-    conn = None
-    try:
-        await make_streams(server, names)
-        conn = await nats.connect(server.admin_url)
+    async with own_server(tmp_path / "nats", names) as (server, conn):
         for i in range(3):
             await running_sandbox(conn, names, f"sb-{i}", "h1")
         first = await _started(conn, names, tmp_path / "checkpoints")
         await first.stop()  # (writes its checkpoint)
-        assert server.pid is not None
         second = _store(conn, names, tmp_path / "checkpoints")
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            # kill() returns before every thread of the server has stopped: a check
-            # made at once was answered now and then (the start then hung in the
-            # follower, with nothing logged). Wait until all of them are stopped.
-            await wait_until(lambda: stopped(server.pid), timeout=30, what="the server stopped")
-            with caplog.at_level(logging.WARNING, logger="sandhold.bus.checkpoint"):
-                starting = asyncio.create_task(second.start())
-                # (Or the start ended: then it says why, rather than a bare timeout
-                # here; it failed once in CI, not reproduced since.)
-                try:
-                    await wait_until(
-                        lambda: "no answer" in caplog.text or starting.done(),
-                        timeout=30,
-                        what="the check asked again",
-                    )
-                except AssertionError as err:
-                    raise AssertionError(f"{err}; logged: {caplog.text!r}") from None
-                if starting.done():
-                    starting.result()  # (raises what ended it)
-                    raise AssertionError(f"started with the server stopped: {caplog.text!r}")
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+        async with not_answering(server):
+            starting = await waiting_unanswered(
+                second.start(), caplog, "sandhold.bus.checkpoint", "the check asked again"
+            )
         await asyncio.wait_for(starting, 60)
         try:
             assert second.folded == 0  # all from the checkpoint, nothing from zero
@@ -169,7 +138,3 @@ async def test_a_checkpoint_checked_while_the_server_does_not_answer_is_believed
             await _same_as_a_fold_from_zero(conn, names, second)
         finally:
             await second.stop()
-    finally:
-        if conn is not None:
-            await conn.close()
-        server.stop()

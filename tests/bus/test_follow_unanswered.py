@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 from pathlib import Path
 
 import nats
@@ -16,13 +14,11 @@ from nats.aio.msg import Msg
 from sandhold.bus import follow
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
-from sandhold.bus.server import NatsServer
 from sandhold.bus.store import AggregateStore
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope
 
-from tests.support.bus import make_streams
-from tests.support.procs import stopped
+from tests.support.bus import not_answering, own_server, waiting_unanswered
 from tests.support.waiting import wait_until
 from tests.twins.support import running_sandbox
 
@@ -31,38 +27,19 @@ async def test_a_store_started_while_the_server_does_not_answer_says_so_then_cat
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
     names = Names("sh")
-    server = NatsServer(tmp_path / "nats", names=names)
-    server.start()
-    conn = None
-    try:
-        await make_streams(server, names)
-        conn = await nats.connect(server.admin_url)
+    async with own_server(tmp_path / "nats", names) as (server, conn):
         ids = [await running_sandbox(conn, names, f"sb-{i}", "h1") for i in range(3)]
         store = AggregateStore(conn.jetstream(), names, "sandbox", sb.evolve, actor="test")
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            await wait_until(lambda: stopped(server.pid), timeout=30, what="the server stopped")
-            with caplog.at_level(logging.WARNING, logger="sandhold.bus.follow"):
-                starting = asyncio.create_task(store.start())
-                await wait_until(
-                    lambda: "no answer" in caplog.text or starting.done(),
-                    timeout=30,
-                    what="the follower's start saying it has no answer",
-                )
-                assert not starting.done(), f"started with the server stopped: {caplog.text!r}"
-                assert f"following sandbox event on {names.events_stream}: no answer" in caplog.text
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+        async with not_answering(server):
+            starting = await waiting_unanswered(
+                store.start(), caplog, "sandhold.bus.follow", "the follower's start saying so"
+            )
+            assert f"following sandbox event on {names.events_stream}: no answer" in caplog.text
         try:
             await asyncio.wait_for(starting, 60)
             assert sorted(store.ids()) == sorted(ids)
         finally:
             await store.stop()
-    finally:
-        if conn is not None:
-            await conn.close()
-        server.stop()
 
 
 async def test_a_follower_waiting_for_messages_says_how_far_it_got(

@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import os
+import signal
 import uuid
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import msgspec
@@ -19,6 +25,9 @@ from sandhold.bus.store import AggregateStore
 from sandhold.bus.streams import ensure_streams
 from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
+
+from tests.support.procs import stopped
+from tests.support.waiting import wait_until
 
 
 def credential_file(server: NatsServer, role: str, host: str | None = None) -> Path:
@@ -35,6 +44,56 @@ async def make_streams(server: NatsServer, names: Names) -> None:
         await ensure_streams(nc.jetstream(), names)
     finally:
         await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def own_server(directory: Path, names: Names) -> AsyncIterator[tuple[NatsServer, nats.NATS]]:
+    """A server of the test's own (one it may stop), its streams made, and an
+    admin's connection to it; both ended with the block."""
+    server = NatsServer(directory, names=names)
+    server.start()
+    conn = None
+    try:
+        await make_streams(server, names)
+        conn = await nats.connect(server.admin_url)
+        yield server, conn
+    finally:
+        if conn is not None:
+            await conn.close()
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def not_answering(server: NatsServer) -> AsyncIterator[None]:
+    """The server stopped (SIGSTOP) for the block, every thread of it: `kill()`
+    returns before a multi-threaded process has stopped, and a request made at
+    once was answered now and then."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        await wait_until(lambda: stopped(server.pid), timeout=30, what="the server stopped")
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+async def waiting_unanswered(
+    start: Coroutine[Any, Any, None], caplog: Any, logger: str, what: str
+) -> asyncio.Task[None]:
+    """`start` begun, once it logged (on `logger`) that it has "no answer" and
+    goes on asking; it fails saying what was logged if it ended instead."""
+    with caplog.at_level(logging.WARNING, logger=logger):
+        starting = asyncio.create_task(start)
+        try:
+            await wait_until(
+                lambda: "no answer" in caplog.text or starting.done(), timeout=30, what=what
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}; logged: {caplog.text!r}") from None
+        if starting.done():
+            starting.result()  # (raises what ended it)
+            raise AssertionError(f"started with the server stopped: {caplog.text!r}")
+    return starting
 
 
 async def create_sandbox(store: AggregateStore[sb.Sandbox], key: str) -> str:

@@ -47,10 +47,10 @@ from sandhold.domain.work import AnyWork
 work_decoder = msgspec.json.Decoder(AnyWork)
 
 GOAL_P50_MS = 15.0
-# A `true`'s events: queued, dispatched and ended; its start goes unreported, as
-# it ends within moments of it (decision 095). With the request and the work
-# message, five fsync'd writes.
-EXEC_APPENDS = 3
+# A `true`'s events: queued (which dispatches it on a running sandbox, decision
+# 098) and ended; its start goes unreported, as it ends within moments of it
+# (decision 095). With the request and the work message, four fsync'd writes.
+EXEC_APPENDS = 2
 FLOOR_WRITES = EXEC_APPENDS + 2
 GOAL_P99_MS = 50.0
 WARMUP = 5
@@ -58,9 +58,8 @@ WARMUP = 5
 # Milestones of one exec, in order, as seen by the bench.
 STEPS = [
     ("request_acked", "request stored (JetStream ack of the publish)"),
-    ("command.queued", "`command.queued` event seen (scheduler appended it)"),
+    ("command.queued", "`command.queued` seen (scheduler appended it; it dispatches, 098)"),
     ("reply", "scheduler's reply received by the client"),
-    ("command.dispatched", "`command.dispatched` seen (scheduler appended it)"),
     ("work", "work message seen on `sh.work.local` (scheduler published it)"),
     ("supervisor_took", "supervisor took the command (`started_at` in its exit.json)"),
     ("command.started", "`command.started` seen (none for a command ended at once, 095)"),
@@ -434,8 +433,9 @@ pool does; {ms(percentile(spawn_cold, 50))} ms p50 as a new Python process where
 there is no zygote ({len(spawn)} starts of each, with no sandhold service running).
 
 Reading: the path is request → scheduler (pull fetch, decide, append
-`command.queued`, reply, ack) → scheduler's reconciler (append
-`command.dispatched`; on its next pass publish the work) → host-agent (pull fetch,
+`command.queued`, which dispatches the command to the running sandbox's host
+(decision 098), reply, ack) → scheduler's reconciler (its pass that the
+queuing set off publishes the work) → host-agent (pull fetch,
 launch via a warm supervisor; its watcher sees the exit within moments of the start,
 so no `command.started` is appended (decision 095), and appends
 `command.ended` with the pid) → client: {FLOOR_WRITES} fsync'd writes in sequence,

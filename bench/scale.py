@@ -122,7 +122,7 @@ async def exec_load(
 # The host's two (`supervisor …`) are read from the command's exit.json.
 STAGES = (
     ("request → queued", "command.queued"),
-    ("→ dispatched", "command.dispatched"),
+    ("→ dispatched", "command.dispatched"),  # (0 where its queuing dispatched it, 098)
     ("→ supervisor took it", "supervisor took"),
     ("→ started", "command.started"),  # (0 where none was reported, decision 095)
     ("→ exit recorded", "supervisor recorded the exit"),

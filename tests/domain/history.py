@@ -127,6 +127,20 @@ def dispatched(
     return ev.CommandDispatched(command_id=cmd(run_key), host=host, generation=generation)
 
 
+def queued(run_key: str = "run-1", argv: Sequence[str] = ("echo", "hi")) -> ev.CommandQueued:
+    """A command queued and not dispatched, as an event: what a run request
+    decided on a sandbox not running yet appends, and what the log of any
+    sandbox held before decision 098 (on a running one, `run` now queues and
+    dispatches the command in one event)."""
+    request = run(run_key, argv)
+    return ev.CommandQueued(
+        command_id=cmd(run_key),
+        request_key=run_key,
+        request_digest=rq.request_digest(request),
+        argv=list(argv),
+    )
+
+
 def command_started(
     run_key: str = "run-1", host: str = HOST_A, generation: int = 1, pid: int = 4242
 ) -> ev.CommandStarted:

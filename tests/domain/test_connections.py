@@ -26,6 +26,7 @@ from .history import (
     STOPPED,
     TENANT,
     apply,
+    cmd,
     dispatched,
     given_sandbox,
     placed,
@@ -175,7 +176,23 @@ def test_a_host_that_lost_the_files_makes_the_plan_deliver_them_again() -> None:
 def test_a_sandbox_that_never_had_a_connection_dispatches_at_once() -> None:
     state = given_sandbox(*RUNNING, run())
     assert state.connections_current
+    # (By the run's own event, decision 098: `plan` has only its instruction to send.)
+    assert state.commands[cmd()].state == "dispatched"
+    planned = plan(state, no_host)
+    assert planned.events == []
+    assert [w.command_id for _, w in planned.work if isinstance(w, wk.RunCommandWork)] == [cmd()]
+
+
+def test_a_command_run_while_the_connections_are_on_their_way_waits_queued() -> None:
+    state = given_sandbox(*RUNNING, set_connection(), run())
+    assert not state.connections_current
+    assert state.commands[cmd()].state == "queued"
+    state = apply(state, [delivered(1)])
     assert plan(state, no_host).events == [dispatched()]
+    assert (
+        given_sandbox(*RUNNING, set_connection(), delivered(1), run()).commands[cmd()].state
+        == "dispatched"
+    )
 
 
 def test_connections_of_a_placed_sandbox_are_not_delivered_by_a_separate_instruction() -> None:

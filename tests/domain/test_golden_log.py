@@ -403,3 +403,24 @@ def test_v10_a_command_ended_at_once_has_no_start_and_its_end_names_the_pid() ->
     assert (short.state, short.exit_code, short.pid) == ("exited", 0, 4242)
     assert short.started_at is None and short.ended_at == envelopes[6].time
     assert (long.state, long.pid, long.started_at) == ("exited", 4343, envelopes[9].time)
+
+
+def test_v11_a_command_run_on_a_running_sandbox_is_dispatched_by_its_queuing() -> None:
+    """Decision 098: `command.queued` carries `dispatched_to` where the sandbox
+    could take the command at once; one queued before it ran is dispatched by a
+    `command.dispatched` of its own, as before."""
+    lines = (GOLDEN.parent / "sandbox_v11.jsonl").read_bytes().splitlines()
+    envelopes = [msgspec.json.decode(x, type=Envelope) for x in lines]
+    sandbox = fold(evolve, envelopes, None)
+    assert sandbox is not None and sandbox.phase == "running"
+    early, late = sandbox.commands["cmd-c9eb28d4cb52fa7c"], sandbox.commands["cmd-57407c105e6f551d"]
+    assert (early.state, early.host, early.generation, early.pid) == ("running", "host-a", 1, 4646)
+    assert (late.state, late.host, late.generation, late.pid) == ("exited", "host-a", 1, 4545)
+    queued = envelopes[6].event
+    assert isinstance(queued, ev.CommandQueued)
+    assert queued.dispatched_to == ev.Dispatch(host="host-a", generation=1)
+    # Folded up to its queuing, the command is dispatched there, never queued.
+    before_end = fold(evolve, envelopes[:7], None)
+    assert before_end is not None
+    assert before_end.commands[late.id].state == "dispatched"
+    assert before_end.queued == ()

@@ -163,7 +163,10 @@ def test_a_sandbox_with_nothing_to_do_plans_nothing(history: tuple[Step, ...]) -
 
 
 def test_queued_commands_are_dispatched_in_queue_order_then_run() -> None:
-    state = given_sandbox(*RUNNING, run("run-1"), run("run-2", argv=["make"]), run("run-3"))
+    # Queued while the sandbox started (on a running one a run is dispatched by
+    # its own event, decision 098): dispatched once it runs.
+    waiting = (run("run-1"), run("run-2", argv=["make"]), run("run-3"))
+    state = given_sandbox(*STARTING, *waiting, started())
     first = plan(state, must_not_choose)
     assert first.events == [dispatched("run-1"), dispatched("run-2"), dispatched("run-3")]
     assert first.work == []
@@ -225,8 +228,8 @@ def test_queued_commands_wait_for_the_sandbox_to_run(history: tuple[Step, ...]) 
 @pytest.mark.parametrize(
     ("history", "phase"),
     [
-        ((*RUNNING, run(), stop()), "stopping"),
-        ((*RUNNING, run(), stop(), stopped()), "stopped"),
+        ((*STARTING, run(), started(), stop()), "stopping"),
+        ((*STARTING, run(), started(), stop(), stopped()), "stopped"),
         ((*PENDING, run(), stop()), "stopped"),
         ((*STARTING, run(), stop()), "stopping"),
     ],
@@ -256,9 +259,11 @@ def test_a_command_queued_on_a_sandbox_being_deleted_is_not_launched() -> None:
     ]
 
 
-@pytest.mark.parametrize("history", [PENDING, RUNNING], ids=["pending", "running"])
+@pytest.mark.parametrize(
+    "history", [(*PENDING, run()), (*STARTING, run(), started())], ids=["pending", "running"]
+)
 def test_cancelling_a_queued_command_means_it_is_not_launched(history: tuple[Step, ...]) -> None:
-    state = given_sandbox(*history, run(), cancel(cmd()))
+    state = given_sandbox(*history, cancel(cmd()))
     events = [e for e in plan(state, no_host).events if isinstance(e, ev.CommandEnded)]
     assert events == [
         ev.CommandEnded(
@@ -355,10 +360,14 @@ FIXPOINT_HISTORIES: dict[str, tuple[Step, ...]] = {
     "placed": PLACED,
     "starting": STARTING,
     "running": RUNNING,
-    "running-with-queue": (*RUNNING, run("run-1"), run("run-2"), cancel(cmd("run-2"))),
+    # (Queued while it started: a run on a running sandbox is dispatched at once, 098.)
+    "running-with-queue": (*STARTING, run("run-1"), run("run-2"), started(), cancel(cmd("run-2"))),
     "running-with-dispatched": (*RUNNING, run(), dispatched()),
+    "running-with-dispatched-at-once": (*RUNNING, run()),
+    "running-with-one-cancelled-before-its-run-came": (*RUNNING, run(), cancel(cmd())),
     "running-with-cancelled": (*RUNNING, run(), dispatched(), command_started(), cancel(cmd())),
-    "stopping-with-queue": (*RUNNING, run(), stop()),
+    "stopping-with-queue": (*STARTING, run(), started(), stop()),
+    "stopping-with-dispatched-at-once": (*RUNNING, run(), stop()),
     "stopped-with-queue": (*PENDING, run(), stop()),
     "deleting-pending-with-queue": (*PENDING, run(), delete()),
     "deleting-running": (*RUNNING, run(), delete()),

@@ -26,6 +26,7 @@ from .history import (
     delete,
     dispatched,
     given_sandbox,
+    queued,
     run,
     start,
     when,
@@ -67,7 +68,7 @@ def test_running_ends_infrastructure_lost_dispatched_unknown_queued_stays() -> N
         command_started("r1"),
         run("r2"),
         dispatched("r2"),
-        run("r3"),
+        queued("r3"),
         run("r4"),
         dispatched("r4"),
         command_started("r4"),
@@ -140,10 +141,11 @@ def test_a_command_to_a_lost_sandbox_asks_for_recovery_and_waits_queued() -> Non
 
 
 def test_a_command_queued_just_before_the_loss_brings_the_sandbox_back_once_fenced() -> None:
-    # Queued in the moment between the scheduler's queue and dispatch appends, then
-    # the loss: nothing else may ever come for this sandbox, so the queued command
-    # is the demand that recovers it (lazy policy notwithstanding).
-    state = lost_sandbox(run("waiting"))
+    # Queued and not dispatched yet (its Connections on their way to the host, or
+    # a log from before decision 098), then the loss: nothing else may ever come
+    # for this sandbox, so the queued command is the demand that recovers it
+    # (lazy policy notwithstanding).
+    state = lost_sandbox(queued("waiting"))
     assert state.commands[cmd("waiting")].state == "queued"
     assert plan(state, lambda s: HOST_B).events == []  # not before the fence
     state = apply(state, policy.declare_fenced(state, host=HOST_A))
@@ -154,7 +156,7 @@ def test_a_command_queued_just_before_the_loss_brings_the_sandbox_back_once_fenc
 
 
 def test_a_cancelled_or_deleted_queued_command_recovers_nothing() -> None:
-    state = lost_sandbox(run("waiting"))
+    state = lost_sandbox(queued("waiting"))
     state = apply(state, policy.declare_fenced(state, host=HOST_A))
     cancelled = apply(state, when(state, cancel(cmd("waiting"))))
     assert [type(e) for e in plan(cancelled, lambda s: HOST_B).events] == [ev.CommandEnded]

@@ -28,6 +28,7 @@ from .history import (
     given,
     given_sandbox,
     placed,
+    queued,
     run,
     start,
     start_failed,
@@ -158,7 +159,7 @@ NOT_NEWS: dict[str, tuple[tuple[Step, ...], HostReport]] = {
     "stopped-when-failed": (FAILED, stopped()),
     "deleted-when-deleted": (DELETED, deleted()),
     "command-started-for-an-unknown-command": (RUNNING, command_started()),
-    "command-started-for-a-queued-command": ((*RUNNING, run()), command_started()),
+    "command-started-for-a-queued-command": ((*RUNNING, queued()), command_started()),
     "command-ended-for-an-unknown-command": (RUNNING, command_ended()),
     "command-ended-again-in-another-state": (
         (*RUNNING, run(), dispatched(), command_started(), command_ended()),

@@ -279,6 +279,9 @@ def test_run_queues_the_command(phase: str) -> None:
     request = run(
         argv=["pytest", "-q"], cwd="/work", env={"CI": "1"}, timeout_s=60.0, kill_grace_s=2
     )
+    # On a running sandbox it is dispatched to its placement by the same event
+    # (decision 098); before that it waits for `plan`.
+    to = ev.Dispatch(host=HOST_A, generation=1) if phase == "running" else None
     assert when(given(*ALL_PHASES[phase]), request) == [
         ev.CommandQueued(
             command_id=rq.command_id_for(SID, "run-1"),
@@ -289,12 +292,20 @@ def test_run_queues_the_command(phase: str) -> None:
             env={"CI": "1"},
             timeout_s=60.0,
             kill_grace_s=2,
+            dispatched_to=to,
         )
     ]
 
 
+def test_a_command_run_on_a_running_sandbox_is_dispatched_by_its_queuing() -> None:
+    state = given_sandbox(*RUNNING, run(argv=["make"]))
+    command = state.commands[cmd()]
+    assert (command.state, command.host, command.generation) == ("dispatched", HOST_A, 1)
+    assert state.queued == () and state.unended_ids == (cmd(),)
+
+
 def test_a_queued_command_records_what_to_run_and_when() -> None:
-    history = (*RUNNING, run(argv=["make"], timeout_s=5.0))
+    history = (*STARTING, run(argv=["make"], timeout_s=5.0))
     state = given_sandbox(*history)
     command = state.commands[cmd()]
     assert command.state == "queued"

@@ -19,7 +19,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
+import nats
 import pytest
+from sandhold.bus.names import Names
 from sandhold.hostagent.driver import (
     CommandExit,
     CommandHandle,
@@ -34,6 +36,7 @@ from sandhold.hostagent.driver.pool import SUPERVISOR_MODULE
 from sandhold.hostagent.driver.process_identity import ProcessIdentity
 
 from tests.e2e.harness import forget_connections, unmount_under
+from tests.hostagent.dispatching import Dispatched, dispatched
 
 
 def supervisor_pids(root: Path) -> list[int]:
@@ -187,3 +190,24 @@ def open_files_limit(soft: int) -> Iterator[int]:
         yield hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (was, hard))
+
+
+@pytest.fixture
+async def dispatch(
+    nc: nats.NATS, nats_url: str, names: Names, driver: ProcessDriver, host_id: str, root: Path
+) -> AsyncIterator[Callable[[list[str]], Awaitable[Dispatched]]]:
+    """`await dispatch(argv)`: a command dispatched to this host (`dispatching`);
+    the watchers of every agent made are cancelled at the end."""
+    watched: list[Dispatched] = []
+
+    async def dispatch(argv: list[str]) -> Dispatched:
+        command = await dispatched(nc, nats_url, names, driver, host_id, root, argv)
+        watched.append(command)
+        return command
+
+    try:
+        yield dispatch
+    finally:
+        for command in watched:
+            for watcher in list(command.agent._watchers.values()):
+                watcher.cancel()

@@ -7,95 +7,17 @@ supervisor go. A real server, driver and supervisor."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
-from sandhold.bus import leases
-from sandhold.bus.codec import decode_envelope
-from sandhold.bus.follow import read_range
-from sandhold.bus.names import Names
-from sandhold.bus.store import AggregateStore
 from sandhold.domain import events as ev
-from sandhold.domain import requests as rq
 from sandhold.domain import sandbox as sb
-from sandhold.domain import work as wk
-from sandhold.domain.envelope import Envelope
 from sandhold.domain.errors import InfraError
 from sandhold.domain.fold import fold
 from sandhold.hostagent import service
 from sandhold.hostagent.driver import ProcessDriver
-from sandhold.hostagent.service import HostAgent
 
 from tests.support.waiting import wait_until
-from tests.twins.support import append, running_sandbox
-
-
-class _Dispatched:
-    """A command dispatched to this host in the log, and an agent to run it."""
-
-    def __init__(
-        self, nc: nats.NATS, names: Names, agent: HostAgent, sandbox_id: str, argv: list[str]
-    ) -> None:
-        self.nc, self.names, self.agent, self.sandbox_id = nc, names, agent, sandbox_id
-        self.request = rq.RunCommand(key="run-1", sandbox_id=sandbox_id, argv=argv)
-        self.command_id = rq.command_id_for(sandbox_id, self.request.key)
-        self.work = wk.RunCommandWork(
-            sandbox_id=sandbox_id, generation=1, command_id=self.command_id, argv=argv,
-            request_key=self.request.key,
-        )  # fmt: skip
-
-    async def events(self) -> list[Envelope]:
-        records = await read_range(
-            self.nc.jetstream(),
-            self.names.events_stream,
-            self.names.events("sandbox", self.sandbox_id),
-            decode_envelope,
-        )
-        return [envelope for _, _, envelope in records]
-
-    async def last_types(self, count: int) -> list[str]:
-        return [envelope.type for envelope in await self.events()][-count:]
-
-    async def ended(self) -> None:
-        await wait_until(lambda: not self.agent._watchers, timeout=30, what="the end reported")
-
-
-@pytest.fixture
-async def dispatch(
-    nc: nats.NATS, nats_url: str, names: Names, driver: ProcessDriver, host_id: str, root: Path
-):
-    watched: list[HostAgent] = []
-
-    async def dispatch(argv: list[str]) -> _Dispatched:
-        sandbox_id = await running_sandbox(nc, names, "start-first", host_id)
-        agent = HostAgent(nats_url, names, host_id=host_id, root=root)
-        command = _Dispatched(nc, names, agent, sandbox_id, argv)
-        log = AggregateStore(nc.jetstream(), names, "sandbox", sb.evolve, actor="t", follow=False)
-        state, _ = await log.sync(sandbox_id)
-        await append(nc, names, "sandbox", sandbox_id, sb.decide(state, command.request))
-        dispatched = ev.CommandDispatched(command_id=command.command_id, host=host_id, generation=1)
-        await append(nc, names, "sandbox", sandbox_id, [dispatched])
-        await driver.create_sandbox(sandbox_id, None)
-        agent.driver = driver
-        agent._nc, agent._js = nc, nc.jetstream()
-        agent.sandboxes = AggregateStore(
-            nc.jetstream(), names, "sandbox", sb.evolve, actor=f"host-agent:{host_id}",
-            follow=False, compact=sb.compact,
-        )  # fmt: skip
-        agent._kv = await leases.lease_bucket(nc.jetstream(), names)
-        agent.epoch = 1
-        await agent._put_lease()
-        watched.append(agent)
-        return command
-
-    try:
-        yield dispatch
-    finally:
-        for agent in watched:
-            for watcher in list(agent._watchers.values()):
-                watcher.cancel()
 
 
 async def test_the_end_waits_for_a_start_whose_report_failed_once(
@@ -130,7 +52,7 @@ async def test_the_end_waits_for_a_start_whose_report_failed_once(
     assert "command.ended" not in reports, "nothing reported before the start"
     retried.set()
     await command.ended()
-    assert await command.last_types(3) == ["command.dispatched", "command.started", "command.ended"]
+    assert await command.last_types(3) == ["command.queued", "command.started", "command.ended"]
     assert reports == ["command.started", "command.started", "command.ended"]
 
 
@@ -142,7 +64,7 @@ async def test_a_command_that_ends_at_once_has_its_end_alone_reported_with_its_p
     command = await dispatch(["true"])
     await command.agent._do(command.work)
     await command.ended()
-    assert await command.last_types(2) == ["command.dispatched", "command.ended"]
+    assert await command.last_types(2) == ["command.queued", "command.ended"]
     events = await command.events()
     pid = await driver.handle(command.sandbox_id, command.command_id).started()
     assert isinstance(pid, int)
@@ -159,7 +81,7 @@ async def test_a_command_still_running_after_the_delay_has_its_start_reported(
     command = await dispatch(["sleep", "1"])
     await command.agent._do(command.work)
     await command.ended()
-    assert await command.last_types(3) == ["command.dispatched", "command.started", "command.ended"]
+    assert await command.last_types(3) == ["command.queued", "command.started", "command.ended"]
     events = await command.events()
     started, end = events[-2].event, events[-1].event
     assert isinstance(started, ev.CommandStarted) and isinstance(end, ev.CommandEnded)
@@ -177,7 +99,7 @@ async def test_waiting_to_report_a_start_holds_up_no_other_work(
     handle = driver.handle(command.sandbox_id, command.command_id)
     assert isinstance(await handle.started(), int)
     assert handle.exit_record() is None, "returned while the command runs"
-    assert [e.type for e in await command.events()][-1] == "command.dispatched"
+    assert [e.type for e in await command.events()][-1] == "command.queued"
 
 
 async def test_an_adopted_command_whose_start_went_unreported_has_it_reported(

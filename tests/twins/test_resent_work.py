@@ -54,8 +54,9 @@ async def test_commands_dispatched_side_by_side_get_their_run_instruction_once(
             ids.append(rq.command_id_for(sandbox_id, request.key))
             run_id = f"run_command:{ids[-1]}:1"
             await wait_until(lambda r=run_id: True in sent.get(r, ()), timeout=20, what=run_id)
-        # The passes of the later commands' events (queued, dispatched) have all
-        # run: the last one's instruction went out after them.
+        # The passes of the later commands' events (each one's queuing, which
+        # dispatches it: 098) have all run: the last one's instruction went out
+        # after them.
         state, _ = await log.sync(sandbox_id)
         assert state is not None
         assert [state.commands[c].state for c in ids] == ["dispatched"] * 4

@@ -155,6 +155,17 @@ class CommandQueued(Event, tag="command.queued", frozen=True):
     # The names of the secrets it is given (their values are never recorded:
     # the scheduler keeps them for its dispatch only, docs/security.md).
     secret_names: list[str] = []
+    # Queued on a sandbox that could take it at once: dispatched to this
+    # placement by the same event (decision 098), not by a `command.dispatched`
+    # appended after it.
+    dispatched_to: Dispatch | None = None
+
+
+class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a command was dispatched: the host and the placement it holds."""
+
+    host: str
+    generation: int
 
 
 class CommandDispatched(Event, tag="command.dispatched", frozen=True):

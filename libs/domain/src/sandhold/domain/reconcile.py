@@ -14,7 +14,7 @@ import msgspec
 from sandhold.domain import events as ev
 from sandhold.domain import work as wk
 from sandhold.domain.placement import Waiting
-from sandhold.domain.sandbox import Sandbox, accepts_commands, wakes_on_command
+from sandhold.domain.sandbox import Sandbox, accepts_commands, dispatch_to, wakes_on_command
 
 # A host, or why there is none (written down once per reason), or None: not
 # this scheduler's to decide (another holds the placement claim).
@@ -42,8 +42,10 @@ def plan(
             events.append(
                 _not_launched(state, command.id, f"the sandbox was {state.phase} before it started")
             )
-        elif state.phase == "running" and host is not None and state.connections_current:
-            events.append(ev.CommandDispatched(command_id=command.id, host=host, generation=gen))
+        elif (to := dispatch_to(state)) is not None:
+            events.append(
+                ev.CommandDispatched(command_id=command.id, host=to.host, generation=to.generation)
+            )
 
     # Queued commands that will run: not cancelled, not on a sandbox being deleted
     # (those end above). Only these are demand that wakes or recovers a sandbox.

@@ -780,10 +780,12 @@ def evolve(state: Sandbox | None, envelope: Envelope) -> Sandbox | None:
             )
         case ev.SandboxDeleted():
             return replace(state, phase="deleted")
-        case ev.CommandQueued():
+        case ev.CommandQueued(dispatched_to=dispatch):
             command = Command(
                 id=event.command_id,
-                state="queued",
+                state="queued" if dispatch is None else "dispatched",
+                host=None if dispatch is None else dispatch.host,
+                generation=0 if dispatch is None else dispatch.generation,
                 argv=event.argv,
                 request_key=event.request_key,
                 request_digest=event.request_digest,
@@ -1063,6 +1065,21 @@ def accepts_commands(state: Sandbox) -> bool:
     )
 
 
+def dispatch_to(state: Sandbox) -> ev.Dispatch | None:
+    """Where a command queued now goes at once: the placement the sandbox runs
+    on, once its Connections are delivered (a command never starts without
+    them). None: it waits (for a start, a placement, a delivery), and `plan`
+    dispatches it when that comes."""
+    if (
+        state.phase == "running"
+        and state.host is not None
+        and state.connections_current
+        and not state.delete_requested
+    ):
+        return ev.Dispatch(host=state.host, generation=state.generation)
+    return None
+
+
 def reaps_at(state: Sandbox) -> float | None:
     """When the reaper stops this sandbox if nothing happens first; None: not
     idle now (not running, a command queued or running) or never reaped."""
@@ -1318,6 +1335,9 @@ def _decide(state: Sandbox | None, request: rq.AnyRequest, digest: str) -> list[
                     kill_grace_s=request.kill_grace_s,
                     user=request.user,
                     secret_names=sorted(request.secrets),
+                    # (One event where the sandbox can take it now: one append
+                    # less on every command's way, decision 098.)
+                    dispatched_to=dispatch_to(state),
                 )
             ]
         case rq.SetConnection():

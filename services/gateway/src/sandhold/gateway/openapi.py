@@ -330,7 +330,7 @@ def paths() -> dict[str, dict[str, Any]]:
             "post": _op(
                 "runCommand",
                 "Run a command (queued until the sandbox runs)",
-                _json(202, CommandView, "the command, usually queued"),
+                _json(202, CommandView, "the command: dispatched if the sandbox runs, else queued"),
                 params=[SANDBOX, IDEMPOTENCY_KEY],
                 body=b.RunCommandBody,
                 problems=WRITE,

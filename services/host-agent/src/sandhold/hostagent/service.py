@@ -652,12 +652,27 @@ class HostAgent:
                         # between the two, or the loss's append failed): say it now.
                         await self._declare_copy_gone(work)
                     return
+                if command.cancel_requested and not self.driver.launched(sid, work.command_id):
+                    # Its cancel was decided before this came (a twin's, or one
+                    # sent while this was on its way): it never runs now.
+                    await self._report_unlaunched(work, "cancelled before it started")
+                    return
                 try:
                     await self._launch(work)
                 except SandboxNotFound as err:
                     await self._not_launched(work, str(err))
             case wk.CancelCommandWork():
-                await self.driver.interrupt(sid, work.command_id)
+                if await self.driver.interrupt(sid, work.command_id):
+                    return
+                if self.driver.launched(sid, work.command_id):
+                    return  # (it ended: its end is reported, or was)
+                # Cancelled before its run instruction came (decision 098 dispatches
+                # a command as it is queued; the instruction follows): it must not
+                # stay `dispatched`, and its run, if it comes, finds it ended.
+                state = await self._current(work)
+                command = state.commands.get(work.command_id)
+                if command is not None and command.state == "dispatched":
+                    await self._report_unlaunched(work, "cancelled before it started")
             case wk.DeliverConnectionsWork():
                 state = await self._current(work)
                 if work.revision < state.connections_revision:
@@ -672,6 +687,7 @@ class HostAgent:
                 state = await self._current(work)
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
+                await self._end_unlaunched(state, work)
                 final = state.saves.get(work.final_save_id) if work.final_save_id else None
                 if final is not None and final.state == "requested":
                     await self._final_save(work)
@@ -705,6 +721,7 @@ class HostAgent:
                     raise Rejected("delete_not_requested", f"no delete of {sid} was requested")
                 await self.driver.stop_sandbox(sid)
                 await self._settle(sid)
+                await self._end_unlaunched(state, work)
                 await self._destroy(sid)
                 await self._report(sid, ev.SandboxDeleted(host=me, generation=gen), work.msg_id)
 
@@ -778,6 +795,41 @@ class HostAgent:
 
     async def _copy_gone(self, sandbox_id: str) -> bool:
         return await asyncio.to_thread(self.driver.copy_gone, sandbox_id)
+
+    async def _report_unlaunched(
+        self, work: wk.RunCommandWork | wk.CancelCommandWork, reason: str
+    ) -> None:
+        ended = ev.CommandEnded(
+            command_id=work.command_id,
+            state="not_launched",
+            reason=reason,
+            host=self.host_id,
+            generation=work.generation,
+        )
+        await self._report(work.sandbox_id, ended, work.msg_id)
+
+    async def _end_unlaunched(
+        self, state: sb.Sandbox, work: wk.StopSandboxWork | wk.DestroySandboxWork
+    ) -> None:
+        """A stop's: the commands dispatched here whose run instruction had not
+        come (the stop decided between a command's queuing, which dispatches
+        it, and its instruction: decision 098) never ran, and never will: said
+        so, not left for the scheduler to call `unknown` once stopped."""
+        for command in state.unended_commands():
+            if (
+                command.state == "dispatched"
+                and command.generation == work.generation
+                and command.host == self.host_id
+                and not self.driver.launched(work.sandbox_id, command.id)
+            ):
+                ended = ev.CommandEnded(
+                    command_id=command.id,
+                    state="not_launched",
+                    reason=f"the sandbox was {state.phase} before it started",
+                    host=self.host_id,
+                    generation=work.generation,
+                )
+                await self._report(work.sandbox_id, ended, work.msg_id)
 
     async def _not_launched(self, work: wk.RunCommandWork, why: str) -> None:
         """The log has the sandbox running here and the driver found no workspace.

@@ -633,6 +633,9 @@ class ProcessDriver:
             write_json(handle.paths.interrupt, {"grace_s": grace_s})
         return handle.signal_supervisor(signal.SIGUSR1)
 
+    def launched(self, sandbox_id: str, command_id: str) -> bool:
+        return self.layout.command(sandbox_id, command_id).directory.is_dir()
+
     def handle(self, sandbox_id: str, command_id: str) -> CommandHandle:
         """The handle of a command known on disk."""
         if not self.layout.command(sandbox_id, command_id).directory.is_dir():

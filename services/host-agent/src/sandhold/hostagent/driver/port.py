@@ -79,6 +79,11 @@ class SandboxDriver(Protocol):
     def copy_gone(self, sandbox_id: str) -> bool: ...
     async def mark_reported(self, sandbox_id: str, command_id: str) -> None: ...
 
+    def launched(self, sandbox_id: str, command_id: str) -> bool:
+        """Whether this host ever began launching the command (its directory,
+        made before anything else and kept until its end is reported)."""
+        ...
+
     def let_go(self, sandbox_id: str, command_id: str) -> None:
         """An ended command whose end is not reported now: its supervisor takes no
         other command (it is not given back, decision 088)."""

@@ -563,7 +563,9 @@ class Scheduler:
             return  # (forgotten as it was decided: the pass that set off cleans up)
         # From the state the decision was made on (it may have been re-read). When
         # events were just appended, their follow-up work (the run instruction after
-        # `command.dispatched`) goes out now rather than on the next pass.
+        # `command.dispatched`) goes out now rather than on the next pass. (A
+        # command run on a running sandbox was dispatched by its `command.queued`,
+        # decision 098: the pass that event sets off appends nothing and sends it.)
         after = plan(executed.state, self._choose_host, self._host_alive)
         if after.events:
             return  # more to decide: our own events marked it dirty again

@@ -652,7 +652,7 @@ class HostAgent:
                         # between the two, or the loss's append failed): say it now.
                         await self._declare_copy_gone(work)
                     return
-                if command.cancel_requested and not self.driver.launched(sid, work.command_id):
+                if command.cancel_requested and await self._never_launched(sid, command, gen):
                     # Its cancel was decided before this came (a twin's, or one
                     # sent while this was on its way): it never runs now.
                     await self._report_unlaunched(work, "cancelled before it started")
@@ -671,7 +671,11 @@ class HostAgent:
                 # stay `dispatched`, and its run, if it comes, finds it ended.
                 state = await self._current(work)
                 command = state.commands.get(work.command_id)
-                if command is not None and command.state == "dispatched":
+                if (
+                    command is not None
+                    and command.cancel_requested
+                    and await self._never_launched(sid, command, gen)
+                ):
                     await self._report_unlaunched(work, "cancelled before it started")
             case wk.DeliverConnectionsWork():
                 state = await self._current(work)
@@ -816,12 +820,7 @@ class HostAgent:
         it, and its instruction: decision 098) never ran, and never will: said
         so, not left for the scheduler to call `unknown` once stopped."""
         for command in state.unended_commands():
-            if (
-                command.state == "dispatched"
-                and command.generation == work.generation
-                and command.host == self.host_id
-                and not self.driver.launched(work.sandbox_id, command.id)
-            ):
+            if await self._never_launched(work.sandbox_id, command, work.generation):
                 ended = ev.CommandEnded(
                     command_id=command.id,
                     state="not_launched",
@@ -830,6 +829,19 @@ class HostAgent:
                     generation=work.generation,
                 )
                 await self._report(work.sandbox_id, ended, work.msg_id)
+
+    async def _never_launched(self, sandbox_id: str, command: sb.Command, generation: int) -> bool:
+        """Whether this host can tell that `command`, dispatched to this placement,
+        never ran here: no directory of it (made before anything runs, kept until
+        its end is reported). Not where the sandbox's own files are gone (then
+        nothing can be told: the loss that follows says what it may have done)."""
+        return (
+            command.state == "dispatched"
+            and command.generation == generation
+            and command.host == self.host_id
+            and not self.driver.launched(sandbox_id, command.id)
+            and not await self._copy_gone(sandbox_id)
+        )
 
     async def _not_launched(self, work: wk.RunCommandWork, why: str) -> None:
         """The log has the sandbox running here and the driver found no workspace.

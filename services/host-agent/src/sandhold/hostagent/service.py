@@ -655,7 +655,9 @@ class HostAgent:
                 if command.cancel_requested and await self._never_launched(sid, command, gen):
                     # Its cancel was decided before this came (a twin's, or one
                     # sent while this was on its way): it never runs now.
-                    await self._report_unlaunched(work, "cancelled before it started")
+                    await self._report_unlaunched(
+                        work, work.command_id, "cancelled before it started"
+                    )
                     return
                 try:
                     await self._launch(work)
@@ -676,7 +678,9 @@ class HostAgent:
                     and command.cancel_requested
                     and await self._never_launched(sid, command, gen)
                 ):
-                    await self._report_unlaunched(work, "cancelled before it started")
+                    await self._report_unlaunched(
+                        work, work.command_id, "cancelled before it started"
+                    )
             case wk.DeliverConnectionsWork():
                 state = await self._current(work)
                 if work.revision < state.connections_revision:
@@ -800,11 +804,9 @@ class HostAgent:
     async def _copy_gone(self, sandbox_id: str) -> bool:
         return await asyncio.to_thread(self.driver.copy_gone, sandbox_id)
 
-    async def _report_unlaunched(
-        self, work: wk.RunCommandWork | wk.CancelCommandWork, reason: str
-    ) -> None:
+    async def _report_unlaunched(self, work: wk.AnyWork, command_id: str, reason: str) -> None:
         ended = ev.CommandEnded(
-            command_id=work.command_id,
+            command_id=command_id,
             state="not_launched",
             reason=reason,
             host=self.host_id,
@@ -821,14 +823,8 @@ class HostAgent:
         so, not left for the scheduler to call `unknown` once stopped."""
         for command in state.unended_commands():
             if await self._never_launched(work.sandbox_id, command, work.generation):
-                ended = ev.CommandEnded(
-                    command_id=command.id,
-                    state="not_launched",
-                    reason=f"the sandbox was {state.phase} before it started",
-                    host=self.host_id,
-                    generation=work.generation,
-                )
-                await self._report(work.sandbox_id, ended, work.msg_id)
+                reason = f"the sandbox was {state.phase} before it started"
+                await self._report_unlaunched(work, command.id, reason)
 
     async def _never_launched(self, sandbox_id: str, command: sb.Command, generation: int) -> bool:
         """Whether this host can tell that `command`, dispatched to this placement,

@@ -623,7 +623,7 @@ class ProcessDriver:
         ``grace_s`` overrides the command's ``kill_grace_s``. Returns False if
         the command had already ended or never ran.
         """
-        if not self.layout.command(sandbox_id, command_id).directory.is_dir():
+        if not self.launched(sandbox_id, command_id):
             return False
         handle = self._handle(sandbox_id, command_id)
         started = await handle.started()
@@ -638,7 +638,7 @@ class ProcessDriver:
 
     def handle(self, sandbox_id: str, command_id: str) -> CommandHandle:
         """The handle of a command known on disk."""
-        if not self.layout.command(sandbox_id, command_id).directory.is_dir():
+        if not self.launched(sandbox_id, command_id):
             raise LookupError(f"no command {command_id} in sandbox {sandbox_id}")
         return self._handle(sandbox_id, command_id)
 

@@ -439,8 +439,8 @@ queuing set off publishes the work) → host-agent (pull fetch,
 launch via a warm supervisor; its watcher sees the exit within moments of the start,
 so no `command.started` is appended (decision 095), and appends
 `command.ended` with the pid) → client: {FLOOR_WRITES} fsync'd writes in sequence,
-three Python processes and nats-server on {nproc()} cores. The bus part is not
-what misses the goal: the work message is out {ms(at("work"))} ms after the call,
+three Python processes and nats-server on {nproc()} cores. The bus part is near
+its floor: the work message is out {ms(at("work"))} ms after the call,
 against a bus-only floor of {ms(percentile(floor, 50))} ms for all {FLOOR_WRITES}
 writes. The host side takes the rest (p50 deltas): work → supervisor has the command
 {ms(delta("work", "supervisor_took"))} ms (the agent's pull fetch and `_current`,

@@ -24,8 +24,8 @@ def made(monkeypatch: pytest.MonkeyPatch) -> list[feeds_module.Feed]:
     feeds: list[feeds_module.Feed] = []
 
     class Counted(feeds_module.Feed):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             feeds.append(self)
 
     monkeypatch.setattr(feeds_module, "Feed", Counted)
@@ -107,8 +107,12 @@ async def test_an_exec_cancelled_while_the_feed_starts_leaves_the_others_theirs(
 
 
 async def test_closing_the_client_stops_its_feeds_and_ends_the_execs_waiting(
-    client: Client, made: list[feeds_module.Feed], gated: asyncio.Event
+    client: Client,
+    made: list[feeds_module.Feed],
+    gated: asyncio.Event,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(feeds_module, "FRESH_S", -1.0)  # every feed reads its position
     sandbox_id = await running_sandbox(client)
     gated.set()
     running = asyncio.create_task(client.exec(sandbox_id, ["sleep", "30"]))
@@ -134,3 +138,44 @@ async def test_closing_the_client_stops_its_feeds_and_ends_the_execs_waiting(
             await running
     with pytest.raises(InfraError, match="closed"):
         await client.exec(sandbox_id, ["true"])
+
+
+@pytest.fixture
+def position_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The stream positions feeds read, in order."""
+    reads: list[int] = []
+    read = feeds_module.stream_last_sequence
+
+    async def counted(*args: object, **kwargs: object) -> int:
+        reads.append(await read(*args, **kwargs))  # type: ignore[arg-type]
+        return reads[-1]
+
+    monkeypatch.setattr(feeds_module, "stream_last_sequence", counted)
+    return reads
+
+
+@pytest.mark.parametrize("learned", ["moments ago", "too long ago"])
+async def test_a_new_feed_starts_after_what_the_client_learned_unless_that_is_old(
+    client: Client,
+    made: list[feeds_module.Feed],
+    position_reads: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    learned: str,
+) -> None:
+    first, second = await running_sandbox(client), await running_sandbox(client)
+    live_only(client, monkeypatch)
+    assert (await client.exec(first, ["sh", "-c", "exit 3"])).command.exit_code == 3
+    assert len(position_reads) == 1
+    # The first feed delivered its command's events, after the position it read.
+    delivered = made[0].follower.position if made[0].follower is not None else 0
+    assert delivered > position_reads[0]
+    if learned == "too long ago":
+        monkeypatch.setattr(feeds_module, "FRESH_S", -1.0)
+    assert (await client.exec(second, ["sh", "-c", "exit 4"])).command.exit_code == 4
+    if learned == "moments ago":  # the second feed starts there, read from nowhere
+        assert len(position_reads) == 1
+        # (a save of the first sandbox since may have taught it a later one)
+        assert made[1].positioned.result() >= delivered
+    else:
+        assert len(position_reads) == 2
+        assert made[1].positioned.result() == position_reads[1]

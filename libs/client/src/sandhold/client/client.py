@@ -527,11 +527,13 @@ class Client:
         # was kept is settled by `output_kept` in the stored end (and read back).
         async with contextlib.AsyncExitStack() as listening:
             # The sandbox's events from before this request on, through a follower
-            # shared with the execs before and after this one (decision 089): the
-            # stream's last sequence is read once per follower, before its first
-            # exec's request, and its consumer is made while that request is
-            # stored and decided (off the path). Every later exec registers here
-            # before it sends its request, so it hears every event it causes.
+            # shared with the execs before and after this one (decision 089): it
+            # starts after a sequence the stream already holds (one this client
+            # learned a moment ago, decision 099, or else the stream's last,
+            # read before its first exec's request), and its consumer is made
+            # while that request is stored and decided (off the path). Every
+            # later exec registers here before it sends its request, so it
+            # hears every event it causes.
             feed = listening.enter_context(self._feeds.holding(sandbox_id))
             ended = feed.wait_for(command_id)
             listening.callback(feed.forget, command_id, ended)

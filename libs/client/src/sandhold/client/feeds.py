@@ -6,6 +6,8 @@ read of the subject's last sequence before the request could be sent, and a
 consumer made and deleted at the server, for every command. A client running
 commands one after another on a sandbox, as an agent does, now keeps one
 follower per sandbox while execs use it and for `IDLE_S` after the last one.
+A new follower starts after the highest stream sequence the client's
+followers learned recently, with no read at all (decision 099).
 
 Shared, nothing an exec does to its own waiting may reach the others: an exec
 cancelled while its feed starts does not cancel the start (every wait on it
@@ -18,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
@@ -35,6 +38,10 @@ log = logging.getLogger(__name__)
 # How long a sandbox's follower is kept after its last exec: the next command
 # of an agent working through a list comes well within it.
 IDLE_S = 5.0
+# A new follower starts after the highest stream sequence this client learned
+# (an event its followers delivered, or a position read) if it learned it this
+# recently: no read of the stream's position before the request (decision 099).
+FRESH_S = IDLE_S
 # How long stopping one follower may take when the client closes (a server
 # that no longer answers must not hold the close up).
 STOP_S = 2.0
@@ -45,26 +52,43 @@ Ended = tuple[float, ev.CommandEnded]  # when it was written, and the event
 class Feed:
     """One sandbox's events from a sequence on, to the execs waiting for an end."""
 
-    def __init__(self, js: JetStreamContext, names: Names, sandbox_id: str) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: Names,
+        sandbox_id: str,
+        *,
+        after: int | None = None,
+        learned: Callable[[int], None] = lambda _seq: None,
+    ) -> None:
+        """`after`: a sequence the stream already holds, where the feed starts
+        (None: it reads the stream's last one first); `learned` is told every
+        stream sequence the feed comes to know."""
         self._js = js
         self._stream = names.events_stream
         self._subject = names.events("sandbox", sandbox_id)
         self._waiting: dict[str, list[asyncio.Future[Ended]]] = {}
+        self._learned = learned
         self.holders = 0
         self.idle_since: float | None = None
-        # The stream's last sequence before any request an exec sends through
+        # A sequence the stream held before any request an exec sends through
         # this feed: every event those requests cause comes after it.
         self.positioned: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if after is not None:
+            self.positioned.set_result(after)
         self.follower: Follower[Envelope] | None = None
-        self.following: asyncio.Task[None] = asyncio.create_task(self._follow())
+        self.following: asyncio.Task[None] = asyncio.create_task(self._follow(after))
         self.following.add_done_callback(self._settle)
 
-    async def _follow(self) -> None:
-        # The stream's last sequence, not the subject's: every event a request
-        # sent after this read causes comes after it all the same, and a sandbox
-        # whose last event is minutes old costs no read of an old block.
-        after = await stream_last_sequence(self._js, self._stream)
-        self.positioned.set_result(after)
+    async def _follow(self, after: int | None) -> None:
+        if after is None:
+            # The stream's last sequence, not the subject's: every event a
+            # request sent after this read causes comes after it all the same,
+            # and a sandbox whose last event is minutes old costs no read of an
+            # old block.
+            after = await stream_last_sequence(self._js, self._stream)
+            self.positioned.set_result(after)
+            self._learned(after)
         self.follower = Follower(
             self._js, self._stream, self._subject, decode_envelope, self._on_event,
             start_seq=after + 1, what="sandbox events",
@@ -87,7 +111,8 @@ class Feed:
         self.positioned.set_exception(why)
         self.positioned.exception()  # (retrieved: an exec that waits raises it itself)
 
-    def _on_event(self, _seq: int, _msg: Msg, envelope: Envelope) -> None:
+    def _on_event(self, seq: int, _msg: Msg, envelope: Envelope) -> None:
+        self._learned(seq)
         event = envelope.event
         if isinstance(event, ev.CommandEnded):
             for ended in self._waiting.pop(event.command_id, ()):
@@ -132,6 +157,10 @@ class Feeds:
         self._stopping: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        # The highest stream sequence learned, and when (the loop's clock): a
+        # lower bound of the stream's last sequence from then on.
+        self._known = 0
+        self._known_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._feeds)
@@ -149,7 +178,9 @@ class Feeds:
         if feed is None or feed.broken:
             if feed is not None:
                 self._stop_later(feed)
-            feed = self._feeds[sandbox_id] = Feed(self._js, self._names, sandbox_id)
+            feed = self._feeds[sandbox_id] = Feed(
+                self._js, self._names, sandbox_id, after=self._recent(), learned=self._learn
+            )
         feed.holders += 1
         feed.idle_since = None
         try:
@@ -160,6 +191,21 @@ class Feeds:
                 feed.idle_since = asyncio.get_running_loop().time()
                 if not self._closed and (self._reaper is None or self._reaper.done()):
                     self._reaper = asyncio.create_task(self._reap())
+
+    def _learn(self, seq: int) -> None:
+        if seq > self._known:
+            self._known, self._known_at = seq, asyncio.get_running_loop().time()
+
+    def _recent(self) -> int | None:
+        """A sequence the stream holds, learned within `FRESH_S`, or None.
+
+        Every event a request sent from now on causes comes after it, whatever
+        the stream stored since (its sequences only grow), so a feed may start
+        there. Learned recently, it is near the stream's end: the server finds
+        the sandbox's events after it in the blocks it holds in memory."""
+        if asyncio.get_running_loop().time() - self._known_at > FRESH_S:
+            return None
+        return self._known
 
     def _stop_later(self, feed: Feed) -> None:
         stopping = asyncio.create_task(feed.stop())

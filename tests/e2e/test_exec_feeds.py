@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sandhold.client import Client
+from sandhold.client import Client, connect
 from sandhold.client import feeds as feeds_module
 from sandhold.domain.errors import InfraError
+from sandhold.domain.requests import command_id_for
 
 from tests.e2e.conftest import running_sandbox
+from tests.e2e.harness import Up
 from tests.support.waiting import wait_until
 
 
@@ -179,3 +181,47 @@ async def test_a_new_feed_starts_after_what_the_client_learned_unless_that_is_ol
     else:
         assert len(position_reads) == 2
         assert made[1].positioned.result() == position_reads[1]
+
+
+async def test_an_exec_positioned_at_once_sends_nothing_once_the_client_closes(
+    client: Client, up: Up, made: list[feeds_module.Feed], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = await running_sandbox(client), await running_sandbox(client)
+    await client.exec(first, ["true"])  # the client learns a recent sequence
+    # The first feed is slow to stop: the close waits for it (up to STOP_S)
+    # with the connection still open.
+    stopped = asyncio.Event()
+    stop = made[0].stop
+
+    async def slow_stop() -> None:
+        await stopped.wait()
+        await stop()
+
+    monkeypatch.setattr(made[0], "stop", slow_stop)
+    # The next exec is held after its feed is made (positioned at once, 099)
+    # and before it sends its request, until the client is closing.
+    gate = asyncio.Event()
+    subscribe = client.nc.subscribe
+
+    async def held(*args: object, **kwargs: object) -> object:
+        await gate.wait()
+        return await subscribe(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client.nc, "subscribe", held)
+    running = asyncio.create_task(client.exec(second, ["true"], key="after-close"))
+    await wait_until(
+        lambda: len(made) == 2 and made[1].positioned.done(), what="a feed positioned at once"
+    )
+    closing = asyncio.create_task(client.close())
+    await wait_until(lambda: client._feeds.closed, what="the client closing")
+    gate.set()
+    with pytest.raises(InfraError, match="the client is closed") as raised:
+        async with asyncio.timeout(5):
+            await running
+    assert raised.value.retryable is False
+    stopped.set()
+    await closing
+    async with await connect(up.url) as other:  # and the command was never asked for
+        state = await other.sandbox_state(second)
+    assert state is not None
+    assert command_id_for(second, "after-close") not in state.commands

@@ -545,6 +545,8 @@ class Client:
                 # Waited for, never awaited: this exec's cancel is not the others'.
                 await asyncio.wait([feed.positioned])
             feed.positioned.result()  # why not, raised: the request is not sent
+            if self._feeds.closed:  # (closed meanwhile; a feed positioned at once, 099)
+                raise InfraError("the client is closed", retryable=False)
             reply = await self.send(
                 rq.RunCommand(
                     key=key,

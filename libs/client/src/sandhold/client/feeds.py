@@ -165,6 +165,10 @@ class Feeds:
     def __len__(self) -> int:
         return len(self._feeds)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def get(self, sandbox_id: str) -> Feed | None:
         return self._feeds.get(sandbox_id)
 
@@ -200,9 +204,12 @@ class Feeds:
         """A sequence the stream holds, learned within `FRESH_S`, or None.
 
         Every event a request sent from now on causes comes after it, whatever
-        the stream stored since (its sequences only grow), so a feed may start
-        there. Learned recently, it is near the stream's end: the server finds
-        the sandbox's events after it in the blocks it holds in memory."""
+        the stream stored since, so a feed may start there. (That assumes the
+        stream's sequences only grow: a stream recreated, or a server that lost
+        its last writes, within `FRESH_S` makes an exec wait on the log's 2 s
+        path instead, until the bound ages out.) Learned recently, it is near
+        the stream's end: the server finds the sandbox's events after it in the
+        blocks it holds in memory."""
         if asyncio.get_running_loop().time() - self._known_at > FRESH_S:
             return None
         return self._known

@@ -171,8 +171,8 @@ async def test_a_new_feed_starts_after_what_the_client_learned_unless_that_is_ol
     # The first feed delivered its command's events, after the position it read.
     delivered = made[0].follower.position if made[0].follower is not None else 0
     assert delivered > position_reads[0]
-    if learned == "too long ago":
-        monkeypatch.setattr(feeds_module, "FRESH_S", -1.0)
+    # (a loaded machine's seconds do not make "moments ago" old)
+    monkeypatch.setattr(feeds_module, "FRESH_S", 60.0 if learned == "moments ago" else -1.0)
     assert (await client.exec(second, ["sh", "-c", "exit 4"])).command.exit_code == 4
     if learned == "moments ago":  # the second feed starts there, read from nowhere
         assert len(position_reads) == 1
@@ -186,10 +186,12 @@ async def test_a_new_feed_starts_after_what_the_client_learned_unless_that_is_ol
 async def test_an_exec_positioned_at_once_sends_nothing_once_the_client_closes(
     client: Client, up: Up, made: list[feeds_module.Feed], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(feeds_module, "FRESH_S", 60.0)
     first, second = await running_sandbox(client), await running_sandbox(client)
     await client.exec(first, ["true"])  # the client learns a recent sequence
-    # The first feed is slow to stop: the close waits for it (up to STOP_S)
-    # with the connection still open.
+    # The first feed is slow to stop: the close waits for it (up to STOP_S,
+    # made longer than any wait here) with the connection still open.
+    monkeypatch.setattr(feeds_module, "STOP_S", 60.0)
     stopped = asyncio.Event()
     stop = made[0].stop
 

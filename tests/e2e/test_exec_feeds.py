@@ -184,7 +184,11 @@ async def test_a_new_feed_starts_after_what_the_client_learned_unless_that_is_ol
 
 
 async def test_an_exec_positioned_at_once_sends_nothing_once_the_client_closes(
-    client: Client, up: Up, made: list[feeds_module.Feed], monkeypatch: pytest.MonkeyPatch
+    client: Client,
+    up: Up,
+    made: list[feeds_module.Feed],
+    position_reads: list[int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(feeds_module, "FRESH_S", 60.0)
     first, second = await running_sandbox(client), await running_sandbox(client)
@@ -214,14 +218,18 @@ async def test_an_exec_positioned_at_once_sends_nothing_once_the_client_closes(
     await wait_until(
         lambda: len(made) == 2 and made[1].positioned.done(), what="a feed positioned at once"
     )
+    assert len(position_reads) == 1  # (the first feed's only: the second read nothing)
     closing = asyncio.create_task(client.close())
-    await wait_until(lambda: client._feeds.closed, what="the client closing")
-    gate.set()
-    with pytest.raises(InfraError, match="the client is closed") as raised:
-        async with asyncio.timeout(5):
-            await running
-    assert raised.value.retryable is False
-    stopped.set()
+    try:
+        await wait_until(lambda: client._feeds.closed, what="the client closing")
+        gate.set()
+        with pytest.raises(InfraError, match="the client is closed") as raised:
+            async with asyncio.timeout(5):
+                await running
+        assert raised.value.retryable is False
+    finally:
+        stopped.set()
+        gate.set()
     await closing
     async with await connect(up.url) as other:  # and the command was never asked for
         state = await other.sandbox_state(second)

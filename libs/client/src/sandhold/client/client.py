@@ -544,9 +544,9 @@ class Client:
             if not feed.positioned.done():  # (the first exec on this feed)
                 # Waited for, never awaited: this exec's cancel is not the others'.
                 await asyncio.wait([feed.positioned])
-            feed.positioned.result()  # why not, raised: the request is not sent
             if self._feeds.closed:  # (closed meanwhile; a feed positioned at once, 099)
                 raise InfraError("the client is closed", retryable=False)
+            feed.positioned.result()  # why not, raised: the request is not sent
             reply = await self.send(
                 rq.RunCommand(
                     key=key,

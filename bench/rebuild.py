@@ -5,8 +5,11 @@ then 24 commands queued, dispatched, started, ended) with the fenced append,
 then times, on fresh connections:
   baseline: an ordered consumer (`cb=`) over the same stream that only counts;
   middle:   the same plus `decode_envelope` of every message;
+  reader:   sandhold's own catch-up reader (`bulk_read`, decision 100), counting;
   sandhold: `AggregateStore(js, names, "sandbox", sandbox.evolve).start()` — the
-            services' projection (ordered consumer + decode + evolve).
+            services' projection (`bulk_read` + decode + evolve, then live);
+  what-if:  the same store reading through nats-py's ordered consumer (as before
+            decision 100), and the store on a stream of sandbox events only.
 Then splits the store's cost without NATS (decode, metadata, evolve), profiles
 one `start()` with cProfile, and times `evolve` on sandboxes with long histories.
 
@@ -41,6 +44,7 @@ from _common import (
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
+from sandhold.bus import bulk, follow
 from sandhold.bus.codec import decode_envelope
 from sandhold.bus.names import Names
 from sandhold.bus.store import AggregateStore
@@ -51,12 +55,23 @@ from sandhold.domain.fold import fold
 GOAL = 0.8
 SANDBOXES = 1000
 NAMES = Names("rebuild")
-VARIANTS = ["count", "count_filtered", "decode", "sandhold", "sandhold_per_kind"]
+VARIANTS = [
+    "count",
+    "count_filtered",
+    "decode",
+    "reader",
+    "sandhold",
+    "sandhold_natspy",
+    "sandhold_per_kind",
+]
+ROTATED = VARIANTS[:6]  # (the last one changes the stream: run after the others)
 LABELS = {
     "count": "baseline: ordered consumer on the stream, count only",
     "count_filtered": "same, filter `ev.sandbox.>` (the store's filter)",
     "decode": "same filter + `decode_envelope`",
+    "reader": "sandhold's reader (`bulk_read`), store's filter, count only",
     "sandhold": "sandhold `AggregateStore.start()`",
+    "sandhold_natspy": "what-if: the store through nats-py (before decision 100)",
     "sandhold_per_kind": "what-if: the store on a sandbox-only stream",
 }
 # The stream's subjects: sandhold's layout, and a per-kind stream (what-if row).
@@ -133,6 +148,32 @@ async def replay(url: str, total: int, mode: str, keep: list[Msg] | None = None)
         await drop_consumers(url)
 
 
+async def read_bulk(url: str, total: int) -> float:
+    """sandhold's catch-up reader over the store's filter, counting; seconds."""
+    nc = await nats.connect(url, name="bench-rebuild-reader")
+    try:
+        js = nc.jetstream()
+        count = 0
+
+        def take(seq: int, msg: Msg) -> None:
+            nonlocal count
+            count += 1
+
+        started = time.perf_counter()
+        last = (await js.stream_info(NAMES.events_stream)).state.last_seq
+        await bulk.bulk_read(
+            nc, js, NAMES.events_stream, NAMES.events("sandbox", ">"),
+            after=0, until=last, take=take,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - started
+        if count != total:
+            raise RuntimeError(f"bulk_read handed over {count:,} of {total:,}")
+        return elapsed
+    finally:
+        await nc.close()
+        await drop_consumers(url)
+
+
 async def drop_consumers(url: str) -> None:
     """Ordered consumers outlive an unsubscribe by ~5 s; delete them so that no run
     shares the server with the previous run's consumer."""
@@ -145,8 +186,14 @@ async def drop_consumers(url: str) -> None:
         await nc.close()
 
 
-async def rebuild(url: str, per_sandbox: int, profile: cProfile.Profile | None = None) -> float:
+async def rebuild(
+    url: str, per_sandbox: int, profile: cProfile.Profile | None = None, *, natspy: bool = False
+) -> float:
+    """One `AggregateStore.start()`; seconds. `natspy`: with its catch-up left to
+    nats-py's ordered consumer (no `bulk_read`), as the store read before 100."""
     nc = await nats.connect(url, name="bench-rebuild-store")
+    span = follow.BULK_SPAN
+    follow.BULK_SPAN = 10**15 if natspy else span
     try:
         store = AggregateStore(nc.jetstream(), NAMES, "sandbox", sb.evolve, actor="bench")
         started = time.perf_counter()
@@ -158,8 +205,12 @@ async def rebuild(url: str, per_sandbox: int, profile: cProfile.Profile | None =
             if profile is not None:
                 profile.disable()
         elapsed = time.perf_counter() - started
+        follower = store._follower
         await store.stop()
         await drop_consumers(url)
+        taken = follower.bulk_taken if follower is not None else -1
+        if taken != (0 if natspy else follower.target if follower else -1):
+            raise RuntimeError(f"the store's bulk read handed over {taken:,} messages")
         ids = store.ids()
         state, _ = store.get(ids[0])
         commands = (per_sandbox - 4) // 4
@@ -167,6 +218,7 @@ async def rebuild(url: str, per_sandbox: int, profile: cProfile.Profile | None =
             raise RuntimeError(f"rebuild gave {len(ids)} sandboxes, first {state!r:.200}")
         return elapsed
     finally:
+        follow.BULK_SPAN = span
         await nc.close()
 
 
@@ -202,6 +254,21 @@ def cpu_split(msgs: list[Msg]) -> list[list[str]]:
         "what-if: `int(msg.reply.split('.')[5])` (stream seq only)",
         lambda: [int(m.reply.split(".")[5]) for m in msgs],
     )
+    wire = b"".join(_frame(m) for m in msgs)
+    chunks = [wire[i : i + 262144] for i in range(0, len(wire), 262144)]  # asyncio's reads
+
+    def parse_all() -> None:
+        reader = bulk._Reader(
+            b"pull", b"inbox", {}, "bench", lambda seq, msg: None, 10**15, 10**9, None,  # type: ignore[arg-type]
+        )  # fmt: skip
+        reader._greeted = True
+        for chunk in chunks:
+            reader.data_received(chunk)
+        if reader.moved != n:
+            raise RuntimeError(f"the reader parsed {reader.moved:,} of {n:,}")
+        reader.close()
+
+    timed("sandhold's reader: protocol, headers and `Msg` (`bulk_read`)", parse_all)
     timed("`decode_envelope(msg.data)`", lambda: [decode_envelope(m.data) for m in msgs])
     envelopes = [(m.subject.rsplit(".", 1)[1], decode_envelope(m.data)) for m in msgs]
 
@@ -212,6 +279,15 @@ def cpu_split(msgs: list[Msg]) -> list[list[str]]:
 
     timed("`sandbox.evolve` via `fold` (stream order)", evolve_all)
     return rows
+
+
+def _frame(msg: Msg) -> bytes:
+    """`msg` as the server sends it to a pull consumer's inbox (sid 1)."""
+    head = b"NATS/1.0\r\n" + _header_block(msg.headers or {})
+    return b"HMSG %s 1 %s %d %d\r\n%s%s\r\n" % (
+        msg.subject.encode(), msg.reply.encode(), len(head), len(head) + len(msg.data), head,
+        msg.data,
+    )  # fmt: skip
 
 
 def _header_block(headers: dict[str, str]) -> bytes:
@@ -270,15 +346,19 @@ async def main() -> None:
         total = await write_log(server.admin_url, per_sandbox)
         await replay(server.admin_url, total, "count")  # warm-up: page cache
         for run in range(rounds):
-            main = VARIANTS[:4]
-            order = main[run % 4 :] + main[: run % 4] + ["sandhold_per_kind"]
+            turn = run % len(ROTATED)
+            order = ROTATED[turn:] + ROTATED[:turn] + ["sandhold_per_kind"]
             for variant in order:
                 await set_subjects(
                     server.admin_url, SANDBOX_ONLY if variant == "sandhold_per_kind" else ALL_KINDS
                 )
                 with CpuMeter(server.pid) as meter:
                     if variant.startswith("sandhold"):
-                        elapsed = await rebuild(server.admin_url, per_sandbox)
+                        elapsed = await rebuild(
+                            server.admin_url, per_sandbox, natspy=variant == "sandhold_natspy"
+                        )
+                    elif variant == "reader":
+                        elapsed = await read_bulk(server.admin_url, total)
                     else:
                         elapsed = await replay(server.admin_url, total, variant)
                 times[variant].append(elapsed)

@@ -42,8 +42,9 @@ from typing import Generic, TypeVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
+from sandhold.bus.bulk import bulk_read, reader_config
 from sandhold.bus.codec import has_fence
 from sandhold.bus.electing import patiently
 
@@ -79,6 +80,11 @@ T = TypeVar("T")
 # (stream sequence, the message, its decoded value)
 Handler = Callable[[int, Msg, T], None]
 
+# The catch-up a `bulk` follower leaves to `bulk_read`: from this many sequences
+# on, its own connection and consumer (a few milliseconds) cost less than
+# nats-py's delivery of what the stretch holds would.
+BULK_SPAN = 1000
+
 # Heartbeats from the server while the log is quiet; two missed ones (a lost
 # connection) make nats-py recreate the consumer from the last sequence seen.
 HEARTBEAT_S = 2.0
@@ -96,8 +102,12 @@ class Follower(Generic[T]):
         start_seq: int = 1,
         what: str = "events",
         pace_s: float | None = None,
+        bulk: bool = False,
     ) -> None:
-        """`pace_s`: live, take what came at most this often, in one batch (a
+        """`bulk`: catch up on a long stretch (`BULK_SPAN` sequences or more)
+        with `bulk_read`, for a reader that starts by folding much of the log.
+
+        `pace_s`: live, take what came at most this often, in one batch (a
         pull consumer), instead of each message as it is stored (decision 087).
         For a reader nobody waits on message by message: one wakeup per pace,
         not one per event, in a process that shares two cores with the exec
@@ -121,6 +131,8 @@ class Follower(Generic[T]):
         self._pace_s = pace_s
         self._paced: asyncio.Task[None] | None = None
         self._hurry = asyncio.Event()  # someone waits in `reach`: fetch now
+        self._bulk = bulk
+        self.bulk_taken = 0  # messages handed over by `bulk_read`
 
     async def start(self, *, timeout: float | None = 60.0, target: int | None = None) -> None:
         """Subscribe, then wait (up to `timeout`; None: not at all) until every
@@ -132,6 +144,11 @@ class Follower(Generic[T]):
         self._target = target
         if self._target <= self.position:
             self.caught_up.set()
+        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else 0.0)
+        if self._bulk and target - self.position >= BULK_SPAN:
+            await self._bulk_catch_up(None if timeout is None else deadline)
+            if timeout is not None:
+                timeout = max(0.0, deadline - asyncio.get_running_loop().time())
         if self._pace_s is not None:
             self._paced = asyncio.create_task(self._follow_paced(self._pace_s))
             if timeout is not None:
@@ -149,7 +166,8 @@ class Follower(Generic[T]):
                 ordered_consumer=True,
                 idle_heartbeat=HEARTBEAT_S,
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                config=ConsumerConfig(opt_start_seq=self._start_seq),
+                # From where a bulk read left off (else where it was asked to).
+                config=ConsumerConfig(opt_start_seq=self.position + 1),
                 cb=self._on_msg,
                 pending_msgs_limit=-1,
                 pending_bytes_limit=-1,
@@ -159,6 +177,24 @@ class Follower(Generic[T]):
         )
         if timeout is not None:
             await self._catch_up(timeout)
+
+    async def _bulk_catch_up(self, deadline: float | None) -> None:
+        """As much of the catch-up as `bulk_read` does (all of it, unless it
+        stops early); the usual consumer reads on from wherever it stopped."""
+        nc = getattr(self._js, "_nc", None)  # (nats-py keeps the client there)
+        if nc is None:
+            return
+
+        def take(seq: int, msg: Msg) -> None:
+            self.bulk_taken += 1
+            self._take(seq, msg)
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await bulk_read(
+                    nc, self._js, self.stream, self.subject_filter,
+                    after=self.position, until=self._target, take=take,
+                )  # fmt: skip
 
     def _no_answer(self, err: Exception) -> None:
         log.warning("following %s on %s: no answer (%r); asking again", self.what, self.stream, err)
@@ -223,7 +259,9 @@ class Follower(Generic[T]):
             await batches.aclose()
 
     async def _on_msg(self, msg: Msg) -> None:
-        seq = stream_sequence(msg)
+        self._take(stream_sequence(msg), msg)
+
+    def _take(self, seq: int, msg: Msg) -> None:
         if seq <= self.position:
             return  # a consumer recreated a step behind: already handled
         if self._require_fence and not fenced(msg):
@@ -340,14 +378,8 @@ async def pull_batches(
             # Inside the try: while NATS is away, making the consumer fails too.
             await js.add_consumer(
                 stream,
-                ConsumerConfig(
-                    name=consumer,
-                    filter_subject=subject_filter,
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=position + 1,
-                    ack_policy=AckPolicy.NONE,
-                    # The server drops the consumer of a reader that vanished.
-                    inactive_threshold=max(30.0, 4 * idle_s),
+                reader_config(
+                    consumer, subject_filter, after=position, inactive_s=max(30.0, 4 * idle_s)
                 ),
             )
             sub = await js.pull_subscribe_bind(consumer=consumer, stream=stream)

@@ -161,6 +161,7 @@ class AggregateStore(Generic[S]):
             start_seq=position + 1,
             what=f"{self._kind} event",
             pace_s=self._pace_s,
+            bulk=True,
         )
         await self._follower.start(timeout=timeout)
         if self._checkpoints is not None:

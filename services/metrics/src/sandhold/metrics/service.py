@@ -168,6 +168,7 @@ async def follow_log(
         # Scraped every few seconds: what came in the last second is folded at
         # once, not event by event on the cores the exec path runs on (087).
         pace_s=PACE_S,
+        bulk=True,  # a first start folds the whole log
     )
     await follower.start(timeout=timeout)
     return follower

@@ -264,7 +264,9 @@ async def export(client: Client, sandbox_id: str | None, since: str | None) -> i
     subject = (
         client.names.events("sandbox", sandbox_id) if sandbox_id else f"{client.names.prefix}.ev.>"
     )
-    for msg in await read_subjects(client.js, client.names.events_stream, subject, raw=True):
+    for msg in await read_subjects(
+        client.js, client.names.events_stream, subject, raw=True, bulk=True
+    ):
         try:  # any event, of a type this version knows or not, is exported as it is
             line = record_of(stream_sequence(msg), msg.subject, msg.data)
         except msgspec.DecodeError:

@@ -319,10 +319,11 @@ async def read_range(
     until_seq: int | None = None,
     timeout: float = 60.0,
     what: str = "events",
+    bulk: bool = False,
 ) -> list[tuple[int, Msg, T]]:
     """Every message matching `subject_filter` from `start_seq` up to the last one
     present when the read began (or `until_seq`), with its value: a follower
-    that stops once caught up."""
+    that stops once caught up (`bulk`: for a read of much of the log)."""
     out: list[tuple[int, Msg, T]] = []
     # From the leader: a replica a moment behind would hide what the caller has
     # just been told was stored (a `create` answered, then "no sandbox").
@@ -336,7 +337,9 @@ async def read_range(
         if seq <= last:
             out.append((seq, msg, value))
 
-    follower = Follower(js, stream, subject_filter, decode, keep, start_seq=start_seq, what=what)
+    follower = Follower(
+        js, stream, subject_filter, decode, keep, start_seq=start_seq, what=what, bulk=bulk
+    )
     try:
         await follower.start(timeout=timeout, target=last)
     finally:

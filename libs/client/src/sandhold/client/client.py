@@ -436,7 +436,7 @@ class Client:
         """Every aggregate of a kind, folded from the log: id -> state."""
         states: dict[str, S | None] = {}
         for record in await read_subjects(
-            self.js, self.names.events_stream, self.names.events(kind, "*")
+            self.js, self.names.events_stream, self.names.events(kind, "*"), bulk=True
         ):
             aggregate = record.envelope.aggregate_id
             states[aggregate] = evolve(states.get(aggregate), record.envelope)

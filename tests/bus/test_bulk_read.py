@@ -24,6 +24,7 @@ from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope
 
 from tests.support.bus import make_streams
+from tests.support.waiting import wait_until
 from tests.twins.support import running_sandbox
 
 NAMES = Names("bk")
@@ -99,7 +100,7 @@ async def _follow(nc: nats.NATS, *, bulk_on: bool, **kwargs: Any) -> tuple[list[
 
 @pytest.mark.parametrize("batch", [7, 1000])
 async def test_a_bulk_read_hands_over_what_the_usual_consumer_does(
-    scheduler: nats.NATS, monkeypatch: pytest.MonkeyPatch, batch: int
+    server: NatsServer, scheduler: nats.NATS, monkeypatch: pytest.MonkeyPatch, batch: int
 ):
     """Same sequences, subjects, headers, bytes and values, the two strays
     skipped and counted alike, read as a service user, across pull batches."""
@@ -112,6 +113,13 @@ async def test_a_bulk_read_hands_over_what_the_usual_consumer_does(
     assert (fast.unfenced, fast.undecodable) == (plain.unfenced, plain.undecodable) == (1, 1)
     assert fast.bulk_taken == len(usual) + 2  # every one of them, the strays too
     assert plain.bulk_taken == 0
+    admin = await nats.connect(server.admin_url)
+    try:
+        await wait_until(
+            lambda: _bulk_consumers_gone(admin), timeout=30, what="the bulk consumer deleted"
+        )
+    finally:
+        await admin.close()
 
 
 async def test_a_follower_under_the_bulk_span_reads_as_usual(scheduler: nats.NATS):
@@ -177,6 +185,11 @@ async def test_a_store_rebuilt_through_a_bulk_read_is_the_usual_one(
     assert (states, seqs) == (usual_states, usual_seqs)
 
 
+async def _bulk_consumers_gone(nc: nats.NATS) -> bool:
+    infos = await nc.jetstream().consumers_info(NAMES.events_stream)
+    return not any(info.name.startswith("bulk-") for info in infos)
+
+
 def _in_a_thread(work: Any) -> None:
     """`work` (a coroutine) run to its end on a loop of its own, this one held."""
     failed: list[BaseException] = []
@@ -217,6 +230,9 @@ def test_headers_are_read_as_nats_py_reads_them():
     expected = nats.NATS._parse_header_lines(block[len(b"NATS/1.0\r\n") :])
     assert bulk._headers(block) == expected
     assert expected["Nats-Msg-Id"] == "a:b" and expected["Nbsp"] == "\xa0kept\xa0"
+    # No header at all: None, as nats-py's message has (not an empty dict).
+    assert bulk._headers(b"NATS/1.0\r\n\r\n") is None
+    assert bulk._headers(b"NATS/1.0\r\nBad Name: x\r\n\r\n") is None
     assert set(expected) == {"Nats-Msg-Id", "Spaced", "Empty", "Utf", "Nbsp", "Bad-Utf", ""}
 
 
@@ -225,7 +241,7 @@ async def test_a_bulk_read_ends_where_the_log_does_and_the_usual_consumer_waits_
 ):
     """Asked to reach past the log's end, it hands over what there is and ends
     at once (the server's count of what is pending says so, not a pull that
-    expires); the follower takes the rest live."""
+    expires or a stall); the follower takes the rest live."""
     monkeypatch.setattr(follow, "BULK_SPAN", 1)
     usual, _ = await _follow(scheduler, bulk_on=False)
     js = scheduler.jetstream()
@@ -235,18 +251,109 @@ async def test_a_bulk_read_ends_where_the_log_does_and_the_usual_consumer_waits_
         js, NAMES.events_stream, NAMES.events("sandbox", ">"), decode_envelope,
         lambda seq, msg, envelope: seen.append(seq), bulk=True,
     )  # fmt: skip
-    try:
-        with caplog.at_level(logging.INFO, logger="sandhold.bus.bulk"):
-            await follower.start(timeout=None, target=last + 4)
-        assert "stopped" not in caplog.text
-        assert follower.bulk_taken == len(usual) + 2 and not follower.caught_up.is_set()
-        admin = await nats.connect(server.admin_url)
+    with caplog.at_level(logging.INFO, logger="sandhold.bus.bulk"):
+        starting = asyncio.create_task(follower.start(timeout=60, target=last + 4))
         try:
-            sandbox_id = await running_sandbox(admin, NAMES, "bulk-late", "h1")
+            # The bulk read is over once the usual consumer is made.
+            await wait_until(
+                lambda: follower._sub is not None or starting.done(), timeout=30,
+                what="the bulk read over",
+            )  # fmt: skip
+            assert "stopped" not in caplog.text
+            assert follower.bulk_taken == len(usual) + 2 and not follower.caught_up.is_set()
+            admin = await nats.connect(server.admin_url)
+            try:
+                await running_sandbox(admin, NAMES, "bulk-late", "h1")
+            finally:
+                await admin.close()
+            await starting
         finally:
-            await admin.close()
-        await follower.reach(last + 4, timeout=30)
+            starting.cancel()
+            await follower.stop()
+    assert seen == [seq for seq, *_ in usual] + [last + 1, last + 2, last + 3, last + 4]
+    assert follower.caught_up.is_set()
+
+
+async def test_a_paced_follower_caught_up_by_a_bulk_read_that_took_its_time_has_started(
+    server: NatsServer, monkeypatch: pytest.MonkeyPatch
+):
+    """The metrics fold's way (paced, every event kind): a bulk read that
+    caught up but returned only at the start's deadline (its clean-up slow)
+    leaves the start done, not timed out."""
+    monkeypatch.setattr(follow, "BULK_SPAN", 1)
+    real = follow.bulk_read
+
+    async def slow_to_return(*args: Any, **kwargs: Any) -> None:
+        await real(*args, **kwargs)
+        await asyncio.sleep(3600)  # until the deadline cuts it
+
+    monkeypatch.setattr(follow, "bulk_read", slow_to_return)
+    own = credentials.load(credentials.path_of(server.credentials_dir, "metrics"))
+    nc = await connect(server.url, name="test-metrics", credentials=own)
+    seen: list[int] = []
+    follower: Follower[bytes] = Follower(
+        nc.jetstream(), NAMES.events_stream, f"{NAMES.prefix}.ev.>", bytes,
+        lambda seq, msg, data: seen.append(seq), bulk=True, pace_s=0.2,
+    )  # fmt: skip
+    try:
+        await follower.start(timeout=3)
+        assert follower.caught_up.is_set() and len(seen) > 4 * SANDBOXES
+        assert follower.bulk_taken == len(seen) + follower.unfenced  # (the host's, unfenced)
     finally:
         await follower.stop()
-    assert seen == [seq for seq, *_ in usual] + [last + 1, last + 2, last + 3, last + 4]
-    assert follower.caught_up.is_set() and sandbox_id
+        await nc.close()
+
+
+def test_the_reader_parses_the_protocol_however_it_is_cut():
+    """Frames split anywhere, a reply subject with a domain in it, a message
+    stored without headers, the server's PING and INFO between them: the same
+    messages in order, a PONG, and a status ends the read."""
+    body = b"{}"
+    head = b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: 0\r\n\r\n"
+    status = b"NATS/1.0 409 Leadership Change\r\n\r\n"
+    frames = [
+        b'INFO {"server_id":"x"}\r\n',
+        b"HMSG s.a 1 $JS.ACK.S.c.1.10.1.1733550000000000000.2 %d %d\r\n%s%s\r\n"
+        % (len(head), len(head) + len(body), head, body),
+        b"PING\r\n",
+        b"MSG s.b 1 $JS.ACK.S.c.1.12.2.1733550000000000000.1 2\r\n{}\r\n",
+        b"HMSG s.c 1 $JS.ACK.dom.acchash.S.c.1.15.3.1733550000000000000.5.tok %d %d\r\n%s%s\r\n"
+        % (len(head), len(head) + len(body), head, body),
+        b"HMSG _INBOX.x 1 %d %d\r\n%s\r\n" % (len(status), len(status), status),
+    ]
+    wire = b"".join(frames)
+    for cut in (1, 3, 7, 64, len(wire)):
+        asyncio.run(_parsed(wire, cut))
+
+
+async def _parsed(wire: bytes, cut: int) -> None:
+    taken: list[tuple[int, str, dict[str, str] | None]] = []
+
+    def take(seq: int, msg: Msg) -> None:
+        taken.append((seq, msg.subject, msg.headers))
+
+    reader = bulk._Reader(b"pull", b"inbox", {}, "test", take, 10**9, 2, None)  # type: ignore[arg-type]
+    written: list[bytes] = []
+    reader.connection_made(_Transport(written))  # type: ignore[arg-type]
+    for at in range(0, len(wire), cut):
+        reader.data_received(wire[at : at + cut])
+    fence = {FENCE_HEADER: "0"}
+    assert taken == [(10, "s.a", fence), (12, "s.b", None), (15, "s.c", fence)], cut
+    assert b"PONG\r\n" in written and written[0].startswith(b"CONNECT "), cut
+    with pytest.raises(bulk.Stopped, match="409 Leadership Change"):
+        await reader.run()
+    reader.close()
+
+
+class _Transport:
+    def __init__(self, written: list[bytes]) -> None:
+        self.written = written
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass

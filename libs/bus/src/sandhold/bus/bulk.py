@@ -11,9 +11,10 @@ and each message is handed over as the `Msg` nats-py would have made.
 
 It is an optimisation only, never the one way to read: it hands messages
 over strictly in stream order and stops at the first thing it does not
-expect (a gap, a lost connection, a status, a stall, a server that asks for
-TLS or nkeys). The caller goes on from the last sequence it was handed, with
-the ordinary follower, so nothing is skipped or handed over twice.
+expect (a gap, a lost connection, a status, a stall, a refusal); a
+connection with TLS, nkeys or JWTs is not copied at all. The caller goes on
+from the last sequence it was handed, with the ordinary follower, so nothing
+is skipped or handed over twice.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from typing import cast
 from urllib.parse import ParseResult
 
 from nats.aio.client import Client as NATS
@@ -35,12 +37,17 @@ log = logging.getLogger(__name__)
 
 # Messages per pull request, and requests kept in flight: the server always
 # has the next batch to send while this process folds the one before, and
-# what waits in the socket stays bounded (two batches), whatever the log holds.
+# what waits to be folded is at most two batches of messages, whatever the
+# log holds (events are a few hundred bytes: a few megabytes at most; a
+# server whose buffer for this client overflows drops it, and the usual
+# follower reads on).
 BATCH = 1000
 IN_FLIGHT = 2
-# How long one pull request may wait for messages; a read that moves nothing
-# for longer than this is given up (the caller goes on without it).
-EXPIRES_S = 5.0
+# A read that hands nothing over for this long is given up (the caller goes
+# on without it). Pull requests last longer: one being filled from a sparse
+# stretch is not ended by the server while it is still being filled.
+STALL_S = 10.0
+EXPIRES_S = 60.0
 # Whatever `take` is handed comes from one sid: the only subscription made here.
 _SID = b"1"
 
@@ -69,7 +76,7 @@ async def bulk_read(
     far it got from what it was handed."""
     target = _plain_target(nc)
     if target is None:
-        log.info("bulk read of %s: this connection is not a plain one; reading as usual", stream)
+        log.info("bulk read of %s: not on a connected, plain connection; reading as usual", stream)
         return
     consumer = f"bulk-{uuid.uuid4().hex}"
     reader: _Reader | None = None
@@ -79,8 +86,9 @@ async def bulk_read(
         )
         host, port, login = target
         loop = asyncio.get_running_loop()
+        api = getattr(js, "_prefix", "$JS.API")  # (nats-py's, with a domain's in it)
         reader = _Reader(
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}".encode(),
+            f"{api}.CONSUMER.MSG.NEXT.{stream}.{consumer}".encode(),
             nc.new_inbox().encode(),
             login,
             nc.options.get("name") or "sandhold",
@@ -89,7 +97,7 @@ async def bulk_read(
             batch or BATCH,
             nc,
         )
-        await asyncio.wait_for(loop.create_connection(lambda: reader, host, port), EXPIRES_S)
+        await asyncio.wait_for(loop.create_connection(lambda: reader, host, port), STALL_S)
         await reader.run()
     except asyncio.CancelledError:
         raise
@@ -98,8 +106,19 @@ async def bulk_read(
     finally:
         if reader is not None:
             reader.close()
-        with contextlib.suppress(Exception):
-            await asyncio.shield(asyncio.wait_for(js.delete_consumer(stream, consumer), 5))
+        # Not waited for: the read is over, whoever waits on it waits no longer.
+        # (If this fails too, the server drops the consumer once it is idle.)
+        removing = asyncio.ensure_future(_delete(js, stream, consumer))
+        _removing.add(removing)
+        removing.add_done_callback(_removing.discard)
+
+
+_removing: set[asyncio.Future[None]] = set()  # consumers being deleted after their read
+
+
+async def _delete(js: JetStreamContext, stream: str, consumer: str) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(js.delete_consumer(stream, consumer), 5)
 
 
 def reader_config(
@@ -181,11 +200,11 @@ class _Reader(asyncio.Protocol):
         while True:
             seen = self.moved
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._done), EXPIRES_S + 1.0)
+                await asyncio.wait_for(asyncio.shield(self._done), STALL_S)
             if self._done.done():
                 return self._done.result()
             if self.moved == seen:
-                raise Stopped(f"nothing in {EXPIRES_S + 1.0:.0f} s")
+                raise Stopped(f"nothing in {STALL_S:.0f} s")
 
     def close(self) -> None:
         if self._transport is not None:
@@ -197,8 +216,7 @@ class _Reader(asyncio.Protocol):
     # --- asyncio.Protocol --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # (a TCP one: made here)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end(Stopped(f"connection lost ({exc})" if exc else "connection closed"))
@@ -233,7 +251,9 @@ class _Reader(asyncio.Protocol):
                     return pos
                 pos = end + 2
                 split = start + int(fields[-2]) if headed else start
-                if len(fields) != (5 if headed else 4) or buf.startswith(b"NATS/1.0 ", start):
+                if len(fields) != (5 if headed else 4) or (
+                    headed and buf.startswith(b"NATS/1.0 ", start)
+                ):
                     # A status (no reply subject): the pull ended before its batch.
                     status = buf[start:split].split(b"\r\n", 1)[0][len(b"NATS/1.0 ") :]
                     raise Stopped(f"the server said {status.decode(errors='replace')!r}")
@@ -263,7 +283,7 @@ class _Reader(asyncio.Protocol):
                 if seq >= until or tokens[at + 3] == b"0":
                     # (nothing more to come for now: the usual follower waits for it)
                     self._end(None)
-                elif self._asked - delivered < (IN_FLIGHT - 1) * self._batch:
+                elif self._asked - delivered <= (IN_FLIGHT - 1) * self._batch:
                     self._ask()
             elif buf.startswith(b"PING", pos):
                 self._write(b"PONG\r\n")
@@ -323,7 +343,7 @@ class _Reader(asyncio.Protocol):
 _ASCII_SPACE = " \t\n\r\x0b\x0c"
 
 
-def _headers(block: bytes) -> dict[str, str]:
+def _headers(block: bytes) -> dict[str, str] | None:
     """A stored message's headers (`NATS/1.0\\r\\nName: value\\r\\n…\\r\\n\\r\\n`),
     read as nats-py reads them (names ASCII with no whitespace in them, names and
     values stripped, values decoded leniently), in half of nats-py's time: one
@@ -334,4 +354,4 @@ def _headers(block: bytes) -> dict[str, str]:
         name = name.strip(_ASCII_SPACE)
         if sep and name.isascii() and (name.split() == [name] or not name):
             out[name] = value.strip(_ASCII_SPACE)
-    return out
+    return out or None  # (as nats-py: no header at all is None)

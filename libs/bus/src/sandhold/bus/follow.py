@@ -81,8 +81,9 @@ T = TypeVar("T")
 Handler = Callable[[int, Msg, T], None]
 
 # The catch-up a `bulk` follower leaves to `bulk_read`: from this many sequences
-# on, its own connection and consumer (a few milliseconds) cost less than
-# nats-py's delivery of what the stretch holds would.
+# on. Its own connection and consumer cost a few milliseconds, less than
+# nats-py's delivery of a thousand messages; a sparse filter (a kind with few
+# events in a long log) may pay them for fewer, once per start.
 BULK_SPAN = 1000
 
 # Heartbeats from the server while the log is quiet; two missed ones (a lost
@@ -105,7 +106,9 @@ class Follower(Generic[T]):
         bulk: bool = False,
     ) -> None:
         """`bulk`: catch up on a long stretch (`BULK_SPAN` sequences or more)
-        with `bulk_read`, for a reader that starts by folding much of the log.
+        with `bulk_read` (decision 100), for a reader that starts by folding
+        much of the log and waits for it (a start with no timeout, which waits
+        for nothing, reads as usual).
 
         `pace_s`: live, take what came at most this often, in one batch (a
         pull consumer), instead of each message as it is stored (decision 087).
@@ -117,7 +120,6 @@ class Follower(Generic[T]):
         self.subject_filter = subject_filter
         self._decode = decode
         self._handle = handle
-        self._start_seq = start_seq
         self.what = what
         self.position = start_seq - 1  # the last sequence handled (or skipped)
         self.undecodable = 0
@@ -144,14 +146,14 @@ class Follower(Generic[T]):
         self._target = target
         if self._target <= self.position:
             self.caught_up.set()
-        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else 0.0)
-        if self._bulk and target - self.position >= BULK_SPAN:
-            await self._bulk_catch_up(None if timeout is None else deadline)
-            if timeout is not None:
-                timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        # (Not for a start that waits for nothing: the bulk read is waited for.)
+        if self._bulk and timeout is not None and target - self.position >= BULK_SPAN:
+            deadline = asyncio.get_running_loop().time() + timeout
+            await self._bulk_catch_up(deadline)
+            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
         if self._pace_s is not None:
             self._paced = asyncio.create_task(self._follow_paced(self._pace_s))
-            if timeout is not None:
+            if timeout is not None and not self.caught_up.is_set():
                 async with asyncio.timeout(timeout):
                     await _first_of(self.caught_up.wait(), self._paced)
             return
@@ -178,7 +180,7 @@ class Follower(Generic[T]):
         if timeout is not None:
             await self._catch_up(timeout)
 
-    async def _bulk_catch_up(self, deadline: float | None) -> None:
+    async def _bulk_catch_up(self, deadline: float) -> None:
         """As much of the catch-up as `bulk_read` does (all of it, unless it
         stops early); the usual consumer reads on from wherever it stopped."""
         nc = getattr(self._js, "_nc", None)  # (nats-py keeps the client there)

@@ -576,12 +576,14 @@ differ: somewhat more than the 10 MiB overwritten, because content-defined
 chunks do not line up with overwrites at 1 MiB boundaries as fixed 256 KiB
 pieces do (the price of cutting by content, repaid on any insertion, above).
 Restore fetches each chunk once, in the manifest's order (the raw read asks
-for the same chunks in the same order), and hands it to one writer thread that
-hash-checks and writes it. Writing 1 GiB into the page cache (~0.7 s of CPU)
-and hashing it (~0.65 s) is work the raw read does not do, on two cores that
-the server and the client's message parsing already keep busy: the restore
-ratio varies from run to run (0.57–0.74× in eight 1 GiB runs while this was
-built, 0.51–0.69× with a thread hop per chunk before).
+for the same chunks in the same order, 32 in flight as the restore), and hands
+it to one writer thread that hash-checks and writes it. Writing 1 GiB into the
+page cache (~0.7 s of CPU) and hashing it (~0.65 s) is work the raw read does
+not do, on two cores that the server and the client's message parsing keep
+busy. Since decision 101 the restore's direct gets go over a connection of
+their own, parsed in one loop per socket read (`bulk_get`): about a third of
+nats-py's client CPU per chunk, which leaves the writer its core (before it,
+the ratio varied from 0.57× to 0.76× between runs of the same code).
 """
     emit(args, "saves", "(e) Saves: freeze window, save and restore throughput", body)
 

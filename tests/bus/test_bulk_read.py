@@ -1,6 +1,8 @@
 """`bulk_read`: a long catch-up read on a connection of its own (benchmark (b)),
 handing over exactly what nats-py's ordered consumer would, and giving way to
-it, with nothing skipped or handed over twice, wherever it stops."""
+it, with nothing skipped or handed over twice, wherever it stops. `bulk_get`:
+many direct gets on a connection of their own (a restore's chunks), each
+answer handed over once, what it did not hand over left to the caller."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     running = NatsServer(tmp_path_factory.mktemp("bulk") / "nats", names=NAMES)
     for role in ("scheduler", "metrics"):
         credentials.issue(running.credentials_dir, role)
+    credentials.issue(running.credentials_dir, "host-agent", host="h1")
     running.start()
     try:
         asyncio.run(make_streams(running, NAMES))
@@ -357,3 +360,93 @@ class _Transport:
 
     def close(self) -> None:
         pass
+
+
+# --- bulk_get ---------------------------------------------------------------------
+
+
+@pytest.fixture
+async def host_agent(server: NatsServer) -> AsyncIterator[nats.NATS]:
+    """A connection as host h1's agent: direct gets only, no consumer."""
+    own = credentials.load(credentials.path_of(server.credentials_dir, "host-h1"))
+    nc = await connect(server.url, name="test-host", credentials=own)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def chunks(server: NatsServer) -> list[tuple[str, bytes]]:
+    """Subjects of the save store with their data, of many sizes (none empty)."""
+    stored = [(NAMES.chunk(f"{n:064x}"), bytes([n]) * (1 + 997 * n)) for n in range(60)]
+
+    async def put() -> None:
+        admin = await nats.connect(server.admin_url)
+        try:
+            for subject, data in stored:
+                await admin.jetstream().publish(subject, data)
+        finally:
+            await admin.close()
+
+    asyncio.run(put())
+    return stored
+
+
+async def test_bulk_gets_hand_over_each_subjects_message_and_leave_the_absent(
+    host_agent: nats.NATS, chunks: list[tuple[str, bytes]]
+):
+    """As the host-agent (direct gets are all it may make): each present subject
+    handed over once with its data, at most `in_flight` asked at a time, the
+    absent ones left for the caller."""
+    subjects = [subject for subject, _ in chunks]
+    subjects[7:7] = [NAMES.chunk("f" * 64)]  # absent
+    subjects.append(NAMES.chunk("e" * 64))  # absent
+    data = dict(chunks)
+    got: dict[int, bytes] = {}
+    asked: list[int] = []
+    most = 0
+
+    async def before(index: int) -> None:
+        nonlocal most
+        asked.append(index)
+        most = max(most, len(asked) - len(got))
+
+    def take(index: int, payload: bytes) -> None:
+        assert index not in got
+        got[index] = payload
+
+    left = await bulk.bulk_get(
+        host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects, take=take,
+        before=before, in_flight=4,
+    )  # fmt: skip
+    assert left == [7, len(subjects) - 1]
+    assert {subjects[i]: payload for i, payload in got.items()} == data
+    assert asked == list(range(len(subjects))) and 1 < most <= 4 + 2  # (+ the absent)
+
+
+async def test_a_bulk_get_cut_short_leaves_the_rest_and_raises_what_before_raises(
+    host_agent: nats.NATS, chunks: list[tuple[str, bytes]]
+):
+    subjects = [subject for subject, _ in chunks]
+    got: list[int] = []
+
+    def take(index: int, payload: bytes) -> None:
+        if len(got) == 5:
+            raise ValueError("not this one")  # ends the read: this one is left too
+        got.append(index)
+
+    left = await bulk.bulk_get(
+        host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects, take=take, in_flight=2
+    )
+    assert len(got) == 5 and sorted(got + left) == list(range(len(subjects)))
+
+    async def before(index: int) -> None:
+        if index == 3:
+            raise RuntimeError("no room")
+
+    with pytest.raises(RuntimeError, match="no room"):
+        await bulk.bulk_get(
+            host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects,
+            take=lambda index, payload: None, before=before,
+        )  # fmt: skip

@@ -1,22 +1,25 @@
-"""Reading a long stretch of a stream at the speed of the fold, not of nats-py.
+"""Reading much at once at the speed of what is done with it, not of nats-py.
 
-A service's first start, `replay --verify` and the audit tools fold a log
-from its beginning. Through nats-py each delivered message costs about as
-much as the fold itself: a regex per protocol line, a header parser that
-looks at every character of every header name, a `Msg`, a queue and a task
-switch (benchmark (b) splits it). `bulk_read` reads the same messages on a
-connection of its own, the process's own user and rights, with a pull
-consumer: the protocol is parsed in one synchronous loop per socket read,
-and each message is handed over as the `Msg` nats-py would have made.
+A service's first start, `sandhold ls` and `export` fold a long stretch of
+the log; a restore fetches a gigabyte of chunks. Through nats-py each
+delivered message costs about as much as the fold itself: a regex per
+protocol line, a header parser that looks at every character of every header
+name, a `Msg`, a queue and a task switch (benchmark (b) splits it), and
+large messages are read 32 KiB at a time. Here a connection of our own, the
+process's own user, rights and inbox, parses the protocol in one synchronous
+loop per socket read (`_Wire`):
 
-It is an optimisation only, never the one way to read: it hands messages
-over strictly in stream order and stops at the first thing it does not
-expect (a gap, a lost connection, a status, a stall, a refusal); a
-connection with TLS, nkeys or JWTs is not copied at all. The caller goes on
-from the last sequence it was handed, with the ordinary follower, so nothing
-is skipped or handed over twice.
+* `bulk_read` (decision 100): a stretch of a stream through a pull consumer,
+  each message handed over as the `Msg` nats-py would have made;
+* `bulk_get` (decision 101): many direct gets, `in_flight` at a time.
+
+Each is an optimisation only, never the one way to read: it stops at the
+first thing it does not expect (a gap, a lost connection, a status, a stall,
+a refusal), and a connection with TLS, nkeys or JWTs is not copied at all.
+`bulk_read` hands messages over strictly in stream order, so the caller goes
+on from the last sequence it was handed with the ordinary follower, nothing
+skipped or handed over twice; `bulk_get` says which it did not hand over.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +27,8 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 from urllib.parse import ParseResult
 
 from nats.aio.client import Client as NATS
@@ -55,7 +58,7 @@ Take = Callable[[int, Msg], None]
 
 
 class Stopped(Exception):
-    """Why a bulk read ended before it reached its end (the caller goes on)."""
+    """Why a bulk read or get ended before its end (the caller goes on)."""
 
 
 async def bulk_read(
@@ -121,6 +124,83 @@ async def _delete(js: JetStreamContext, stream: str, consumer: str) -> None:
         await asyncio.wait_for(js.delete_consumer(stream, consumer), 5)
 
 
+async def bulk_get(
+    nc: NATS,
+    js: JetStreamContext,
+    stream: str,
+    subjects: list[str],
+    *,
+    take: Callable[[int, bytes], None],
+    before: Callable[[int], Awaitable[None]] | None = None,
+    in_flight: int = 32,
+) -> list[int]:
+    """Direct gets of each subject's last message, `in_flight` at a time, each
+    answer's data handed to `take` with the subject's index as it comes (in any
+    order); `before(i)` is awaited before subject `i` is asked for (room for
+    its answer). Returns the indexes of the subjects not handed over, in order:
+    none stored, or not asked or answered because the read stopped (said in
+    the log: anything unexpected, `take` raising among them); the caller reads
+    those the usual way. What `before` raises is raised."""
+    left = list(range(len(subjects)))
+    target = _plain_target(nc)
+    if target is None or not subjects:
+        return left
+    host, port, login = target
+    api = getattr(js, "_prefix", "$JS.API")
+    getter = _Getter(
+        f"{api}.DIRECT.GET.{stream}.".encode(),
+        subjects,
+        nc.new_inbox().encode(),
+        login,
+        nc.options.get("name") or "sandhold",
+        take,
+    )
+    watching: asyncio.Future[None] | None = None
+    making_room = False
+    try:
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.create_connection(lambda: getter, host, port), STALL_S)
+        watching = asyncio.ensure_future(getter.run())
+        await first_of(getter.ready.wait(), watching)
+        for index in left:
+            while getter.outstanding >= in_flight and not getter.stopped:
+                getter.answered.clear()
+                await first_of(getter.answered.wait(), watching)
+            if getter.stopped:
+                break
+            if before is not None:
+                making_room = True
+                await before(index)
+                making_room = False
+            getter.ask(index)
+        getter.finish()
+        await watching
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the caller reads on the usual way
+        if making_room:
+            raise
+        log.info("bulk get from %s stopped (%s); reading on as usual", stream, err)
+    finally:
+        getter.close()
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(BaseException):
+                await watching
+    return [i for i in left if i not in getter.handed]
+
+
+async def first_of(waiting: Awaitable[object], task: asyncio.Future[None]) -> None:
+    """Until `waiting` is done, or `task` ended (its error raised)."""
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(waiting)
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done() and not waiter.done():
+        task.result()  # raises what ended it
+
+
 def reader_config(
     name: str, subject_filter: str, *, after: int, inactive_s: float
 ) -> ConsumerConfig:
@@ -163,47 +243,32 @@ def _plain_target(nc: NATS) -> tuple[str, int, dict[str, str]] | None:
     return url.hostname, url.port or 4222, login
 
 
-class _Reader(asyncio.Protocol):
-    """One connection, one subscription (the inbox the pulls answer to), and a
-    parser that hands each message to `take` as soon as it is whole."""
+class _Wire(asyncio.Protocol):
+    """One connection of our own with one subscription (everything under an
+    inbox of the user's), the protocol parsed in one loop per socket read.
+    Subclasses say what to ask once connected and what to do with a message
+    or a status; anything unexpected ends it (`Stopped`)."""
 
-    def __init__(
-        self,
-        pull_subject: bytes,
-        inbox: bytes,
-        login: dict[str, str],
-        name: str,
-        take: Take,
-        until: int,
-        batch: int,
-        nc: NATS,
-    ) -> None:
-        self._pull = pull_subject
+    def __init__(self, inbox: bytes, login: dict[str, str], name: str) -> None:
         self._inbox = inbox
         self._login = login
         self._name = name
-        self._take = take
-        self._until = until
-        self._batch = batch
-        self._nc = nc  # (each Msg names the client it came from)
         self._transport: asyncio.Transport | None = None
         self._buf = b""
         self._greeted = False  # the server's INFO read, CONNECT sent
-        self._delivered = 0  # the consumer's sequence of the last message handed over
-        self._asked = 0  # messages asked for so far
         self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.moved = 0  # messages handed over (`run` watches it for a stall)
+        self.moved = 0  # answers taken in (`run` watches it for a stall)
 
     async def run(self) -> None:
-        """Until the read reached its end; `Stopped` (or what the connection
-        failed with) otherwise."""
+        """Until the work is done; `Stopped` (or what the connection failed
+        with) otherwise, also when nothing came for `STALL_S` while waited for."""
         while True:
             seen = self.moved
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._done), STALL_S)
             if self._done.done():
                 return self._done.result()
-            if self.moved == seen:
+            if self.moved == seen and self._waiting():
                 raise Stopped(f"nothing in {STALL_S:.0f} s")
 
     def close(self) -> None:
@@ -212,6 +277,27 @@ class _Reader(asyncio.Protocol):
         if not self._done.done():
             self._done.set_exception(Stopped("closed"))
         self._done.exception()  # (retrieved: no "never retrieved" warning)
+
+    @property
+    def stopped(self) -> bool:
+        return self._done.done()
+
+    # --- for subclasses --------------------------------------------------------------
+
+    def _ready(self) -> None:
+        """Connected and subscribed: ask for the first answers."""
+
+    def _message(self, subject: bytes, reply: bytes, head: bytes | None, payload: bytes) -> None:
+        """One message (`head`: its header block, None when stored without)."""
+        raise NotImplementedError
+
+    def _status(self, subject: bytes, status: bytes) -> None:
+        """A status the server sent (`404 No Messages`, `408 Request Timeout`…)."""
+        raise Stopped(f"the server said {status.decode(errors='replace')!r}")
+
+    def _waiting(self) -> bool:
+        """Whether an answer is due (a stall is one that does not come)."""
+        return True
 
     # --- asyncio.Protocol --------------------------------------------------------
 
@@ -236,7 +322,7 @@ class _Reader(asyncio.Protocol):
         """Everything whole in `buf`, in order; how many bytes were used."""
         pos = 0
         size = len(buf)
-        take, nc, until = self._take, self._nc, self._until
+        message = self._message
         while not self._done.done():
             eol = buf.find(b"\r\n", pos)
             if eol < 0:
@@ -250,41 +336,15 @@ class _Reader(asyncio.Protocol):
                 if size < end + 2:
                     return pos
                 pos = end + 2
-                split = start + int(fields[-2]) if headed else start
-                if len(fields) != (5 if headed else 4) or (
-                    headed and buf.startswith(b"NATS/1.0 ", start)
-                ):
-                    # A status (no reply subject): the pull ended before its batch.
-                    status = buf[start:split].split(b"\r\n", 1)[0][len(b"NATS/1.0 ") :]
-                    raise Stopped(f"the server said {status.decode(errors='replace')!r}")
-                subject, sid, reply = fields[0], fields[1], fields[2]
-                if sid != _SID:
-                    continue
-                # $JS.ACK.[<domain>.<account>.]<stream>.<consumer>.<delivered>.
-                #   <stream seq>.<consumer seq>.<time>.<pending>[.<token>]
-                tokens = reply.split(b".")
-                at = 5 if len(tokens) == 9 else 7
-                seq, delivered = int(tokens[at]), int(tokens[at + 1])
-                if delivered != self._delivered + 1:
-                    raise Stopped(f"consumer sequence {delivered} after {self._delivered}")
-                self._delivered = delivered
-                self.moved += 1
-                take(
-                    seq,
-                    Msg(
-                        nc,
-                        subject.decode(),
-                        reply.decode(),
-                        buf[split:end],
-                        # (stored without headers: nats-py says None too)
-                        _headers(buf[start:split]) if headed else None,
-                    ),
-                )
-                if seq >= until or tokens[at + 3] == b"0":
-                    # (nothing more to come for now: the usual follower waits for it)
-                    self._end(None)
-                elif self._asked - delivered <= (IN_FLIGHT - 1) * self._batch:
-                    self._ask()
+                if not headed:
+                    message(fields[0], fields[2] if len(fields) == 4 else b"", None, buf[start:end])
+                elif buf.startswith(b"NATS/1.0 ", start):
+                    line = buf[start + len(b"NATS/1.0 ") : buf.find(b"\r\n", start)]
+                    self._status(fields[0], line.strip())
+                else:
+                    split = start + int(fields[-2])
+                    reply = fields[2] if len(fields) == 5 else b""
+                    message(fields[0], reply, buf[start:split], buf[split:end])
             elif buf.startswith(b"PING", pos):
                 self._write(b"PONG\r\n")
                 pos = eol + 2
@@ -315,15 +375,8 @@ class _Reader(asyncio.Protocol):
         }
         self._greeted = True
         self._write(b"CONNECT " + json.dumps(connect).encode() + b"\r\n")
-        self._write(b"SUB " + self._inbox + b" " + _SID + b"\r\n")
-        for _ in range(IN_FLIGHT):
-            self._ask()
-
-    def _ask(self) -> None:
-        """One more pull request for the next `batch` messages."""
-        body = b'{"batch":%d,"expires":%d}' % (self._batch, int(EXPIRES_S * 1e9))
-        self._write(b"PUB %s %s %d\r\n%s\r\n" % (self._pull, self._inbox, len(body), body))
-        self._asked += self._batch
+        self._write(b"SUB " + self._inbox + b".> " + _SID + b"\r\n")
+        self._ready()
 
     def _write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -336,6 +389,137 @@ class _Reader(asyncio.Protocol):
             self._done.set_result(None)
         else:
             self._done.set_exception(err)
+
+
+class _Reader(_Wire):
+    """A stretch of a stream through a pull consumer: each message handed to
+    `take` in stream order as soon as it is whole."""
+
+    def __init__(
+        self,
+        pull_subject: bytes,
+        inbox: bytes,
+        login: dict[str, str],
+        name: str,
+        take: Take,
+        until: int,
+        batch: int,
+        nc: NATS,
+    ) -> None:
+        super().__init__(inbox, login, name)
+        self._pull = pull_subject
+        self._take = take
+        self._until = until
+        self._batch = batch
+        self._nc = nc  # (each Msg names the client it came from)
+        self._delivered = 0  # the consumer's sequence of the last message handed over
+        self._asked = 0  # messages asked for so far
+
+    def _ready(self) -> None:
+        for _ in range(IN_FLIGHT):
+            self._ask()
+
+    def _message(self, subject: bytes, reply: bytes, head: bytes | None, payload: bytes) -> None:
+        # $JS.ACK.[<domain>.<account>.]<stream>.<consumer>.<delivered>.
+        #   <stream seq>.<consumer seq>.<time>.<pending>[.<token>]
+        tokens = reply.split(b".")
+        if len(tokens) < 9:
+            raise Stopped(f"a message that is not a consumer's: reply {reply!r}")
+        at = 5 if len(tokens) == 9 else 7
+        seq, delivered = int(tokens[at]), int(tokens[at + 1])
+        if delivered != self._delivered + 1:
+            raise Stopped(f"consumer sequence {delivered} after {self._delivered}")
+        self._delivered = delivered
+        self.moved += 1
+        self._take(
+            seq,
+            Msg(
+                self._nc,
+                subject.decode(),
+                reply.decode(),
+                payload,
+                # (stored without headers: nats-py says None too)
+                None if head is None else _headers(head),
+            ),
+        )
+        if seq >= self._until or tokens[at + 3] == b"0":
+            # (nothing more to come for now: the usual follower waits for it)
+            self._end(None)
+        elif self._asked - delivered <= (IN_FLIGHT - 1) * self._batch:
+            self._ask()
+
+    def _ask(self) -> None:
+        """One more pull request for the next `batch` messages."""
+        body = b'{"batch":%d,"expires":%d}' % (self._batch, int(EXPIRES_S * 1e9))
+        self._write(b"PUB %s %s.p %d\r\n%s\r\n" % (self._pull, self._inbox, len(body), body))
+        self._asked += self._batch
+
+
+class _Getter(_Wire):
+    """Direct gets of subjects' last messages, each answer handed to `take`
+    with the index of the subject asked for, as it comes."""
+
+    def __init__(
+        self,
+        get_prefix: bytes,
+        subjects: list[str],
+        inbox: bytes,
+        login: dict[str, str],
+        name: str,
+        take: Callable[[int, bytes], None],
+    ) -> None:
+        super().__init__(inbox, login, name)
+        self._get = get_prefix
+        self._subjects = subjects
+        self._take = take
+        self.handed: set[int] = set()
+        self.outstanding = 0  # asked and not answered
+        self.ready = asyncio.Event()  # connected: asking may begin
+        self.answered = asyncio.Event()  # set at each answer
+        self._closing = False  # everything asked: done once all are answered
+
+    def ask(self, index: int) -> None:
+        subject = self._subjects[index].encode()
+        self._write(b"PUB %s%s %s.%d 0\r\n\r\n" % (self._get, subject, self._inbox, index))
+        self.outstanding += 1
+
+    def finish(self) -> None:
+        """Nothing more will be asked: done once every answer came."""
+        self._closing = True
+        if self.outstanding == 0:
+            self._end(None)
+
+    def _ready(self) -> None:
+        self.ready.set()
+
+    def _waiting(self) -> bool:
+        return self.outstanding > 0
+
+    def _message(self, subject: bytes, reply: bytes, head: bytes | None, payload: bytes) -> None:
+        index = self._answer(subject)
+        if index not in self.handed:
+            self._take(index, payload)
+            self.handed.add(index)
+        self._answered()
+
+    def _status(self, subject: bytes, status: bytes) -> None:
+        if not status.startswith(b"404"):
+            super()._status(subject, status)
+        self._answer(subject)  # none stored: the caller asks the usual way
+        self._answered()
+
+    def _answer(self, subject: bytes) -> int:
+        index = int(subject.rsplit(b".", 1)[1])
+        if not 0 <= index < len(self._subjects):
+            raise Stopped(f"an answer to no question: {subject!r}")
+        self.outstanding -= 1
+        self.moved += 1
+        return index
+
+    def _answered(self) -> None:
+        self.answered.set()
+        if self._closing and self.outstanding == 0:
+            self._end(None)
 
 
 # What `bytes.strip()` strips, which is what nats-py strips a header's name and

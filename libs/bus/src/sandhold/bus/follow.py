@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Generic, TypeVar
 
 import msgspec
@@ -44,7 +44,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from sandhold.bus.append import last_sequence
-from sandhold.bus.bulk import bulk_read, reader_config
+from sandhold.bus.bulk import bulk_read, first_of, reader_config
 from sandhold.bus.codec import has_fence
 from sandhold.bus.electing import patiently
 
@@ -155,7 +155,7 @@ class Follower(Generic[T]):
             self._paced = asyncio.create_task(self._follow_paced(self._pace_s))
             if timeout is not None and not self.caught_up.is_set():
                 async with asyncio.timeout(timeout):
-                    await _first_of(self.caught_up.wait(), self._paced)
+                    await first_of(self.caught_up.wait(), self._paced)
             return
         # The consumer is made by the stream's leader: through an election it is
         # asked for again, each time with a config of its own (nats-py writes
@@ -298,17 +298,6 @@ class Follower(Generic[T]):
                 self._moved.clear()
                 self._hurry.set()
                 await self._moved.wait()
-
-
-async def _first_of(waiting: Awaitable[object], task: asyncio.Task[None]) -> None:
-    """Until `waiting` is done, or `task` ended (its error raised)."""
-    waiter = asyncio.ensure_future(waiting)
-    try:
-        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-    if task.done() and not waiter.done():
-        task.result()  # raises what ended it
 
 
 async def read_range(

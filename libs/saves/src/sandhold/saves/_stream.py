@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -19,6 +20,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DeliverPolicy, Header, RawStreamMsg
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from sandhold.bus.append import wrong_last_sequence
+from sandhold.bus.bulk import bulk_get
 from sandhold.saves.errors import SaveStoreError
 
 _ATTEMPTS = 3
@@ -77,6 +79,23 @@ class SavesStream:
         if found is None and self._leader_reads:
             found = await self._get(subject, direct=False)
         return found
+
+    async def get_many(
+        self,
+        subjects: list[str],
+        *,
+        take: Callable[[int, bytes], None],
+        before: Callable[[int], Awaitable[None]] | None = None,
+        in_flight: int = 32,
+    ) -> list[int]:
+        """Many subjects' messages by direct get on a connection of their own
+        (`bulk_get`, decision 101), `take(i, data)` for each as it comes;
+        the indexes not handed over (none there, or the read stopped early),
+        for the caller to read with `get`."""
+        return await bulk_get(
+            self._nc, self._js, self._stream, subjects, take=take, before=before,
+            in_flight=in_flight,
+        )  # fmt: skip
 
     async def _get(self, subject: str, *, direct: bool) -> RawStreamMsg | None:
         try:

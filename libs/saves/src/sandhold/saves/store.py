@@ -20,7 +20,14 @@ import asyncio
 import hashlib
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+)
 from pathlib import Path
 
 import msgspec
@@ -130,6 +137,26 @@ class SaveStore:
         if verify:
             check_chunk(digest, data)
         return data
+
+    async def get_chunks(
+        self,
+        digests: list[str],
+        *,
+        take: Callable[[int, bytes], None],
+        before: Callable[[int], Awaitable[None]] | None = None,
+        in_flight: int = 32,
+    ) -> list[int]:
+        """Many chunks' contents, unchecked (the caller checks them, as with
+        `get_chunk(verify=False)`), `take(i, data)` for each as it comes, in any
+        order; `before(i)` awaited before chunk `i` is asked for. Returns the
+        indexes of those not handed over (not found, or the read stopped
+        early): the caller gets them one by one, which says which is missing."""
+        for digest in digests:
+            check_digest(digest)
+        return await self._s.get_many(
+            [self._names.chunk(d) for d in digests], take=take, before=before,
+            in_flight=in_flight,
+        )  # fmt: skip
 
     async def missing(self, digests: Iterable[str]) -> set[str]:
         """The digests among `digests` that are not stored.

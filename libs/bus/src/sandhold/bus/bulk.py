@@ -20,6 +20,7 @@ a refusal), and a connection with TLS, nkeys or JWTs is not copied at all.
 on from the last sequence it was handed with the ordinary follower, nothing
 skipped or handed over twice; `bulk_get` says which it did not hand over.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -25,7 +25,7 @@ from sandhold.bus.store import AggregateStore
 from sandhold.domain import sandbox as sb
 from sandhold.domain.envelope import Envelope
 
-from tests.support.bus import make_streams
+from tests.support.bus import make_streams, not_answering
 from tests.support.waiting import wait_until
 from tests.twins.support import running_sandbox
 
@@ -450,3 +450,42 @@ async def test_a_bulk_get_cut_short_leaves_the_rest_and_raises_what_before_raise
             host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects,
             take=lambda index, payload: None, before=before,
         )  # fmt: skip
+
+
+async def test_a_bulk_get_that_stops_while_waiting_for_room_returns(
+    host_agent: nats.NATS, chunks: list[tuple[str, bytes]]
+):
+    """A restore's room is freed only by answers handed over: once the read
+    stops (here `take` refuses the first answer), it does not wait for room
+    that cannot come, and every chunk is left to the caller."""
+    subjects = [subject for subject, _ in chunks]
+    never = asyncio.Event()
+
+    async def before(index: int) -> None:
+        if index >= 2:
+            await never.wait()  # (room freed only when an answer is written)
+
+    def take(index: int, payload: bytes) -> None:
+        raise ValueError("a wrong length")
+
+    async with asyncio.timeout(30):
+        left = await bulk.bulk_get(
+            host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects, take=take,
+            before=before, in_flight=4,
+        )  # fmt: skip
+    assert left == list(range(len(subjects)))
+
+
+async def test_a_bulk_get_from_a_server_that_says_nothing_gives_up(
+    server: NatsServer, host_agent: nats.NATS, monkeypatch: pytest.MonkeyPatch
+):
+    """Connected (the kernel took the connection) to a server that never says
+    hello: given up after `STALL_S`, everything left to the caller."""
+    monkeypatch.setattr(bulk, "STALL_S", 1.0)
+    subjects = [NAMES.chunk(f"{n:064x}") for n in range(3)]
+    async with not_answering(server), asyncio.timeout(30):
+        left = await bulk.bulk_get(
+            host_agent, host_agent.jetstream(), NAMES.saves_stream, subjects,
+            take=lambda index, payload: None,
+        )  # fmt: skip
+    assert left == [0, 1, 2]

@@ -105,7 +105,7 @@ async def test_restore_into_an_empty_directory_but_not_a_full_one(
         await restore(store, saved.manifest, empty)
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "short"])
 async def test_a_bad_chunk_aborts_and_leaves_nothing(
     store: SaveStore,
     nc: nats.NATS,
@@ -120,8 +120,10 @@ async def test_a_bad_chunk_aborts_and_leaves_nothing(
     victim = hashlib.sha256((workspace / "secret").read_bytes()).hexdigest()
     if damage == "missing":
         await store.delete_chunks([victim])
-    else:
+    elif damage == "corrupt":
         await nc.jetstream().publish(names.chunk(victim), b"only mE")  # same size, wrong bytes
+    else:  # stopped by the length check on the way in, then fetched alone, named
+        await nc.jetstream().publish(names.chunk(victim), b"only")
     dest = tmp_path / "restored"
     expected = MissingChunk if damage == "missing" else CorruptChunk
     with pytest.raises(expected, match=victim):

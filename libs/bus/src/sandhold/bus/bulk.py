@@ -170,9 +170,13 @@ async def bulk_get(
             if getter.stopped:
                 break
             if before is not None:
+                # Raced with the watch: room that only answers would free is
+                # not waited for once no more answers can come.
                 making_room = True
-                await before(index)
+                made = await _unless_ended(before(index), watching)
                 making_room = False
+                if not made:
+                    break
             getter.ask(index)
         getter.finish()
         await watching
@@ -186,9 +190,24 @@ async def bulk_get(
         getter.close()
         if watching is not None:
             watching.cancel()
-            with contextlib.suppress(BaseException):
-                await watching
+            await asyncio.gather(watching, return_exceptions=True)  # (its end, not ours)
     return [i for i in left if i not in getter.handed]
+
+
+async def _unless_ended(work: Awaitable[None], watching: asyncio.Future[None]) -> bool:
+    """`work` done (True; what it raised is raised), or given up because the
+    watch ended first (False)."""
+    task: asyncio.Future[None] = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def first_of(waiting: Awaitable[object], task: asyncio.Future[None]) -> None:
@@ -474,15 +493,22 @@ class _Getter(_Wire):
         self._subjects = subjects
         self._take = take
         self.handed: set[int] = set()
-        self.outstanding = 0  # asked and not answered
+        self._asked: set[int] = set()  # asked and not answered
         self.ready = asyncio.Event()  # connected: asking may begin
         self.answered = asyncio.Event()  # set at each answer
         self._closing = False  # everything asked: done once all are answered
 
+    @property
+    def outstanding(self) -> int:
+        """Asked and not answered."""
+        return len(self._asked)
+
     def ask(self, index: int) -> None:
         subject = self._subjects[index].encode()
         self._write(b"PUB %s%s %s.%d 0\r\n\r\n" % (self._get, subject, self._inbox, index))
-        self.outstanding += 1
+        if not self._asked:
+            self.moved += 1  # (a stall is counted from now: a wait for room is none)
+        self._asked.add(index)
 
     def finish(self) -> None:
         """Nothing more will be asked: done once every answer came."""
@@ -494,13 +520,12 @@ class _Getter(_Wire):
         self.ready.set()
 
     def _waiting(self) -> bool:
-        return self.outstanding > 0
+        return self.outstanding > 0 or not self.ready.is_set()
 
     def _message(self, subject: bytes, reply: bytes, head: bytes | None, payload: bytes) -> None:
         index = self._answer(subject)
-        if index not in self.handed:
-            self._take(index, payload)
-            self.handed.add(index)
+        self._take(index, payload)
+        self.handed.add(index)
         self._answered()
 
     def _status(self, subject: bytes, status: bytes) -> None:
@@ -511,9 +536,9 @@ class _Getter(_Wire):
 
     def _answer(self, subject: bytes) -> int:
         index = int(subject.rsplit(b".", 1)[1])
-        if not 0 <= index < len(self._subjects):
-            raise Stopped(f"an answer to no question: {subject!r}")
-        self.outstanding -= 1
+        if index not in self._asked:
+            raise Stopped(f"an answer to no question asked: {subject!r}")
+        self._asked.discard(index)
         self.moved += 1
         return index
 

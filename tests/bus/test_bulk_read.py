@@ -7,6 +7,7 @@ answer handed over once, what it did not hand over left to the caller."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -69,15 +70,21 @@ async def _write_log(server: NatsServer) -> None:
         await admin.close()
 
 
-@pytest.fixture
-async def scheduler(server: NatsServer) -> AsyncIterator[nats.NATS]:
-    """A connection as the scheduler: its own user, inbox and rights."""
-    own = credentials.load(credentials.path_of(server.credentials_dir, "scheduler"))
-    nc = await connect(server.url, name="test-scheduler", credentials=own)
+@contextlib.asynccontextmanager
+async def connected_as(server: NatsServer, user: str) -> AsyncIterator[nats.NATS]:
+    """A connection as `user`: its own inbox and rights, as the service's."""
+    own = credentials.load(credentials.path_of(server.credentials_dir, user))
+    nc = await connect(server.url, name=f"test-{user}", credentials=own)
     try:
         yield nc
     finally:
         await nc.close()
+
+
+@pytest.fixture
+async def scheduler(server: NatsServer) -> AsyncIterator[nats.NATS]:
+    async with connected_as(server, "scheduler") as nc:
+        yield nc
 
 
 Seen = tuple[int, str, dict[str, str] | None, bytes, Envelope]
@@ -291,20 +298,18 @@ async def test_a_paced_follower_caught_up_by_a_bulk_read_that_took_its_time_has_
         await asyncio.sleep(3600)  # until the deadline cuts it
 
     monkeypatch.setattr(follow, "bulk_read", slow_to_return)
-    own = credentials.load(credentials.path_of(server.credentials_dir, "metrics"))
-    nc = await connect(server.url, name="test-metrics", credentials=own)
     seen: list[int] = []
-    follower: Follower[bytes] = Follower(
-        nc.jetstream(), NAMES.events_stream, f"{NAMES.prefix}.ev.>", bytes,
-        lambda seq, msg, data: seen.append(seq), bulk=True, pace_s=0.2,
-    )  # fmt: skip
-    try:
-        await follower.start(timeout=3)
-        assert follower.caught_up.is_set() and len(seen) > 4 * SANDBOXES
-        assert follower.bulk_taken == len(seen) + follower.unfenced  # (the host's, unfenced)
-    finally:
-        await follower.stop()
-        await nc.close()
+    async with connected_as(server, "metrics") as nc:
+        follower: Follower[bytes] = Follower(
+            nc.jetstream(), NAMES.events_stream, f"{NAMES.prefix}.ev.>", bytes,
+            lambda seq, msg, data: seen.append(seq), bulk=True, pace_s=0.2,
+        )  # fmt: skip
+        try:
+            await follower.start(timeout=3)
+            assert follower.caught_up.is_set() and len(seen) > 4 * SANDBOXES
+            assert follower.bulk_taken == len(seen) + follower.unfenced  # (the host's, unfenced)
+        finally:
+            await follower.stop()
 
 
 def test_the_reader_parses_the_protocol_however_it_is_cut():
@@ -367,13 +372,9 @@ class _Transport:
 
 @pytest.fixture
 async def host_agent(server: NatsServer) -> AsyncIterator[nats.NATS]:
-    """A connection as host h1's agent: direct gets only, no consumer."""
-    own = credentials.load(credentials.path_of(server.credentials_dir, "host-h1"))
-    nc = await connect(server.url, name="test-host", credentials=own)
-    try:
+    """As host h1's agent: direct gets only, no consumer."""
+    async with connected_as(server, "host-h1") as nc:
         yield nc
-    finally:
-        await nc.close()
 
 
 @pytest.fixture(scope="module")

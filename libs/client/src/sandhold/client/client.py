@@ -58,6 +58,9 @@ _task_reply_decoder = msgspec.json.Decoder(TaskReply)
 
 OutputCallback = Callable[[str, bytes], None]
 S = TypeVar("S")  # an aggregate's folded state
+# How long an exec waits to hear its command's end live before it looks in
+# the log (live delivery is best effort; the log is the truth), and again.
+LOG_CHECK_S = 2.0
 R = TypeVar("R")  # what a wait returns once its check finds it
 
 
@@ -594,7 +597,9 @@ class Client:
         loop = asyncio.get_running_loop()
         deadline = None if wait_timeout is None else loop.time() + wait_timeout
         while True:
-            step = 2.0 if deadline is None else max(0.0, min(2.0, deadline - loop.time()))
+            step = LOG_CHECK_S
+            if deadline is not None:
+                step = max(0.0, min(step, deadline - loop.time()))
             try:
                 return await asyncio.wait_for(asyncio.shield(ended), step)
             except TimeoutError:

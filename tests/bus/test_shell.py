@@ -43,6 +43,24 @@ async def test_a_loop_that_raises_stops_the_service_and_says_which(
     assert shell.nc.is_closed
 
 
+async def test_a_loop_cancelled_by_no_stop_stops_the_service_and_says_which(
+    nc: nats.NATS, nats_url: str, names: Names
+):
+    """A cancellation meant for an await inside a loop that escaped it ends the
+    loop as cancelled: its work (a host's lease renewal) must not stop unheard."""
+    shell = Shell("test", nats_url, names)
+
+    async def leaked() -> None:
+        await asyncio.sleep(0.05)
+        raise asyncio.CancelledError  # (as one escaping a timed-out inner await)
+
+    with pytest.raises(ServiceCrashed, match="its leaked loop crashed: RuntimeError"):
+        async with shell:
+            shell.spawn(leaked(), "leaked")
+            await asyncio.wait_for(shell.serve(), 10)
+    assert shell.nc.is_closed
+
+
 async def test_a_stop_while_serving_ends_every_loop_and_closes(
     nc: nats.NATS, nats_url: str, names: Names
 ):

@@ -20,6 +20,7 @@ from sandhold.domain.errors import Rejected
 from sandhold.domain.requests import command_id_for
 
 from tests.e2e.harness import Host, Up
+from tests.support.procs import stopped
 from tests.support.waiting import wait_until
 
 LEASE_TTL, FENCE_MARGIN = 2.0, 1.0
@@ -437,11 +438,15 @@ async def test_a_host_back_from_its_fence_before_recovery_judged_it_declares_the
     try:
         os.kill(h1.pid, signal.SIGSTOP)
         try:
+            # Stopped first (a kill returns before every thread stops): "down" is
+            # then a lapse the agent's own clock sees too when it runs again.
+            await wait_until(lambda: stopped(h1.pid), timeout=30, what="h1 stopped")
             await wait_until(
                 lambda: _status_of(client, "h1", {"down"}), timeout=30, what="h1's lease lapsed"
             )
         finally:
             os.kill(h1.pid, signal.SIGCONT)  # it notices the gap: fences itself, comes back
+        assert h1.process is not None and h1.process.poll() is None, "h1 is gone"
         await wait_until(
             lambda: _epoch_of(client, "h1", at_least=2), timeout=30, what="h1 back, new epoch"
         )

@@ -5,6 +5,7 @@ recovery count it, never from when a slow acknowledgement arrived."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from sandhold.bus.server import NatsServer
 from sandhold.hostagent.service import HostAgent
 
 from tests.support.bus import make_streams
+from tests.support.waiting import wait_until
 
 _PAUSE_S = 1.5
 _TTL_S = 1.0
@@ -58,3 +60,43 @@ async def test_a_renewal_acknowledged_after_its_ttl_leaves_the_agent_expired(tmp
     assert agent._lease_expired()
     # and it looks again at that deadline, not a whole interval later
     assert agent._until_next_check() <= 0.02
+
+
+async def test_a_stray_cancellation_in_a_renewal_does_not_end_the_renewing(tmp_path: Path):
+    """A cancellation that escapes a renewal (one meant for an await inside it)
+    is not the agent stopping: the loop renews on; a real cancel still ends it."""
+    names = Names()
+    server = NatsServer(tmp_path / "nats", names=names)
+    server.start()
+    try:
+        await make_streams(server, names)
+        nc = await nats.connect(server.admin_url)
+        try:
+            agent = HostAgent(
+                server.url, names, host_id="h1", root=tmp_path / "root", lease_ttl=10.0,
+                lease_interval=0.05,
+            )  # fmt: skip
+            agent._kv = await leases.lease_bucket(nc.jetstream(), names)
+            agent.epoch = 1
+            real, puts = agent._put_lease, []
+
+            async def first_one_cancelled() -> None:
+                puts.append(time.monotonic())
+                if len(puts) == 1:
+                    raise asyncio.CancelledError
+                await real()
+
+            agent._put_lease = first_one_cancelled  # type: ignore[method-assign]
+            renewing = asyncio.create_task(agent._renew_lease())
+            try:
+                await wait_until(lambda: len(puts) >= 3, timeout=10, what="renewals after it")
+                assert not renewing.done() and agent._last_renewed is not None
+            finally:
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait_for(renewing, 10)
+            assert renewing.cancelled()
+        finally:
+            await nc.close()
+    finally:
+        server.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -247,9 +248,16 @@ class Shell:
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         name = self._tasks.pop(task, "?")
-        if task.cancelled() or self._stopping.is_set():
+        if self._stopping.is_set():
             return
-        error = task.exception()
+        if task.cancelled():
+            # Not by `stop`: a cancellation meant for an await inside it escaped.
+            # The loop's work (a host's lease renewal) would stop without a word.
+            error: BaseException | None = RuntimeError(
+                "cancelled while the service was not stopping"
+            )
+        else:
+            error = task.exception()
         if error is None:
             return  # a loop that had nothing more to do
         log.critical("%s: its %s loop crashed; stopping", self.name, name, exc_info=error)
@@ -368,6 +376,9 @@ def run_service(
         os.environ["SANDHOLD_INSTANCE"] = args.instance
     # Logs, traces and metrics, named after the service (`sandhold run <service>`).
     setup(parser.prog.rsplit(" ", 1)[-1], metrics_port=args.metrics_port)
+    # A crash below Python (a segfault, an abort in a library) leaves the
+    # stacks of every thread in the service's log, not nothing.
+    faulthandler.enable()
     import uvloop
 
     _freeze_when_serving = True  # (this process is the service from here on)

@@ -321,6 +321,14 @@ class HostAgent:
                     # keep this agent from noticing that it has to fence itself.
                     left = self._lease_ttl - (time.monotonic() - (self._last_renewed or 0.0))
                     await asyncio.wait_for(self._put_lease(), max(0.05, left))
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # the agent is stopping
+                # A cancellation meant for an await inside (a timed-out put's)
+                # that escaped: the lease is still this loop's to renew.
+                log.error("lease renewal: a stray cancellation; renewing on")
+                metrics.lease_renewal_failed(self.host_id)
             except Exception as err:  # a missed renewal is the recovery service's business
                 log.warning("lease renewal failed: %s", err)
                 metrics.lease_renewal_failed(self.host_id)

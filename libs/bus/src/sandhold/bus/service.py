@@ -111,6 +111,7 @@ class Shell:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._stopping.set()  # (its loops are ended now: no crash of theirs)
         await self._end_tasks()
         for close in reversed(self._closers):
             with contextlib.suppress(Exception):
